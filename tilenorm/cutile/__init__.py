@@ -1,0 +1,1 @@
+"""cuTile kernels: one module per op, plus the shared fixed-order reduction."""

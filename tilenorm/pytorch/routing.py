@@ -1,0 +1,114 @@
+"""What runs for a given input: a kernel family with its launch plans, or the reference path,
+and why. :func:`tilenorm.explain` shows the same decision the ops act on."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from tilenorm import validation
+from tilenorm._experimental import experimental_enabled
+from tilenorm.device import DeviceInfo, device_info
+from tilenorm.planner import RowNormPlan, UnsupportedShape, plan_row_norm
+from tilenorm.validation import KernelFamily
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Route:
+    """The decision for one (op, device, dtypes, shape): readable through ``str()``."""
+
+    op: str
+    reason: str
+    family: KernelFamily | None = None
+    kernels: tuple[str, ...] = ()
+    forward: RowNormPlan | None = None
+    backward: RowNormPlan | None = None
+    device: DeviceInfo | None = None
+
+    @property
+    def uses_kernel(self) -> bool:
+        return self.family is not None
+
+    @property
+    def status(self) -> str:
+        if self.family is None:
+            return "torch reference"
+        record = validation.validation_record(self.family)
+        if record is None:
+            return "experimental (not validated on a GPU at this source)"
+        return (f"stable (validated on {record['device']}, {record['date']}, "
+                f"commit {record['commit']})")
+
+    def __str__(self) -> str:
+        if not self.uses_kernel:
+            return f"{self.op}: torch reference path, because {self.reason}"
+        lines = [
+            f"{self.op}: {self.family.language} kernels ({self.family.name}) on "
+            f"{self.device.name} ({self.device.sm}, {self.device.sm_count} SMs)",
+            f"  status:   {self.status}",
+            f"  kernels:  {', '.join(self.kernels)}",
+            f"  forward:  {self.forward.describe()}",
+            f"  backward: {self.backward.describe()}",
+            f"  why:      {self.reason}",
+        ]
+        return "\n".join(lines)
+
+
+def _reference(op: str, reason: str) -> Route:
+    return Route(op=op, reason=reason)
+
+
+@functools.lru_cache(maxsize=1024)
+def _route(op: str, family: KernelFamily, kernel_names: tuple[tuple[str, ...], ...],
+           device: torch.device, x_dtype: torch.dtype, rows: int, cols: int,
+           allow_experimental: bool) -> Route:
+    if device.type != "cuda":
+        return _reference(op, f"x is on {device}; the kernels run on CUDA devices")
+    if x_dtype not in KERNEL_DTYPES:
+        return _reference(op, f"x is {x_dtype}; the kernels take bfloat16, float16 and float32")
+    if rows * cols == 0:
+        return _reference(op, "x is empty: there is nothing to launch")
+    stable = validation.is_stable(family)
+    if not stable and not allow_experimental:
+        return _reference(
+            op, f"the {family.language} kernels ({family.name}) are experimental (not yet "
+                f"validated on a GPU at this source) and experimental kernels are off; "
+                f"enable them with TILENORM_EXPERIMENTAL=1, tilenorm.set_experimental(True) "
+                f"or `with tilenorm.experimental():`")
+    info = device_info(device.index)
+    try:
+        fwd, bwd = (_plan(rows, cols, x_dtype, info, d) for d in ("forward", "backward"))
+    except UnsupportedShape as e:
+        return _reference(op, str(e))
+    names = kernel_names[0 if fwd.single_pass else 1]
+    reason = ("validated kernels cover this case" if stable
+              else "experimental kernels are enabled")
+    return Route(op=op, reason=reason, family=family, kernels=names, forward=fwd, backward=bwd,
+                 device=info)
+
+
+def _plan(rows: int, cols: int, dtype: torch.dtype, info: DeviceInfo, direction: str
+          ) -> RowNormPlan:
+    return plan_row_norm(rows, cols, itemsize=dtype.itemsize, sm_count=info.sm_count,
+                         arch=info.arch, direction=direction)
+
+
+def kernel_plan(x: torch.Tensor, direction: str) -> RowNormPlan:
+    """The launch plan for CUDA tensor ``x`` (..., N), whatever the route: the launchers use
+    it, so a flag flipped between forward and backward cannot strand a backward."""
+    cols = x.shape[-1]
+    return _plan(x.numel() // cols, cols, x.dtype, device_info(x.device.index), direction)
+
+
+def route(op: str, family: KernelFamily, kernel_names: tuple[tuple[str, ...], ...],
+          x: torch.Tensor) -> Route:
+    """The route for ``x`` (..., N). ``kernel_names`` lists the kernels used for single-pass
+    rows and for chunked rows."""
+    cols = x.shape[-1]
+    rows = x.numel() // cols if cols else 0
+    return _route(op, family, kernel_names, x.device, x.dtype, rows, cols,
+                  experimental_enabled())

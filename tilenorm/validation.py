@@ -1,0 +1,149 @@
+"""Which kernels are stable: validated on a GPU, recorded in ``validation.json``.
+
+A kernel family is stable while ``validation.json`` holds a record for it whose source digest
+equals the SHA-256 of the family's source files as installed; any edit to those files makes
+the family experimental again until the GPU tests pass on the new code and a new record is
+committed. CONTRIBUTING.md describes the procedure.
+
+    python -m tilenorm.validation summarize --junit J.xml --commit C --out S.json   (GPU host)
+    python -m tilenorm.validation record S.json                                     (checkout)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import hashlib
+import json
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+RECORD_FILE = PACKAGE_DIR / "validation.json"
+
+
+@dataclass(frozen=True)
+class KernelFamily:
+    """Kernels validated together: the files whose digest a validation record pins."""
+
+    name: str
+    language: str
+    sources: tuple[str, ...]
+
+    def digest(self) -> str:
+        return _digest(self.sources)
+
+
+CUTILE_RMS_NORM = KernelFamily(
+    "cutile/rms_norm", "cuTile", ("cutile/rms_norm.py", "cutile/reduce.py"))
+FAMILIES = (CUTILE_RMS_NORM,)
+
+
+@functools.cache
+def _digest(sources: tuple[str, ...]) -> str:
+    h = hashlib.sha256()
+    for rel in sources:
+        h.update(rel.encode() + b"\0" + (PACKAGE_DIR / rel).read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+@functools.cache
+def _records() -> dict:
+    if not RECORD_FILE.exists():
+        return {}
+    return json.loads(RECORD_FILE.read_text())["kernels"]
+
+
+def validation_record(family: KernelFamily) -> dict | None:
+    """The GPU validation record that covers the family's current sources, if any."""
+    record = _records().get(family.name)
+    if record is None or record.get("source_sha256") != family.digest():
+        return None
+    return record
+
+
+def is_stable(family: KernelFamily) -> bool:
+    return validation_record(family) is not None
+
+
+def _junit_counts(path: Path) -> dict:
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    total = {key: sum(int(s.get(key, 0)) for s in suites)
+             for key in ("tests", "failures", "errors", "skipped")}
+    total["passed"] = total["tests"] - total["failures"] - total["errors"] - total["skipped"]
+    return total
+
+
+def summarize(junit: Path, commit: str, out: Path) -> dict:
+    """On the GPU host after the GPU tests: what ran, where, and how it went."""
+    import torch
+
+    counts = _junit_counts(junit)
+    summary = {
+        "device": torch.cuda.get_device_name(),
+        "arch": "sm_{}{}".format(*torch.cuda.get_device_capability()),
+        "date": datetime.date.today().isoformat(),
+        "commit": commit,
+        "torch": torch.__version__,
+        "tests": counts,
+        "source_sha256": {f.name: f.digest() for f in FAMILIES},
+    }
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def record(summary_path: Path) -> list[str]:
+    """Mark the families of a fully passing GPU run stable, if their sources still match."""
+    summary = json.loads(summary_path.read_text())
+    tests = summary["tests"]
+    if tests["failures"] or tests["errors"] or tests["passed"] == 0:
+        raise SystemExit(f"not recording: the GPU run did not pass cleanly ({tests})")
+    data = json.loads(RECORD_FILE.read_text()) if RECORD_FILE.exists() else {"kernels": {}}
+    recorded = []
+    for family in FAMILIES:
+        tested = summary["source_sha256"].get(family.name)
+        if tested != family.digest():
+            print(f"skip {family.name}: the sources changed since the GPU run")
+            continue
+        data["kernels"][family.name] = {
+            "source_sha256": tested,
+            "device": summary["device"],
+            "arch": summary["arch"],
+            "date": summary["date"],
+            "commit": summary["commit"],
+            "tests": f"{tests['passed']} passed, {tests['failures'] + tests['errors']} failed, "
+                     f"{tests['skipped']} skipped",
+        }
+        recorded.append(family.name)
+    RECORD_FILE.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return recorded
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tilenorm.validation")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("summarize", help="summarize a GPU test run (on the GPU host)")
+    s.add_argument("--junit", type=Path, required=True)
+    s.add_argument("--commit", required=True)
+    s.add_argument("--out", type=Path, required=True)
+    r = sub.add_parser("record", help="record a passing GPU run in validation.json")
+    r.add_argument("summary", type=Path)
+    sub.add_parser("status", help="print each kernel family's status")
+    args = parser.parse_args(argv)
+    if args.command == "summarize":
+        print(json.dumps(summarize(args.junit, args.commit, args.out), indent=2))
+    elif args.command == "record":
+        print("recorded:", ", ".join(record(args.summary)) or "nothing")
+    else:
+        for family in FAMILIES:
+            rec = validation_record(family)
+            state = (f"stable (validated on {rec['device']}, {rec['date']}, {rec['commit']})"
+                     if rec else "experimental")
+            print(f"{family.name}: {state}")
+
+
+if __name__ == "__main__":
+    main()
