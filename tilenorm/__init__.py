@@ -7,7 +7,7 @@
 """
 
 from tilenorm._experimental import experimental, experimental_enabled, set_experimental
-from tilenorm.pytorch import RMSNorm, explain, rms_norm
+from tilenorm.pytorch import RMSNorm, explain, rms_norm, rms_norm_backward, rms_norm_forward
 
 __version__ = "0.1.0"
 __all__ = [
@@ -16,5 +16,7 @@ __all__ = [
     "experimental_enabled",
     "explain",
     "rms_norm",
+    "rms_norm_backward",
+    "rms_norm_forward",
     "set_experimental",
 ]

@@ -26,7 +26,8 @@ TILE_ELEMENTS = 4096
 OCCUPANCY = {"forward": 2, "backward": 2}
 #: Tile of the fixed-order dgamma reduction over the partial buffer.
 REDUCE_TILE = (64, 64)
-#: Kernels index with 32-bit integers; larger tensors need 64-bit offsets (not yet planned).
+#: Kernels index with 32-bit integers: element offsets up to 2^31 - 1, so at most 2^31
+#: elements (larger tensors need 64-bit offsets, not yet planned).
 MAX_INT32_OFFSET = 2**31 - 1
 
 
@@ -108,7 +109,7 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
         raise UnsupportedShape(f"{itemsize}-byte elements are not supported (2 or 4)")
     if direction not in OCCUPANCY:
         raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
-    if rows * cols > MAX_INT32_OFFSET:
+    if rows * cols - 1 > MAX_INT32_OFFSET:
         raise UnsupportedShape(
             f"{rows}x{cols} has {rows * cols} elements, more than 32-bit offsets reach")
 

@@ -5,8 +5,9 @@ equals the SHA-256 of the family's source files as installed; any edit to those 
 the family experimental again until the GPU tests pass on the new code and a new record is
 committed. CONTRIBUTING.md describes the procedure.
 
-    python -m tilenorm.validation summarize --junit J.xml --commit C --out S.json   (GPU host)
-    python -m tilenorm.validation record S.json                                     (checkout)
+    python -m tilenorm validation summarize --junit J.xml --commit C --out S.json   (GPU host)
+    python -m tilenorm validation record S.json                                     (checkout)
+    python -m tilenorm validation status
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def record(summary_path: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tilenorm.validation")
+    parser = argparse.ArgumentParser(prog="python -m tilenorm validation")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("summarize", help="summarize a GPU test run (on the GPU host)")
     s.add_argument("--junit", type=Path, required=True)
@@ -143,7 +144,3 @@ def main(argv: list[str] | None = None) -> None:
             state = (f"stable (validated on {rec['device']}, {rec['date']}, {rec['commit']})"
                      if rec else "experimental")
             print(f"{family.name}: {state}")
-
-
-if __name__ == "__main__":
-    main()

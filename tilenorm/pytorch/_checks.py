@@ -8,6 +8,8 @@ import numbers
 
 import torch
 
+from tilenorm.planner import MAX_INT32_OFFSET
+
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
@@ -59,3 +61,12 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
         return t.view(-1, n)
     except RuntimeError:
         return t.reshape(-1, n)
+
+
+def as_kernel_rows(t: torch.Tensor) -> torch.Tensor:
+    """:func:`as_rows`, made contiguous where its strides reach past 32-bit offsets."""
+    rows = as_rows(t)
+    m, n = rows.shape
+    if (m - 1) * rows.stride(0) + (n - 1) * rows.stride(1) > MAX_INT32_OFFSET:
+        rows = rows.contiguous()
+    return rows

@@ -13,7 +13,7 @@ import torch
 
 from tilenorm import reference
 from tilenorm.cutile import rms_norm as cutile_rms_norm
-from tilenorm.pytorch._checks import as_rows, check_eps, check_param, check_x
+from tilenorm.pytorch._checks import as_kernel_rows, check_eps, check_param, check_x
 from tilenorm.pytorch.routing import Route, kernel_plan, route
 from tilenorm.validation import CUTILE_RMS_NORM
 
@@ -42,7 +42,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float
     if not _route(x).uses_kernel:
         y, rstd = reference.rms_norm_forward(x, weight, eps)
         return y, rstd, x
-    x2d = as_rows(x)
+    x2d = as_kernel_rows(x)
     plan = kernel_plan(x2d, "forward")
     guard = _on_device(x)
     if guard is None:
@@ -57,8 +57,8 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
               rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not _route(x).uses_kernel:
         return reference.rms_norm_backward(dy, x, weight, rstd)
-    x2d = as_rows(x)
-    args = (kernel_plan(x2d, "backward"), as_rows(dy), x2d, weight, rstd.view(-1))
+    x2d = as_kernel_rows(x)
+    args = (kernel_plan(x2d, "backward"), as_kernel_rows(dy), x2d, weight, rstd.view(-1))
     guard = _on_device(x)
     if guard is None:
         dx, dweight = cutile_rms_norm.backward(*args)
@@ -83,21 +83,21 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 @torch.library.custom_op("tilenorm::rms_norm_fwd", mutates_args=())
-def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, eps: float
+def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, rstd) of RMSNorm over x's last dimension; rstd has shape x.shape[:-1]."""
     y, rstd, _ = _forward(x, weight, eps)
     return y, rstd
 
 
-@rms_norm_fwd.register_fake
+@_rms_norm_fwd_op.register_fake
 def _(x, weight, eps):
     return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
             torch.empty(x.shape[:-1], dtype=reference.compute_dtype(x.dtype), device=x.device))
 
 
 @torch.library.custom_op("tilenorm::rms_norm_bwd", mutates_args=())
-def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
+def _rms_norm_bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
                  rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dweight); dweight is an empty tensor when there is no weight."""
     dx, dweight = _backward(dy, x, weight, rstd)
@@ -106,7 +106,7 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
     return dx, dweight
 
 
-@rms_norm_bwd.register_fake
+@_rms_norm_bwd_op.register_fake
 def _(dy, x, weight, rstd):
     dweight_shape, dweight_dtype = ((0,), x.dtype) if weight is None else (weight.shape,
                                                                            weight.dtype)
@@ -126,7 +126,7 @@ def _custom_op_backward(ctx, dy, _drstd):
     return dx, (dweight if weight is not None else None), None
 
 
-rms_norm_fwd.register_autograd(_custom_op_backward, setup_context=_setup_context)
+_rms_norm_fwd_op.register_autograd(_custom_op_backward, setup_context=_setup_context)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None,
@@ -147,6 +147,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None,
     if not _route(x).uses_kernel:
         return reference.rms_norm(x, weight, eps)
     return _RMSNormFunction.apply(x, weight, eps)
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch-level forward without autograd: (y, rstd), rstd of shape x.shape[:-1] (fp32;
+    fp64 for fp64 input). For frameworks that keep their own autograd graph."""
+    check_x(OP, x)
+    check_param(OP, "weight", weight, x)
+    y, rstd, _ = _forward(x, weight, check_eps(OP, eps))
+    return y, rstd
+
+
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
+                      rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch-level backward: (dx, dweight) from :func:`rms_norm_forward`'s rstd; dweight is
+    None without a weight."""
+    check_x(OP, x)
+    check_param(OP, "weight", weight, x)
+    if dy.shape != x.shape or dy.dtype != x.dtype or dy.device != x.device:
+        raise ValueError(f"{OP}: dy must match x in shape, dtype and device, got "
+                         f"{tuple(dy.shape)} {dy.dtype} {dy.device} for x {tuple(x.shape)} "
+                         f"{x.dtype} {x.device}")
+    if rstd.shape != x.shape[:-1] or rstd.dtype != reference.compute_dtype(x.dtype):
+        raise ValueError(f"{OP}: rstd must be the forward's, of shape {tuple(x.shape[:-1])} "
+                         f"and dtype {reference.compute_dtype(x.dtype)}")
+    return _backward(dy, x, weight, rstd)
 
 
 def explain(x: torch.Tensor, weight: torch.Tensor | None = None) -> Route:

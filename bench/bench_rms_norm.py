@@ -1,0 +1,283 @@
+"""RMSNorm benchmark: tilenorm beside every available peer, in one process.
+
+    python bench/bench_rms_norm.py                      # the full sweep, bf16
+    python bench/bench_rms_norm.py --shapes 32768x4096,131072x1024 --dtype float16
+
+For each provider and shape: kernel time under CUDA-graph replay and eager time with host
+overhead, forward and backward (dx and dweight, reduction included), as GB/s of the bytes the
+op must move; the relative error against a float64 reference; host microseconds per call on a
+tiny shape; and the device-to-device copy bandwidth of the same run. Writes a table to stdout,
+bench/results/<device>-<date>.json and a PNG plot beside it.
+
+Every provider does the same work: the forward writes y and rstd (the training forward), the
+backward reads x, dy, weight and the forward's rstd (or mean-free equivalent) and writes dx
+and dweight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import common  # noqa: E402
+from tilenorm import reference  # noqa: E402
+
+SWEEP_N = [128, 256, 512, 1024, 2048, 4096, 5120, 7168, 8192, 16384, 32768, 65536, 131072]
+LATENCY_SHAPES = [(32768, 128), (4096, 4096)]
+SWEEP_BYTES = 256 << 20
+EPS = 1e-6
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def sweep_shapes() -> list[tuple[int, int]]:
+    """x of at least 256 MB in bf16 for every N of the sweep, then the latency shapes."""
+    return [(max(1, SWEEP_BYTES // (2 * n)), n) for n in SWEEP_N] + LATENCY_SHAPES
+
+
+@dataclass
+class Prepared:
+    """One provider bound to one problem: closures that launch forward and backward."""
+
+    fwd: Callable[[], object]
+    bwd: Callable[[], object]
+    outputs: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # y, dx, dweight
+
+
+class Provider:
+    name = "provider"
+
+    def prepare(self, x, w, dy) -> Prepared:
+        raise NotImplementedError
+
+
+class Tilenorm(Provider):
+    name = "tilenorm"
+
+    def __init__(self):
+        import tilenorm
+
+        self.fwd, self.bwd = tilenorm.rms_norm_forward, tilenorm.rms_norm_backward
+
+    def prepare(self, x, w, dy):
+        _, rstd = self.fwd(x, w, EPS)
+        return Prepared(lambda: self.fwd(x, w, EPS), lambda: self.bwd(dy, x, w, rstd),
+                        lambda: (self.fwd(x, w, EPS)[0], *self.bwd(dy, x, w, rstd)))
+
+
+class TorchCompile(Provider):
+    """torch.compile of the reference forward (y, rstd) and backward (dx, dweight), compiled
+    per shape (recompile limit raised so no shape falls back to eager)."""
+
+    name = "torch.compile"
+
+    def __init__(self):
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = 1024
+        torch._dynamo.config.recompile_limit = 1024
+        self.fwd = torch.compile(lambda x, w: reference.rms_norm_forward(x, w, EPS),
+                                 dynamic=False)
+        self.bwd = torch.compile(reference.rms_norm_backward, dynamic=False)
+
+    def prepare(self, x, w, dy):
+        _, rstd = self.fwd(x, w)
+        return Prepared(lambda: self.fwd(x, w), lambda: self.bwd(dy, x, w, rstd),
+                        lambda: (self.fwd(x, w)[0], *self.bwd(dy, x, w, rstd)))
+
+
+class TorchEager(Provider):
+    """torch.nn.functional.rms_norm and its autograd backward."""
+
+    name = "torch eager"
+
+    def prepare(self, x, w, dy):
+        xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+        n = x.shape[-1]
+        y = torch.nn.functional.rms_norm(xg, (n,), wg, EPS)
+
+        def bwd():
+            return torch.autograd.grad(y, (xg, wg), dy, retain_graph=True)
+
+        return Prepared(lambda: torch.nn.functional.rms_norm(xg, (n,), wg, EPS), bwd,
+                        lambda: (torch.nn.functional.rms_norm(xg, (n,), wg, EPS), *bwd()))
+
+
+PROVIDERS: dict[str, Callable[[], Provider]] = {
+    "tilenorm": Tilenorm,
+    "torch.compile": TorchCompile,
+    "torch eager": TorchEager,
+}
+
+
+def bytes_moved(m: int, n: int, itemsize: int, w_itemsize: int) -> tuple[int, int]:
+    """(forward, backward) bytes that must move: fwd reads x, w and writes y, rstd; bwd reads
+    x, dy, w, rstd and writes dx, dweight."""
+    fwd = 2 * m * n * itemsize + n * w_itemsize + 4 * m
+    bwd = 3 * m * n * itemsize + 2 * n * w_itemsize + 4 * m
+    return fwd, bwd
+
+
+def float64_reference(x, w, dy):
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    y = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + EPS) * w64
+    dx, dw = torch.autograd.grad(y, (x64, w64), dy.double())
+    return y.detach(), dx, dw
+
+
+def measure(provider: Provider, m: int, n: int, dtype: torch.dtype, modes: list[str]
+            ) -> list[dict]:
+    g = torch.Generator(device="cuda").manual_seed(m * 131 + n)
+    x = torch.randn(m, n, generator=g, device="cuda", dtype=dtype)
+    dy = torch.randn(m, n, generator=g, device="cuda", dtype=dtype)
+    w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(dtype)
+    prepared = provider.prepare(x, w, dy)
+    y, dx, dw = prepared.outputs()
+    ref_rows = slice(0, min(m, max(1, (1 << 24) // n)))  # a float64 check of the first rows
+    y64, dx64, _ = float64_reference(x[ref_rows], w, dy[ref_rows])
+    fwd_err = common.rel_error(y[ref_rows], y64)
+    bwd_err = common.rel_error(dx[ref_rows], dx64)
+    dw64 = (dy.double() * x.double() * torch.rsqrt(
+        x.double().square().mean(-1, keepdim=True) + EPS)).sum(0) if m * n <= 1 << 28 else None
+    if dw64 is not None:
+        bwd_err = max(bwd_err, common.rel_error(dw, dw64))
+    del y, dx, dw
+    fwd_bytes, bwd_bytes = bytes_moved(m, n, x.element_size(), w.element_size())
+    rows = []
+    for mode in modes:
+        timer = common.graph_ms if mode == "graph" else common.eager_ms
+        fwd_ms, bwd_ms = timer(prepared.fwd), timer(prepared.bwd)
+        rows.append({"op": "rms_norm", "dtype": str(dtype)[6:], "M": m, "N": n,
+                     "provider": provider.name, "mode": mode,
+                     "fwd_gbps": fwd_bytes / (fwd_ms * 1e-3) / 1e9,
+                     "bwd_gbps": bwd_bytes / (bwd_ms * 1e-3) / 1e9,
+                     "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
+                     "fwd_err": fwd_err, "bwd_err": bwd_err})
+    return rows
+
+
+def overhead(provider: Provider, dtype: torch.dtype) -> dict:
+    x = torch.randn(256, 1024, device="cuda", dtype=dtype)
+    prepared = provider.prepare(x, torch.ones(1024, device="cuda", dtype=dtype),
+                                torch.randn_like(x))
+    return {"op": "rms_norm", "provider": provider.name,
+            "fwd_host_us": common.host_us(prepared.fwd),
+            "bwd_host_us": common.host_us(prepared.bwd)}
+
+
+def plot(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in record["rows"] if r["op"] == "rms_norm" and r["mode"] == "graph"
+            and r["N"] in SWEEP_N and (r["M"], r["N"]) not in LATENCY_SHAPES]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
+    for ax, key, title in ((axes[0], "fwd_gbps", "forward"), (axes[1], "bwd_gbps", "backward")):
+        for name in sorted({r["provider"] for r in rows}):
+            pts = sorted((r["N"], r[key]) for r in rows if r["provider"] == name)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.axhline(record["copy_gbps"], color="k", linestyle="--", label="copy bandwidth")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("N (row width); M x N >= 256 MB")
+        ax.set_title(f"RMSNorm {title}, {record['device']}, CUDA-graph kernel time")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument("--shapes", help="comma-separated MxN list (default: the sweep)")
+    parser.add_argument("--providers", help="comma-separated subset of: " + ", ".join(PROVIDERS))
+    parser.add_argument("--modes", default="graph,eager")
+    parser.add_argument("--out", type=Path, help="JSON path (default bench/results/...)")
+    parser.add_argument("--experimental", action="store_true",
+                        help="let tilenorm run kernels not yet validated on a GPU")
+    args = parser.parse_args(argv)
+    if args.experimental:
+        import tilenorm
+
+        tilenorm.set_experimental(True)
+    dtype = DTYPES[args.dtype]
+    shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+              if args.shapes else sweep_shapes())
+    modes = args.modes.split(",")
+
+    providers, absent = [], {}
+    for name in (args.providers.split(",") if args.providers else PROVIDERS):
+        try:
+            providers.append(PROVIDERS[name]())
+        except Exception as e:  # a missing peer is reported, not fatal
+            absent[name] = f"{type(e).__name__}: {e}"
+    for name, why in absent.items():
+        print(f"absent: {name}: {why}")
+
+    copy = common.copy_gbps()
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy:.0f} GB/s")
+    record = {"device": torch.cuda.get_device_name(), "date": None, "commit": common.git_commit(),
+              "copy_gbps": copy, "torch": torch.__version__, "absent": absent,
+              "rows": [], "overhead": [], "failures": []}
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the progress bar is a convenience
+        def tqdm(it, **_):
+            return it
+    jobs = [(p, s) for s in shapes for p in providers]
+    for provider, (m, n) in tqdm(jobs, desc="rms_norm sweep", file=sys.stderr):
+        try:
+            record["rows"] += measure(provider, m, n, dtype, modes)
+        except Exception as e:
+            record["failures"].append({"provider": provider.name, "M": m, "N": n,
+                                       "error": f"{type(e).__name__}: {e}"})
+            traceback.print_exc(limit=2)
+        torch.cuda.empty_cache()
+    for provider in providers:
+        try:
+            record["overhead"].append(overhead(provider, dtype))
+        except Exception as e:
+            record["failures"].append({"provider": provider.name, "overhead": True,
+                                       "error": f"{type(e).__name__}: {e}"})
+
+    import datetime
+
+    record["date"] = datetime.date.today().isoformat()
+    path = common.write_record(record, args.out)
+    try:
+        plot(record, path.with_suffix(".png"))
+    except Exception as e:
+        print(f"plot skipped: {type(e).__name__}: {e}")
+    print_table(record)
+    print(f"wrote {path}")
+
+
+def print_table(record: dict) -> None:
+    copy = record["copy_gbps"]
+    print(f"\ncopy bandwidth {copy:.0f} GB/s; GB/s (% of copy), fwd / bwd")
+    print(f"{'M x N':>14} {'provider':>14} {'mode':>6} {'fwd GB/s':>15} {'bwd GB/s':>15} "
+          f"{'fwd err':>8} {'bwd err':>8}")
+    for r in record["rows"]:
+        print(f"{r['M']:>7}x{r['N']:<6} {r['provider']:>14} {r['mode']:>6} "
+              f"{r['fwd_gbps']:7.0f} ({100 * r['fwd_gbps'] / copy:3.0f}%) "
+              f"{r['bwd_gbps']:7.0f} ({100 * r['bwd_gbps'] / copy:3.0f}%) "
+              f"{r['fwd_err']:8.1e} {r['bwd_err']:8.1e}")
+    for o in record["overhead"]:
+        print(f"host us/call {o['provider']:>14}: fwd {o['fwd_host_us']:.1f}, "
+              f"bwd {o['bwd_host_us']:.1f}")
+    for f in record["failures"]:
+        print(f"FAILED {f}")
+
+
+if __name__ == "__main__":
+    main()

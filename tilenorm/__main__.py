@@ -1,0 +1,175 @@
+"""``python -m tilenorm``: environment report, self-check of every op, and a short benchmark
+beside torch (with a GPU) or an ahead-of-time build of the kernels for sm_90 and sm_100
+(without one).
+
+    python -m tilenorm                 the main job
+    python -m tilenorm --aot-all       build every kernel variant (all dtypes), not one dtype
+    python -m tilenorm validation ...  GPU validation records (see tilenorm.validation)
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import platform
+import sys
+import time
+
+import torch
+
+import tilenorm
+from tilenorm import reference, validation
+
+EPS = 1e-6
+
+
+def report() -> None:
+    import cuda.tile as ct
+    from cuda.tile._compile import _get_compiler_version_string
+
+    print("tilenorm", tilenorm.__version__)
+    print(f"  python {platform.python_version()}, torch {torch.__version__}, "
+          f"cuda-tile {ct.__version__}")
+    compiler = _get_compiler_version_string() or ""
+    release = [line for line in compiler.splitlines() if "release" in line]
+    print(f"  cuTile compiler (tileiras): {release[0] if release else 'not found'}")
+    if torch.cuda.is_available():
+        from tilenorm.device import device_info
+
+        info = device_info(torch.cuda.current_device())
+        print(f"  GPU: {info.name}, {info.sm}, {info.sm_count} SMs, "
+              f"{info.l2_bytes >> 20} MiB L2")
+    else:
+        print("  GPU: none (no CUDA device visible): reference path only; kernels are built "
+              "ahead of time below")
+    print(f"  experimental kernels: {'enabled' if tilenorm.experimental_enabled() else 'off'}")
+    for family in validation.FAMILIES:
+        record = validation.validation_record(family)
+        state = (f"stable (validated on {record['device']}, {record['date']}, "
+                 f"commit {record['commit']}: {record['tests']})" if record else "experimental")
+        print(f"  {family.name} [{family.language}]: {state}")
+
+
+def _rel(out, ref) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def self_check(device: str) -> bool:
+    """Every op's forward and backward against float64 autograd on fresh random inputs; on a
+    GPU the kernels themselves (experimental or not)."""
+    ok = True
+    cases = [((4, 1000), torch.float32, 1e-5), ((3, 7, 4096), torch.bfloat16, 1e-2),
+             ((2, 20000), torch.float16, 1e-2)]
+    with tilenorm.experimental(device == "cuda"):
+        for shape, dtype, tol in cases:
+            x = torch.randn(shape, device=device).to(dtype).requires_grad_()
+            w = (1 + 0.5 * torch.randn(shape[-1], device=device)).requires_grad_()
+            dy = torch.randn(shape, device=device, dtype=dtype)
+            route = tilenorm.explain(x, w)
+            y = tilenorm.rms_norm(x, w, EPS)
+            y.backward(dy)
+            x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+            y64 = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + EPS) * w64
+            y64.backward(dy.double())
+            errs = (_rel(y, y64), _rel(x.grad, x64.grad), _rel(w.grad, w64.grad))
+            passed = max(errs[:2]) <= tol and errs[2] <= max(tol, 1e-3)
+            ok &= passed
+            path = f"{route.family.language} {', '.join(route.kernels[:2])}" \
+                if route.uses_kernel else "reference"
+            print(f"  rms_norm {str(dtype)[6:]:>8} {str(shape):>14} via {path}: rel err "
+                  f"y {errs[0]:.1e} dx {errs[1]:.1e} dw {errs[2]:.1e} "
+                  f"{'ok' if passed else 'FAILED'}")
+    return ok
+
+
+def short_benchmark() -> None:
+    from tilenorm.benchmark import copy_gbps, graph_ms
+
+    copy = copy_gbps()
+    m, n = 32768, 4096
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    fwd_bytes, bwd_bytes = 2 * m * n * 2 + 2 * n + 4 * m, 3 * m * n * 2 + 4 * n + 4 * m
+    compiled_fwd = torch.compile(lambda x, w: reference.rms_norm_forward(x, w, EPS))
+    compiled_bwd = torch.compile(reference.rms_norm_backward)
+    with tilenorm.experimental():
+        _, rstd = tilenorm.rms_norm_forward(x, w, EPS)
+        providers = {
+            "tilenorm": (lambda: tilenorm.rms_norm_forward(x, w, EPS),
+                         lambda: tilenorm.rms_norm_backward(dy, x, w, rstd)),
+            "torch.compile": (lambda: compiled_fwd(x, w),
+                              lambda: compiled_bwd(dy, x, w, rstd)),
+        }
+        print(f"  bf16 {m}x{n}, CUDA-graph kernel time; device copy {copy:.0f} GB/s")
+        for name, (fwd, bwd) in providers.items():
+            f, b = graph_ms(fwd), graph_ms(bwd)
+            print(f"  {name:>14}: forward {fwd_bytes / f / 1e6:6.0f} GB/s "
+                  f"({100 * fwd_bytes / f / 1e6 / copy:3.0f}% of copy), backward "
+                  f"{bwd_bytes / b / 1e6:6.0f} GB/s ({100 * bwd_bytes / b / 1e6 / copy:3.0f}%)")
+
+
+def _export_one(index: int, gpu_code: str, all_dtypes: bool) -> tuple[str, str, int, float]:
+    from tilenorm.cutile.export import export
+
+    job = _jobs(all_dtypes)[index]
+    start = time.perf_counter()
+    return job.label, gpu_code, len(export(job, gpu_code)), time.perf_counter() - start
+
+
+def _jobs(all_dtypes: bool):
+    from tilenorm.cutile.export import rms_norm_jobs
+
+    jobs = list(rms_norm_jobs())
+    if all_dtypes:
+        return jobs
+    return [j for j in jobs if "bfloat16/bfloat16" in j.label or "column_sum" in j.label]
+
+
+def build_ahead_of_time(all_dtypes: bool) -> bool:
+    from tilenorm.cutile.export import GPU_CODES
+
+    work = [(i, code) for code in GPU_CODES for i in range(len(_jobs(all_dtypes)))]
+    print(f"  {len(work)} kernel builds ({'all dtypes' if all_dtypes else 'bf16 variants'} "
+          f"of every planner configuration) for {', '.join(GPU_CODES)}")
+    ok, start = True, time.perf_counter()
+    with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
+        futures = {pool.submit(_export_one, i, code, all_dtypes): (i, code) for i, code in work}
+        for future in concurrent.futures.as_completed(futures):
+            try:
+                future.result()
+            except Exception as e:
+                ok = False
+                print(f"  FAILED {futures[future]}: {type(e).__name__}: {e}")
+    print(f"  {'all built' if ok else 'some builds FAILED'} in "
+          f"{time.perf_counter() - start:.0f} s")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["validation"]:
+        validation.main(argv[1:])
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m tilenorm", description=__doc__)
+    parser.add_argument("--aot-all", action="store_true",
+                        help="without a GPU, build every dtype variant, not only bf16")
+    args = parser.parse_args(argv)
+
+    report()
+    gpu = torch.cuda.is_available()
+    print("self-check (float64 reference):")
+    ok = self_check("cuda" if gpu else "cpu")
+    if gpu:
+        print("short benchmark:")
+        short_benchmark()
+    else:
+        print("ahead-of-time build (no GPU needed):")
+        ok &= build_ahead_of_time(args.aot_all)
+    print("tilenorm: all checks passed" if ok else "tilenorm: CHECKS FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
