@@ -1,0 +1,90 @@
+"""The experimental flag and what explain() reports, with and without it."""
+
+import pytest
+import torch
+
+import tilenorm
+from tilenorm import _experimental, validation
+from tilenorm.device import DeviceInfo
+from tilenorm.pytorch import routing
+from tilenorm.pytorch.rms_norm import KERNEL_NAMES
+
+FAKE_H100 = DeviceInfo(index=0, name="NVIDIA H100 80GB HBM3", sm_count=132, arch=(9, 0),
+                       l2_bytes=50 << 20)
+
+
+@pytest.mark.parametrize("raw,value", [("1", True), ("true", True), ("ON", True),
+                                       ("0", False), ("", False), ("off", False)])
+def test_env_var_parsing(monkeypatch, raw, value):
+    monkeypatch.setenv("TILENORM_EXPERIMENTAL", raw)
+    assert _experimental._from_env() is value
+
+
+def test_env_var_rejects_unknown_values(monkeypatch):
+    monkeypatch.setenv("TILENORM_EXPERIMENTAL", "maybe")
+    with pytest.raises(ValueError, match="TILENORM_EXPERIMENTAL"):
+        _experimental._from_env()
+
+
+def test_setter_and_context_manager_restore():
+    before = tilenorm.experimental_enabled()
+    with tilenorm.experimental():
+        assert tilenorm.experimental_enabled()
+        with tilenorm.experimental(False):
+            assert not tilenorm.experimental_enabled()
+        assert tilenorm.experimental_enabled()
+    assert tilenorm.experimental_enabled() == before
+    with pytest.raises(RuntimeError), tilenorm.experimental():
+        raise RuntimeError
+    assert tilenorm.experimental_enabled() == before
+    tilenorm.set_experimental(True)
+    assert tilenorm.experimental_enabled()
+    tilenorm.set_experimental(before)
+    with pytest.raises(TypeError):
+        tilenorm.set_experimental(1)
+
+
+def test_explain_on_cpu_names_the_reference_and_why():
+    text = str(tilenorm.explain(torch.randn(4, 64)))
+    assert "torch reference" in text and "cpu" in text
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Route as if x lived on an H100: routing needs only the device's properties."""
+    monkeypatch.setattr(routing, "device_info", lambda index: FAKE_H100)
+    routing._route.cache_clear()
+    yield
+    routing._route.cache_clear()
+
+
+def route_on_fake_gpu(rows, cols, dtype=torch.bfloat16, allow=False):
+    return routing._route("rms_norm", validation.CUTILE_RMS_NORM, KERNEL_NAMES,
+                          torch.device("cuda", 0), dtype, rows, cols, allow)
+
+
+@pytest.mark.parametrize("stable", [True, False])
+def test_experimental_kernels_run_only_when_allowed(fake_gpu, monkeypatch, stable):
+    monkeypatch.setattr(validation, "is_stable", lambda family: stable)
+    off = route_on_fake_gpu(32768, 4096, allow=False)
+    on = route_on_fake_gpu(32768, 4096, allow=True)
+    assert on.uses_kernel
+    assert off.uses_kernel == stable
+    if not stable:
+        assert "experimental" in str(off) and "TILENORM_EXPERIMENTAL=1" in str(off)
+
+
+def test_explain_describes_kernel_tile_grid_and_partial_buffer(fake_gpu):
+    text = str(route_on_fake_gpu(32768, 4096, allow=True))
+    for words in ("cuTile", "rms_norm_fwd_single", "rms_norm_bwd_single", "column_sum",
+                  "tile 1x4096", "persistent grid 264", "partial buffer 264x4096 fp32",
+                  "NVIDIA H100", "status:"):
+        assert words in text, words
+    wide = str(route_on_fake_gpu(1024, 65536, allow=True))
+    assert "rms_norm_fwd_chunked" in wide and "16 column chunks" in wide
+
+
+def test_reference_for_unsupported_dtype_and_size(fake_gpu):
+    assert "float64" in route_on_fake_gpu(8, 64, torch.float64, allow=True).reason
+    big = route_on_fake_gpu(2**16, 2**15 + 1, allow=True)
+    assert not big.uses_kernel and "32-bit" in big.reason

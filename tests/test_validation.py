@@ -1,0 +1,70 @@
+"""The validation record: a family is stable only for the exact sources a GPU run tested."""
+
+import json
+
+import pytest
+
+from tilenorm import validation
+
+
+@pytest.fixture
+def sandbox(tmp_path, monkeypatch):
+    src = tmp_path / "pkg"
+    (src / "cutile").mkdir(parents=True)
+    (src / "cutile" / "k.py").write_text("kernel v1\n")
+    family = validation.KernelFamily("cutile/k", "cuTile", ("cutile/k.py",))
+    monkeypatch.setattr(validation, "PACKAGE_DIR", src)
+    monkeypatch.setattr(validation, "RECORD_FILE", src / "validation.json")
+    monkeypatch.setattr(validation, "FAMILIES", (family,))
+    validation._digest.cache_clear()
+    validation._records.cache_clear()
+    yield src, family
+    validation._digest.cache_clear()
+    validation._records.cache_clear()
+
+
+def write_junit(path, tests, failures=0):
+    path.write_text(f'<testsuites><testsuite tests="{tests}" failures="{failures}" '
+                    f'errors="0" skipped="0"/></testsuites>')
+
+
+def summary(tmp_path, family, failures=0):
+    junit = tmp_path / "junit.xml"
+    write_junit(junit, 10, failures)
+    data = {"device": "NVIDIA H200", "arch": "sm_90", "date": "2026-11-21", "commit": "abc",
+            "torch": "x", "tests": validation._junit_counts(junit),
+            "source_sha256": {family.name: family.digest()}}
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_record_marks_stable_until_the_source_changes(sandbox, tmp_path):
+    src, family = sandbox
+    assert not validation.is_stable(family)
+    assert validation.record(summary(tmp_path, family)) == ["cutile/k"]
+    validation._records.cache_clear()
+    record = validation.validation_record(family)
+    assert record["device"] == "NVIDIA H200" and record["tests"].startswith("10 passed")
+    (src / "cutile" / "k.py").write_text("kernel v2\n")
+    validation._digest.cache_clear()
+    assert not validation.is_stable(family), "an edited kernel is experimental again"
+
+
+def test_failed_runs_are_not_recorded(sandbox, tmp_path):
+    _, family = sandbox
+    with pytest.raises(SystemExit, match="did not pass"):
+        validation.record(summary(tmp_path, family, failures=1))
+
+
+def test_stale_summary_is_not_recorded(sandbox, tmp_path):
+    src, family = sandbox
+    path = summary(tmp_path, family)
+    (src / "cutile" / "k.py").write_text("kernel v2\n")
+    validation._digest.cache_clear()
+    assert validation.record(path) == []
+
+
+def test_shipped_record_names_known_families():
+    data = json.loads(validation.RECORD_FILE.read_text())
+    assert set(data["kernels"]) <= {f.name for f in validation.FAMILIES}
