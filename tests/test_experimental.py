@@ -81,7 +81,7 @@ def test_explain_describes_kernel_tile_grid_and_partial_buffer(fake_gpu):
                   "NVIDIA H100", "status:"):
         assert words in text, words
     wide = str(route_on_fake_gpu(1024, 65536, allow=True))
-    assert "rms_norm_fwd_chunked" in wide and "16 column chunks" in wide
+    assert "rms_norm_fwd_chunked" in wide and "16 column chunks" in wide, wide
 
 
 def test_reference_for_unsupported_dtype_and_size(fake_gpu):

@@ -37,8 +37,9 @@ def test_every_row_and_column_covered_exactly_once(direction, sm_count):
         assert covered == list(range(rows)), "each row once"
         assert (p.col_tiles - 1) * p.tile_cols < cols <= p.col_tiles * p.tile_cols
         assert is_pow2(p.tile_rows) and is_pow2(p.tile_cols)
-        assert p.tile_rows * p.tile_cols <= max(TILE_ELEMENTS, MAX_SINGLE_PASS_COLS)
-        assert p.single_pass == (cols <= MAX_SINGLE_PASS_COLS)
+        assert p.tile_rows * p.tile_cols <= max(TILE_ELEMENTS[direction],
+                                                MAX_SINGLE_PASS_COLS[direction])
+        assert p.single_pass == (cols <= MAX_SINGLE_PASS_COLS[direction])
         assert p.partial_shape == (p.grid, p.col_tiles * p.tile_cols)
         assert p.reduce_grid * p.reduce_tile[1] >= p.partial_shape[1] > \
             (p.reduce_grid - 1) * p.reduce_tile[1]
@@ -49,7 +50,7 @@ def test_every_row_and_column_covered_exactly_once(direction, sm_count):
 def test_partial_buffer_bytes_stay_small():
     p = plan_row_norm(4096, 65536, itemsize=2, sm_count=132, arch=(9, 0),
                       direction="backward")
-    assert p.partial_shape[0] * p.partial_shape[1] * 4 <= 132 * 2 * 65536 * 4
+    assert p.partial_shape == (p.grid, 65536) and p.grid <= 132 * p.occupancy
     p = plan_row_norm(1 << 20, 128, itemsize=2, sm_count=132, arch=(9, 0),
                       direction="backward")
     assert p.partial_shape == (264, 128)
@@ -78,5 +79,5 @@ def test_bad_arguments_raise():
 def test_describe_names_tile_grid_and_partial_buffer():
     text = plan_row_norm(32768, 4096, itemsize=2, sm_count=132, arch=(9, 0),
                          direction="backward").describe()
-    assert "tile 1x4096" in text and "persistent grid 264" in text
+    assert "tile 1x4096" in text and "persistent grid 264" in text, text
     assert "partial buffer 264x4096 fp32" in text

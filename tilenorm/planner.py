@@ -14,14 +14,17 @@ from typing import Literal
 
 Direction = Literal["forward", "backward"]
 
+# Per-direction settings, measured on an H200 (bench/NOTES.md has the experiments).
 #: The widest row kept whole in one tile (registers); wider rows are walked in chunks.
-MAX_SINGLE_PASS_COLS = 8192
-#: Columns per chunk for rows wider than MAX_SINGLE_PASS_COLS.
-CHUNK_COLS = 4096
+MAX_SINGLE_PASS_COLS = {"forward": 16384, "backward": 8192}
+#: (rows, cols) of the tile that walks rows wider than MAX_SINGLE_PASS_COLS. The backward
+#: takes several rows per tile so that its read-modify-write of the program's partial row
+#: happens once per tile rows instead of once per row.
+CHUNK_TILE = {"forward": (1, 4096), "backward": (8, 512)}
 #: Narrower rows are padded to this many columns: 16 bf16 elements are one 32-byte sector.
 MIN_TILE_COLS = 16
-#: Elements per (TILE_M, TILE_N) tile: narrow rows are packed several to a tile up to this.
-TILE_ELEMENTS = 4096
+#: Elements per single-pass (TILE_M, TILE_N) tile: narrow rows are packed up to this.
+TILE_ELEMENTS = {"forward": 8192, "backward": 4096}
 #: Resident programs per SM that the kernels are compiled for (the occupancy hint).
 OCCUPANCY = {"forward": 2, "backward": 2}
 #: Tile of the fixed-order dgamma reduction over the partial buffer.
@@ -113,11 +116,11 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
         raise UnsupportedShape(
             f"{rows}x{cols} has {rows * cols} elements, more than 32-bit offsets reach")
 
-    if cols <= MAX_SINGLE_PASS_COLS:
+    if cols <= MAX_SINGLE_PASS_COLS[direction]:
         tile_cols = max(MIN_TILE_COLS, next_pow2(cols))
-        tile_rows = max(1, TILE_ELEMENTS // tile_cols)
+        tile_rows = max(1, TILE_ELEMENTS[direction] // tile_cols)
     else:
-        tile_cols, tile_rows = CHUNK_COLS, 1
+        tile_rows, tile_cols = CHUNK_TILE[direction]
     col_tiles = cdiv(cols, tile_cols)
     row_tiles = cdiv(rows, tile_rows)
     occupancy = OCCUPANCY[direction]
@@ -138,8 +141,9 @@ def kernel_configs(direction: Direction) -> list[tuple[bool, int, int, int]]:
     occupancy = OCCUPANCY[direction]
     configs = []
     tile_cols = MIN_TILE_COLS
-    while tile_cols <= next_pow2(MAX_SINGLE_PASS_COLS):
-        configs.append((True, max(1, TILE_ELEMENTS // tile_cols), tile_cols, occupancy))
+    while tile_cols <= next_pow2(MAX_SINGLE_PASS_COLS[direction]):
+        configs.append((True, max(1, TILE_ELEMENTS[direction] // tile_cols), tile_cols,
+                        occupancy))
         tile_cols *= 2
-    configs.append((False, 1, CHUNK_COLS, occupancy))
+    configs.append((False, *CHUNK_TILE[direction], occupancy))
     return configs

@@ -26,7 +26,6 @@ from cuda.tile.compilation import (
 
 from tilenorm.cutile import rms_norm
 from tilenorm.planner import (
-    CHUNK_COLS,
     MAX_SINGLE_PASS_COLS,
     MIN_TILE_COLS,
     RowNormPlan,
@@ -60,9 +59,9 @@ def _array(dtype, ndim: int) -> ArrayConstraint:
 def representative_plans(direction) -> list[RowNormPlan]:
     """One plan per kernel configuration the planner can choose for ``direction``."""
     cols = [MIN_TILE_COLS]
-    while cols[-1] < MAX_SINGLE_PASS_COLS:
+    while cols[-1] < MAX_SINGLE_PASS_COLS[direction]:
         cols.append(cols[-1] * 2)
-    cols.append(MAX_SINGLE_PASS_COLS + CHUNK_COLS)
+    cols.append(2 * MAX_SINGLE_PASS_COLS[direction])
     plans = [plan_row_norm(4096, n, itemsize=2, sm_count=132, arch=(9, 0), direction=direction)
              for n in cols]
     configs = {(p.single_pass, p.tile_rows, p.tile_cols, p.occupancy) for p in plans}

@@ -51,21 +51,21 @@ def rms_norm_fwd_single(x, weight, y, rstd, eps: float, inv_n: float,
 
 @ct.kernel
 def rms_norm_fwd_chunked(x, weight, y, rstd, eps: float, inv_n: float,
-                         TILE_N: ConstInt, HAS_WEIGHT: ConstBool):
-    rows = x.shape[0]
-    chunks = ct.num_tiles(x, axis=1, shape=(1, TILE_N))
-    for row in range(ct.bid(0), rows, ct.num_blocks(0)):
-        acc = ct.zeros((1, TILE_N), dtype=ct.float32)
+                         TILE_M: ConstInt, TILE_N: ConstInt, HAS_WEIGHT: ConstBool):
+    row_tiles = ct.num_tiles(x, axis=0, shape=(TILE_M, TILE_N))
+    chunks = ct.num_tiles(x, axis=1, shape=(TILE_M, TILE_N))
+    for t in range(ct.bid(0), row_tiles, ct.num_blocks(0)):
+        acc = ct.zeros((TILE_M, TILE_N), dtype=ct.float32)
         for c in range(chunks):
-            xt = ct.load(x, index=(row, c), shape=(1, TILE_N), padding_mode=ZERO)
+            xt = ct.load(x, index=(t, c), shape=(TILE_M, TILE_N), padding_mode=ZERO)
             xt = xt.astype(ct.float32)
             acc += xt * xt
         r = ct.rsqrt(ct.sum(acc, axis=1, keepdims=True) * inv_n + eps)
         for c in range(chunks):
-            xt = ct.load(x, index=(row, c), shape=(1, TILE_N), padding_mode=ZERO)
+            xt = ct.load(x, index=(t, c), shape=(TILE_M, TILE_N), padding_mode=ZERO)
             w = _weight_chunk(weight, c, TILE_N, HAS_WEIGHT)
-            ct.store(y, index=(row, c), tile=(xt.astype(ct.float32) * r * w).astype(y.dtype))
-        ct.store(rstd, index=(row,), tile=r.reshape((1,)))
+            ct.store(y, index=(t, c), tile=(xt.astype(ct.float32) * r * w).astype(y.dtype))
+        ct.store(rstd, index=(t,), tile=r.reshape((TILE_M,)))
 
 
 @ct.kernel
@@ -93,34 +93,35 @@ def rms_norm_bwd_single(dy, x, weight, rstd, dx, partial, inv_n: float,
 
 @ct.kernel
 def rms_norm_bwd_chunked(dy, x, weight, rstd, dx, partial, inv_n: float,
-                         TILE_N: ConstInt, HAS_WEIGHT: ConstBool):
+                         TILE_M: ConstInt, TILE_N: ConstInt, HAS_WEIGHT: ConstBool):
     program = ct.bid(0)
-    rows = x.shape[0]
-    chunks = ct.num_tiles(x, axis=1, shape=(1, TILE_N))
+    row_tiles = ct.num_tiles(x, axis=0, shape=(TILE_M, TILE_N))
+    chunks = ct.num_tiles(x, axis=1, shape=(TILE_M, TILE_N))
     if HAS_WEIGHT:
-        # The program's partial row is accumulated in place across its rows; start it at 0.
+        # The program's partial row is accumulated in place, once per row tile; start at 0.
         for c in range(chunks):
             ct.store(partial, index=(program, c), tile=ct.zeros((1, TILE_N), dtype=ct.float32))
-    for row in range(program, rows, ct.num_blocks(0)):
-        r = ct.load(rstd, index=(row,), shape=(1,)).reshape((1, 1))
-        acc = ct.zeros((1, TILE_N), dtype=ct.float32)
+    for t in range(program, row_tiles, ct.num_blocks(0)):
+        r = ct.load(rstd, index=(t,), shape=(TILE_M,), padding_mode=ZERO).reshape((TILE_M, 1))
+        acc = ct.zeros((TILE_M, TILE_N), dtype=ct.float32)
         for c in range(chunks):
-            xt = ct.load(x, index=(row, c), shape=(1, TILE_N), padding_mode=ZERO)
-            dyt = ct.load(dy, index=(row, c), shape=(1, TILE_N), padding_mode=ZERO)
+            xt = ct.load(x, index=(t, c), shape=(TILE_M, TILE_N), padding_mode=ZERO)
+            dyt = ct.load(dy, index=(t, c), shape=(TILE_M, TILE_N), padding_mode=ZERO)
             w = _weight_chunk(weight, c, TILE_N, HAS_WEIGHT)
             acc += xt.astype(ct.float32) * dyt.astype(ct.float32) * w
         # mean(x_hat * w * dy) = rstd * mean(x * w * dy)
         c_row = ct.sum(acc, axis=1, keepdims=True) * (r * inv_n)
         for c in range(chunks):
-            xt = ct.load(x, index=(row, c), shape=(1, TILE_N), padding_mode=ZERO)
-            dyt = ct.load(dy, index=(row, c), shape=(1, TILE_N), padding_mode=ZERO)
+            xt = ct.load(x, index=(t, c), shape=(TILE_M, TILE_N), padding_mode=ZERO)
+            dyt = ct.load(dy, index=(t, c), shape=(TILE_M, TILE_N), padding_mode=ZERO)
             w = _weight_chunk(weight, c, TILE_N, HAS_WEIGHT)
             x_hat = xt.astype(ct.float32) * r
             dyt = dyt.astype(ct.float32)
-            ct.store(dx, index=(row, c), tile=((dyt * w - x_hat * c_row) * r).astype(dx.dtype))
+            ct.store(dx, index=(t, c), tile=((dyt * w - x_hat * c_row) * r).astype(dx.dtype))
             if HAS_WEIGHT:
                 acc_w = ct.load(partial, index=(program, c), shape=(1, TILE_N))
-                ct.store(partial, index=(program, c), tile=acc_w + dyt * x_hat)
+                ct.store(partial, index=(program, c),
+                         tile=acc_w + ct.sum(dyt * x_hat, axis=0, keepdims=True))
 
 
 FORWARD_KERNELS = (rms_norm_fwd_single, rms_norm_fwd_chunked)
@@ -137,25 +138,17 @@ def forward_launch(plan: RowNormPlan, x, weight, y, rstd, eps, inv_n, has_weight
     """(kernel, grid, args) of the forward for ``plan``. Shared by the launcher and by
     ahead-of-time export (which passes parameter constraints in place of tensors and scalars),
     so both build exactly the same kernel variants."""
-    if plan.single_pass:
-        kernel = rms_norm_fwd_single
-        args = (x, weight, y, rstd, eps, inv_n, plan.tile_rows, plan.tile_cols, has_weight)
-    else:
-        kernel = rms_norm_fwd_chunked
-        args = (x, weight, y, rstd, eps, inv_n, plan.tile_cols, has_weight)
+    kernel = rms_norm_fwd_single if plan.single_pass else rms_norm_fwd_chunked
+    args = (x, weight, y, rstd, eps, inv_n, plan.tile_rows, plan.tile_cols, has_weight)
     return with_occupancy(kernel, plan.occupancy), (plan.grid, 1, 1), args
 
 
 def backward_launch(plan: RowNormPlan, dy, x, weight, rstd, dx, partial, inv_n,
                     has_weight: bool):
     """(kernel, grid, args) of the backward's first kernel for ``plan`` (see forward_launch)."""
-    if plan.single_pass:
-        kernel = rms_norm_bwd_single
-        args = (dy, x, weight, rstd, dx, partial, inv_n, plan.tile_rows, plan.tile_cols,
-                has_weight)
-    else:
-        kernel = rms_norm_bwd_chunked
-        args = (dy, x, weight, rstd, dx, partial, inv_n, plan.tile_cols, has_weight)
+    kernel = rms_norm_bwd_single if plan.single_pass else rms_norm_bwd_chunked
+    args = (dy, x, weight, rstd, dx, partial, inv_n, plan.tile_rows, plan.tile_cols,
+            has_weight)
     return with_occupancy(kernel, plan.occupancy), (plan.grid, 1, 1), args
 
 
