@@ -17,6 +17,7 @@ and dweight.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import traceback
 from collections.abc import Callable
@@ -110,8 +111,90 @@ class TorchEager(Provider):
                         lambda: (torch.nn.functional.rms_norm(xg, (n,), wg, EPS), *bwd()))
 
 
+class Quack(Provider):
+    """quack.rmsnorm.rmsnorm_fwd (storing rstd) and rmsnorm_bwd."""
+
+    name = "quack"
+
+    def __init__(self):
+        from quack.rmsnorm import rmsnorm_bwd, rmsnorm_fwd
+
+        self.fwd, self.bwd = rmsnorm_fwd, rmsnorm_bwd
+
+    def prepare(self, x, w, dy):
+        _, _, rstd = self.fwd(x, w, eps=EPS, store_rstd=True)
+
+        def fwd():
+            return self.fwd(x, w, eps=EPS, store_rstd=True)
+
+        def bwd():
+            return self.bwd(x, w, dy, rstd)[:2]
+
+        return Prepared(fwd, bwd, lambda: (fwd()[0], *bwd()))
+
+
+class _Liger(Provider):
+    """Liger's rms_norm_forward / rms_norm_backward ("llama" casting, dy not overwritten)."""
+
+    module = ""
+
+    def __init__(self):
+        import importlib
+
+        ops = importlib.import_module(self.module)
+        self.fwd, self.bwd = ops.rms_norm_forward, ops.rms_norm_backward
+
+    def prepare(self, x, w, dy):
+        _, x2d, rstd, block, warps, casting = self.fwd(x, w, EPS, 0.0, "llama", None)
+
+        def fwd():
+            return self.fwd(x, w, EPS, 0.0, "llama", None)
+
+        def bwd():
+            return self.bwd(dy, x2d, w, rstd, 0.0, casting, block, warps, False, None)
+
+        return Prepared(fwd, bwd, lambda: (fwd()[0], *bwd()))
+
+
+class LigerTriton(_Liger):
+    name = "liger"
+    module = "liger_kernel.ops.rms_norm"
+
+
+class LigerCutile(_Liger):
+    name = "liger cuTile"
+    module = "liger_kernel.ops.cutile.ops.rms_norm"
+
+
+class TileGym(Provider):
+    """tilegym.ops.cutile.rms_norm: its forward, and its standalone persistent backward."""
+
+    name = "tilegym"
+
+    def __init__(self):
+        from tilegym.ops.cutile import rms_norm as ops
+
+        self.ops = ops
+
+    def prepare(self, x, w, dy):
+        n = x.shape[-1]
+        rstd = self.ops.compute_rms_norm_rstd_torch(x, EPS)
+
+        def fwd():
+            return self.ops.rms_norm(x, (n,), w, EPS)
+
+        def bwd():
+            return self.ops.rms_norm_backward(x, dy, w, rstd)
+
+        return Prepared(fwd, bwd, lambda: (fwd(), *bwd()))
+
+
 PROVIDERS: dict[str, Callable[[], Provider]] = {
     "tilenorm": Tilenorm,
+    "quack": Quack,
+    "liger": LigerTriton,
+    "liger cuTile": LigerCutile,
+    "tilegym": TileGym,
     "torch.compile": TorchCompile,
     "torch eager": TorchEager,
 }
@@ -234,15 +317,20 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:  # the progress bar is a convenience
         def tqdm(it, **_):
             return it
+    import datetime
+
+    record["date"] = datetime.date.today().isoformat()
     jobs = [(p, s) for s in shapes for p in providers]
     for provider, (m, n) in tqdm(jobs, desc="rms_norm sweep", file=sys.stderr):
         try:
             record["rows"] += measure(provider, m, n, dtype, modes)
         except Exception as e:
             record["failures"].append({"provider": provider.name, "M": m, "N": n,
-                                       "error": f"{type(e).__name__}: {e}"})
+                                       "error": f"{type(e).__name__}: {e}"[:500]})
             traceback.print_exc(limit=2)
         torch.cuda.empty_cache()
+        if args.out:  # a run cut short still leaves what it measured
+            args.out.write_text(json.dumps(record, indent=1) + "\n")
     for provider in providers:
         try:
             record["overhead"].append(overhead(provider, dtype))
@@ -250,9 +338,6 @@ def main(argv: list[str] | None = None) -> None:
             record["failures"].append({"provider": provider.name, "overhead": True,
                                        "error": f"{type(e).__name__}: {e}"})
 
-    import datetime
-
-    record["date"] = datetime.date.today().isoformat()
     path = common.write_record(record, args.out)
     try:
         plot(record, path.with_suffix(".png"))
