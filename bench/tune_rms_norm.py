@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -17,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tilenorm import planner  # noqa: E402
-from tilenorm.benchmark import graph_ms  # noqa: E402
+from tilenorm.benchmark import graph_ms, host_us  # noqa: E402
 from tilenorm.cutile import rms_norm as kernels  # noqa: E402
 from tilenorm.device import device_info  # noqa: E402
 
@@ -89,17 +88,7 @@ def host_breakdown(calls: int = 3000) -> dict:
         "rms_norm_forward": lambda: tilenorm.rms_norm_forward(x, w, 1e-6),
         "rms_norm (autograd off)": lambda: tilenorm.rms_norm(x, w, 1e-6),
     }
-    out = {}
-    for name, fn in steps.items():
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out[name] = (time.perf_counter() - start) / calls * 1e6
-        torch.cuda.synchronize()
-    return out
+    return {name: host_us(fn, calls) for name, fn in steps.items()}
 
 
 def main() -> None:
