@@ -72,10 +72,6 @@ class RowNormPlan:
     def single_pass(self) -> bool:
         return self.col_tiles == 1
 
-    @property
-    def tile_shape(self) -> tuple[int, int]:
-        return (self.tile_rows, self.tile_cols)
-
     def program_row_tiles(self, program: int) -> range:
         """Row tiles of ``program``, in the order it visits them."""
         return range(program, self.row_tiles, self.grid)

@@ -124,10 +124,6 @@ def rms_norm_bwd_chunked(dy, x, weight, rstd, dx, partial, inv_n: float,
                          tile=acc_w + ct.sum(dyt * x_hat, axis=0, keepdims=True))
 
 
-FORWARD_KERNELS = (rms_norm_fwd_single, rms_norm_fwd_chunked)
-BACKWARD_KERNELS = (rms_norm_bwd_single, rms_norm_bwd_chunked, column_sum)
-
-
 @functools.cache
 def with_occupancy(kernel: ct.kernel, occupancy: int) -> ct.kernel:
     """The kernel compiled for ``occupancy`` CTAs per SM (each variant has its own JIT cache)."""

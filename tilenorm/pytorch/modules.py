@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from tilenorm.pytorch._checks import check_x
 from tilenorm.pytorch.rms_norm import rms_norm
 
 
@@ -18,12 +19,11 @@ class RMSNorm(torch.nn.RMSNorm):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_x("RMSNorm", x)
         k = len(self.normalized_shape)
-        if not isinstance(x, torch.Tensor) or tuple(x.shape[x.dim() - k:]) != tuple(
-                self.normalized_shape) or x.dim() < k:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        if x.dim() < k or tuple(x.shape[-k:]) != tuple(self.normalized_shape):
             raise ValueError(f"RMSNorm: x must end in normalized_shape "
-                             f"{tuple(self.normalized_shape)}, got {shape}")
+                             f"{tuple(self.normalized_shape)}, got {tuple(x.shape)}")
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         if k == 1:
             return rms_norm(x, self.weight, eps)
