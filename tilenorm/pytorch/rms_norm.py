@@ -9,6 +9,8 @@ kernel or reference inside, at run time.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from tilenorm import reference
@@ -31,7 +33,7 @@ def _route(x: torch.Tensor) -> Route:
 def _on_device(x: torch.Tensor):
     # cuTile launches into the current CUDA context: make it x's device.
     if x.device.index == torch.cuda.current_device():
-        return None
+        return contextlib.nullcontext()
     return torch.cuda.device(x.device)
 
 
@@ -44,12 +46,8 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float
         return y, rstd, x
     x2d = as_kernel_rows(x)
     plan = kernel_plan(x2d, "forward")
-    guard = _on_device(x)
-    if guard is None:
+    with _on_device(x):
         y, rstd = cutile_rms_norm.forward(plan, x2d, weight, eps)
-    else:
-        with guard:
-            y, rstd = cutile_rms_norm.forward(plan, x2d, weight, eps)
     return y.view(x.shape), rstd.view(x.shape[:-1]), x2d
 
 
@@ -59,12 +57,8 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
         return reference.rms_norm_backward(dy, x, weight, rstd)
     x2d = as_kernel_rows(x)
     args = (kernel_plan(x2d, "backward"), as_kernel_rows(dy), x2d, weight, rstd.view(-1))
-    guard = _on_device(x)
-    if guard is None:
+    with _on_device(x):
         dx, dweight = cutile_rms_norm.backward(*args)
-    else:
-        with guard:
-            dx, dweight = cutile_rms_norm.backward(*args)
     return dx.view(dy.shape), dweight
 
 
