@@ -68,9 +68,14 @@ class Tilenorm(Provider):
         self.fwd, self.bwd = tilenorm.rms_norm_forward, tilenorm.rms_norm_backward
 
     def prepare(self, x, w, dy):
-        _, rstd = self.fwd(x, w, EPS)
-        return Prepared(lambda: self.fwd(x, w, EPS), lambda: self.bwd(dy, x, w, rstd),
-                        lambda: (self.fwd(x, w, EPS)[0], *self.bwd(dy, x, w, rstd)))
+        _, _, rstd = self.fwd(x, w, EPS)
+
+        def bwd():
+            dx, _, dw = self.bwd(dy, x, w, rstd)
+            return dx, dw
+
+        return Prepared(lambda: self.fwd(x, w, EPS), bwd,
+                        lambda: (self.fwd(x, w, EPS)[0], *bwd()))
 
 
 class TorchCompile(Provider):
@@ -84,9 +89,16 @@ class TorchCompile(Provider):
 
         torch._dynamo.config.cache_size_limit = 1024
         torch._dynamo.config.recompile_limit = 1024
-        self.fwd = torch.compile(lambda x, w: reference.rms_norm_forward(x, w, EPS),
-                                 dynamic=False)
-        self.bwd = torch.compile(reference.rms_norm_backward, dynamic=False)
+        def fwd(x, w):
+            y, _, _, rstd = reference.norm_forward(x, w, None, EPS)
+            return y, rstd
+
+        def bwd(dy, x, w, rstd):
+            dx, _, dw, _ = reference.norm_backward(dy, None, x, w, None, None, rstd)
+            return dx, dw
+
+        self.fwd = torch.compile(fwd, dynamic=False)
+        self.bwd = torch.compile(bwd, dynamic=False)
 
     def prepare(self, x, w, dy):
         _, rstd = self.fwd(x, w)

@@ -1,5 +1,6 @@
-"""Float64 RMSNorm forward and backward, computed in row blocks so that even 2^31-element
-problems fit beside the tensors under test, and the norms needed for relative errors."""
+"""Float64 forward and backward of every normalization, computed in row blocks so that even
+2^31-element problems fit beside the tensors under test, and the norms needed for relative
+errors. Operands are (rows, heads, N) or (rows, N); weights (N,) or (heads, N)."""
 
 from __future__ import annotations
 
@@ -8,32 +9,50 @@ import torch
 BLOCK_ELEMENTS = 1 << 26
 
 
-def row_blocks(rows: int, cols: int):
-    step = max(1, BLOCK_ELEMENTS // max(cols, 1))
+def row_blocks(rows: int, row_elements: int):
+    step = max(1, BLOCK_ELEMENTS // max(row_elements, 1))
     for start in range(0, rows, step):
         yield slice(start, min(start + step, rows))
 
 
-def rms_norm_fwd(x: torch.Tensor, w: torch.Tensor | None, eps: float):
-    """(y, rstd) in float64 for one block of rows (2-D x)."""
-    x = x.double()
-    rstd = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
-    y = x * rstd
+def _h(x, residual):
+    return x.double() if residual is None else x.double() + residual.double()
+
+
+def norm_fwd(x, w, b, eps, *, layer_norm=False, offset=0.0, residual=None):
+    """(y, h, mean, rstd) in float64 for one block of rows; mean is None for RMSNorm."""
+    h = _h(x, residual)
+    mean = h.mean(-1, keepdim=True) if layer_norm else None
+    c = h - mean if layer_norm else h
+    rstd = torch.rsqrt(c.square().mean(-1, keepdim=True) + eps)
+    y = c * rstd
     if w is not None:
-        y = y * w.double()
-    return y, rstd.squeeze(-1)
+        y = y * (w.double() + offset)
+    if b is not None:
+        y = y + b.double()
+    return y, h, None if mean is None else mean.squeeze(-1), rstd.squeeze(-1)
 
 
-def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None, eps: float):
-    """(dx, dw contribution of these rows, |w dy rstd|) in float64 for one block of rows."""
-    x, dy = x.double(), dy.double()
-    rstd = torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
-    x_hat = x * rstd
-    wdy = dy * w.double() if w is not None else dy
-    c = (x_hat * wdy).mean(-1, keepdim=True)
-    dx = (wdy - x_hat * c) * rstd
-    dw = (dy * x_hat).sum(0)
-    return dx, dw, wdy * rstd
+def norm_bwd(dy, x, w, eps, *, layer_norm=False, offset=0.0, residual=None, dh=None):
+    """(dx, dw rows, db rows, |w dy rstd|) in float64 for one block of rows. dx is also the
+    residual's gradient (it includes dh, the gradient that reached h directly)."""
+    h = _h(x, residual)
+    dy = dy.double()
+    mean = h.mean(-1, keepdim=True) if layer_norm else 0.0
+    c = h - mean
+    rstd = torch.rsqrt(c.square().mean(-1, keepdim=True) + eps)
+    x_hat = c * rstd
+    wdy = dy * (w.double() + offset) if w is not None else dy
+    d = wdy - x_hat * (x_hat * wdy).mean(-1, keepdim=True)
+    if layer_norm:
+        d = d - wdy.mean(-1, keepdim=True)
+    dx = d * rstd
+    if dh is not None:
+        dx = dx + dh.double()
+    lead = -1 if w is None or w.dim() == 1 else (-1, w.shape[0])
+    n = x.shape[-1]
+    shape = (-1, n) if lead == -1 else (-1, lead[1], n)
+    return (dx, (dy * x_hat).reshape(shape).sum(0), dy.reshape(shape).sum(0), wdy * rstd)
 
 
 class RelError:

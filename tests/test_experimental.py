@@ -7,7 +7,7 @@ import tilenorm
 from tilenorm import _experimental, validation
 from tilenorm.device import DeviceInfo
 from tilenorm.pytorch import routing
-from tilenorm.pytorch.rms_norm import KERNEL_NAMES
+from tilenorm.pytorch._norm import KERNEL_NAMES
 
 FAKE_H100 = DeviceInfo(index=0, name="NVIDIA H100 80GB HBM3", sm_count=132, arch=(9, 0),
                        l2_bytes=50 << 20)
@@ -53,14 +53,15 @@ def test_explain_on_cpu_names_the_reference_and_why():
 def fake_gpu(monkeypatch):
     """Route as if x lived on an H100: routing needs only the device's properties."""
     monkeypatch.setattr(routing, "device_info", lambda index: FAKE_H100)
-    routing._route.cache_clear()
+    routing.route_problem.cache_clear()
     yield
-    routing._route.cache_clear()
+    routing.route_problem.cache_clear()
 
 
 def route_on_fake_gpu(rows, cols, dtype=torch.bfloat16, allow=False):
-    return routing._route("rms_norm", validation.CUTILE_RMS_NORM, KERNEL_NAMES,
-                          torch.device("cuda", 0), dtype, rows, cols, allow)
+    return routing.route_problem("rms_norm", validation.CUTILE_NORM, KERNEL_NAMES,
+                                 torch.device("cuda", 0), (dtype,), rows, 1, cols, False,
+                                 rows * cols - 1, allow)
 
 
 @pytest.mark.parametrize("stable", [True, False])
@@ -76,15 +77,15 @@ def test_experimental_kernels_run_only_when_allowed(fake_gpu, monkeypatch, stabl
 
 def test_explain_describes_kernel_tile_grid_and_partial_buffer(fake_gpu):
     text = str(route_on_fake_gpu(32768, 4096, allow=True))
-    for words in ("cuTile", "rms_norm_fwd_single", "rms_norm_bwd_single", "column_sum",
+    for words in ("cuTile", "norm_fwd_single", "norm_bwd_single", "column_sum",
                   "tile 1x4096", "persistent grid 264", "partial buffer 264x4096 fp32",
                   "NVIDIA H100", "status:"):
         assert words in text, words
     wide = str(route_on_fake_gpu(1024, 65536, allow=True))
-    assert "rms_norm_fwd_chunked" in wide and "16 column chunks" in wide, wide
+    assert "norm_fwd_chunked" in wide and "16 column chunks" in wide, wide
 
 
 def test_reference_for_unsupported_dtype_and_size(fake_gpu):
     assert "float64" in route_on_fake_gpu(8, 64, torch.float64, allow=True).reason
     big = route_on_fake_gpu(2**16, 2**15 + 1, allow=True)
-    assert not big.uses_kernel and "32-bit" in big.reason
+    assert big.uses_kernel and "64-bit offsets" in str(big)

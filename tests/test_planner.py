@@ -8,7 +8,6 @@ from tilenorm.planner import (
     MAX_SINGLE_PASS_COLS,
     TILE_ELEMENTS,
     UnsupportedShape,
-    kernel_configs,
     plan_row_norm,
 )
 
@@ -25,48 +24,69 @@ def is_pow2(v: int) -> bool:
 @pytest.mark.parametrize("sm_count", SMS)
 def test_every_row_and_column_covered_exactly_once(direction, sm_count):
     for rows, cols in itertools.product(ROWS, COLS):
-        if rows * cols > 2**31:
-            continue
         p = plan_row_norm(rows, cols, itemsize=2, sm_count=sm_count, arch=(9, 0),
                           direction=direction)
         assert 1 <= p.grid <= p.row_tiles, "grid never exceeds the number of tiles"
         assert p.grid <= sm_count * p.occupancy
         seen = [t for prog in range(p.grid) for t in p.program_row_tiles(prog)]
         assert sorted(seen) == list(range(p.row_tiles)), "each row tile once"
-        covered = [r for t in range(p.row_tiles) for r in p.tile_row_range(t)]
-        assert covered == list(range(rows)), "each row once"
+        if rows * cols <= 1 << 24:
+            covered = [r for t in range(p.row_tiles) for r, _ in p.tile_vectors(t)]
+            assert covered == list(range(rows)), "each row once"
         assert (p.col_tiles - 1) * p.tile_cols < cols <= p.col_tiles * p.tile_cols
-        assert is_pow2(p.tile_rows) and is_pow2(p.tile_cols)
+        assert is_pow2(p.tile_rows) and is_pow2(p.tile_cols) and p.tile_heads == 1
         assert p.tile_rows * p.tile_cols <= max(TILE_ELEMENTS[direction],
                                                 MAX_SINGLE_PASS_COLS[direction])
         assert p.single_pass == (cols <= MAX_SINGLE_PASS_COLS[direction])
-        assert p.partial_shape == (p.grid, p.col_tiles * p.tile_cols)
-        assert p.reduce_grid * p.reduce_tile[1] >= p.partial_shape[1] > \
-            (p.reduce_grid - 1) * p.reduce_tile[1]
-        assert (p.single_pass, p.tile_rows, p.tile_cols, p.occupancy) in kernel_configs(
-            direction)
+        assert p.partial_shape == (p.grid, 1, cols)
+        assert p.reduce_grid * p.reduce_tile[1] >= cols > (p.reduce_grid - 1) * p.reduce_tile[1]
+        assert p.index_bits == (64 if rows * cols > 2**31 else 32)
+
+
+@pytest.mark.parametrize("heads", [1, 2, 5, 8, 40, 64, 128])
+@pytest.mark.parametrize("cols", [64, 128, 256, 1000])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_heads_tiles_cover_every_vector_once(heads, cols, per_head):
+    for rows, sm_count in ((1, 132), (3, 7), (1000, 132), (4096, 5)):
+        p = plan_row_norm(rows, cols, heads=heads, per_head_weight=per_head, itemsize=2,
+                          sm_count=sm_count, arch=(9, 0), direction="backward")
+        assert is_pow2(p.tile_heads) and p.tile_rows * p.tile_heads * p.tile_cols <= \
+            TILE_ELEMENTS["backward"]
+        vectors = [v for t in range(p.row_tiles) for v in p.tile_vectors(t)]
+        assert sorted(vectors) == [(r, h) for r in range(rows) for h in range(heads)]
+        if per_head:
+            assert p.grid % p.head_tiles == 0, "each program stays on one head tile"
+            assert p.partial_shape == (p.grid // p.head_tiles, heads, cols)
+            slots = {(p.partial_slot(q), q % p.head_tiles) for q in range(p.grid)}
+            assert len(slots) == p.grid, "no two programs share a partial slot"
+        else:
+            assert p.partial_shape == (p.grid, 1, cols)
 
 
 def test_partial_buffer_bytes_stay_small():
     p = plan_row_norm(4096, 65536, itemsize=2, sm_count=132, arch=(9, 0),
                       direction="backward")
-    assert p.partial_shape == (p.grid, 65536) and p.grid <= 132 * p.occupancy
+    assert p.partial_shape == (p.grid, 1, 65536) and p.grid <= 132 * p.occupancy
     p = plan_row_norm(1 << 20, 128, itemsize=2, sm_count=132, arch=(9, 0),
                       direction="backward")
-    assert p.partial_shape == (264, 128)
+    assert p.partial_shape == (264, 1, 128)
 
 
-@pytest.mark.parametrize("rows,cols,itemsize", [(0, 128, 2), (4, 0, 2), (2**16, 2**15 + 1, 2),
-                                                (4, 128, 8)])
+@pytest.mark.parametrize("rows,cols,itemsize", [(0, 128, 2), (4, 0, 2), (4, 128, 8)])
 def test_unsupported_problems_raise(rows, cols, itemsize):
     with pytest.raises(UnsupportedShape):
         plan_row_norm(rows, cols, itemsize=itemsize, sm_count=132, arch=(9, 0),
                       direction="forward")
 
 
-def test_exactly_2_pow_31_elements_fit_32_bit_offsets():
+def test_64_bit_offsets_only_past_2_pow_31():
     p = plan_row_norm(32768, 65536, itemsize=2, sm_count=132, arch=(9, 0), direction="forward")
-    assert p.rows * p.cols == 2**31
+    assert p.rows * p.cols == 2**31 and p.index_bits == 32
+    p = plan_row_norm(32769, 65536, itemsize=2, sm_count=132, arch=(9, 0), direction="forward")
+    assert p.index_bits == 64
+    p = plan_row_norm(16, 1024, itemsize=2, sm_count=132, arch=(9, 0), direction="forward",
+                      max_offset=2**31)
+    assert p.index_bits == 64, "a strided operand reaching past 2^31 - 1 needs 64 bits"
 
 
 def test_bad_arguments_raise():

@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 import tilenorm
-from tests import float64_reference as ref64
+from tests.kernel_harness import DGAMMA_TOL_FP32, check_kernels, fresh_generator, rel
 from tilenorm import reference
-from tilenorm.cutile import rms_norm as cutile_rms_norm
 from tilenorm.planner import plan_row_norm
-from tilenorm.pytorch.routing import kernel_plan
-from tilenorm.validation import CUTILE_RMS_NORM, is_stable
+from tilenorm.validation import CUTILE_NORM, is_stable
 
 gpu = pytest.mark.gpu
-
-
-def fresh_generator(device="cpu") -> tuple[torch.Generator, int]:
-    """A generator with a fresh random seed (reported on failure): new inputs every check."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    return torch.Generator(device=device).manual_seed(seed), seed
 
 
 def float64_autograd(x, w, eps, dy):
@@ -33,10 +23,6 @@ def float64_autograd(x, w, eps, dy):
         y = y * w64
     y.backward(dy.double())
     return y.detach(), x64.grad, None if w64 is None else w64.grad
-
-
-def rel(out, ref) -> float:
-    return ((out.double() - ref).norm() / ref.norm()).item()
 
 
 # --- reference path (CPU) ----------------------------------------------------------------
@@ -63,31 +49,43 @@ def test_reference_matches_float64_autograd(shape, dtype, tol, with_weight):
         assert rel(w.grad, dw64) <= tol, seed
 
 
-def test_partial_buffer_fold_equals_direct_sum():
+@pytest.mark.parametrize("rows,heads,cols,sm_count,per_head", [
+    (1000, 1, 1000, 3, False), (37, 1, 4096, 5, False), (5, 1, 20000, 2, False),
+    (4096, 1, 16, 7, False), (300, 5, 128, 3, True), (64, 40, 64, 132, True),
+    (50, 6, 96, 4, False)])
+def test_partial_buffer_fold_equals_direct_sum(rows, heads, cols, sm_count, per_head):
     """Simulate the backward's grid-stride partition and fixed-order fold on the CPU."""
     g, seed = fresh_generator()
-    for rows, cols, sm_count in [(1000, 1000, 3), (37, 4096, 5), (5, 20000, 2), (4096, 16, 7)]:
-        plan = plan_row_norm(rows, cols, itemsize=2, sm_count=sm_count, arch=(9, 0),
-                             direction="backward")
-        x = torch.randn(rows, cols, generator=g, dtype=torch.float64)
-        dy = torch.randn(rows, cols, generator=g, dtype=torch.float64)
-        _, rstd = ref64.rms_norm_fwd(x, None, 1e-6)
-        contribution = dy * x * rstd[:, None]
-        partial = torch.full(plan.partial_shape, float("nan"), dtype=torch.float64)
-        visited = []
-        for program in range(plan.grid):
-            acc = torch.zeros(plan.partial_shape[1], dtype=torch.float64)
-            for tile in plan.program_row_tiles(program):
-                for row in plan.tile_row_range(tile):
-                    acc[:cols] += contribution[row]
-                    visited.append(row)
-            partial[program] = acc
-        assert sorted(visited) == list(range(rows)), "every row folded exactly once"
-        folded = torch.zeros(plan.partial_shape[1], dtype=torch.float64)
-        for program in range(plan.grid):  # the column_sum kernel's fixed order
-            folded += partial[program]
-        torch.testing.assert_close(folded[:cols], contribution.sum(0), msg=str(seed))
-        assert not folded[cols:].any(), "padding columns carry zeros"
+    plan = plan_row_norm(rows, cols, heads=heads, per_head_weight=per_head, itemsize=2,
+                         sm_count=sm_count, arch=(9, 0), direction="backward")
+    contribution = torch.randn(rows, heads, cols, generator=g, dtype=torch.float64)
+    partial = torch.full(plan.partial_shape, float("nan"), dtype=torch.float64)
+    visited = []
+    for program in range(plan.grid):
+        acc = torch.zeros(plan.partial_shape[1:], dtype=torch.float64)
+        head_tiles = {t % plan.head_tiles for t in plan.program_row_tiles(program)}
+        if per_head:
+            assert head_tiles == {program % plan.head_tiles}, "one head tile per program"
+            h0 = program % plan.head_tiles * plan.tile_heads
+            acc[h0:h0 + plan.tile_heads] = 0  # the program writes only its heads
+        for tile in plan.program_row_tiles(program):
+            for row, head in plan.tile_vectors(tile):
+                acc[head if per_head else 0] += contribution[row, head]
+                visited.append((row, head))
+        slot = plan.partial_slot(program)
+        if per_head:
+            h0 = program % plan.head_tiles * plan.tile_heads
+            partial[slot, h0:h0 + plan.tile_heads] = acc[h0:h0 + plan.tile_heads]
+        else:
+            partial[slot] = acc
+    assert sorted(visited) == [(r, h) for r in range(rows) for h in range(heads)], \
+        "every vector folded exactly once"
+    assert not partial.isnan().any(), "every partial-buffer element written"
+    folded = torch.zeros(plan.partial_shape[1:], dtype=torch.float64)
+    for slot in range(plan.partial_shape[0]):  # the column_sum kernel's fixed order
+        folded += partial[slot]
+    expected = contribution.sum(0) if per_head else contribution.sum((0, 1))[None]
+    torch.testing.assert_close(folded, expected, msg=str(seed))
 
 
 # --- API (CPU) ---------------------------------------------------------------------------
@@ -136,7 +134,7 @@ def test_non_contiguous_and_offset_inputs_on_reference_path():
     base = torch.randn(6, 9, 40, generator=g)
     for x in (base[:, :, ::2], base.transpose(0, 1), base.view(-1)[1:1 + 6 * 40].view(6, 40)):
         torch.testing.assert_close(tilenorm.rms_norm(x, eps=1e-6),
-                                   reference.rms_norm(x.contiguous(), None, 1e-6))
+                                   reference.norm(x.contiguous(), None, None, 1e-6)[0])
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -170,7 +168,7 @@ def test_compiles_fullgraph_on_cpu():
     g, _ = fresh_generator()
     x, w = torch.randn(4, 64, generator=g), torch.randn(64, generator=g)
     compiled = torch.compile(lambda x, w: tilenorm.rms_norm(x, w), fullgraph=True)
-    torch.testing.assert_close(compiled(x, w), reference.rms_norm(x, w, 1e-6))
+    torch.testing.assert_close(compiled(x, w), reference.norm(x, w, None, 1e-6)[0])
 
 
 def test_custom_ops_have_fake_implementations():
@@ -179,13 +177,104 @@ def test_custom_ops_have_fake_implementations():
     with FakeTensorMode():
         x = torch.empty(2, 3, 64, dtype=torch.bfloat16)
         w = torch.empty(64, dtype=torch.float32)
-        y, rstd = torch.ops.tilenorm.rms_norm_fwd(x, w, 1e-6)
-        dx, dw = torch.ops.tilenorm.rms_norm_bwd(torch.empty_like(x), x, w, rstd)
-        _, dw_none = torch.ops.tilenorm.rms_norm_bwd(torch.empty_like(x), x, None, rstd)
-    assert (y.shape, y.dtype, rstd.shape, rstd.dtype) == (x.shape, x.dtype, (2, 3),
-                                                          torch.float32)
-    assert (dx.shape, dw.shape, dw.dtype, dw_none.shape) == (x.shape, (64,), torch.float32,
-                                                             (0,))
+        r = torch.empty(2, 3, 64, dtype=torch.bfloat16)
+        y, h, mean, rstd = torch.ops.tilenorm.norm_fwd(x, w, None, r, 1e-6, 1.0, False,
+                                                       torch.float32, torch.float32)
+        dx, dres, dw, db = torch.ops.tilenorm.norm_bwd(torch.empty_like(y), h, h, w, None,
+                                                       None, rstd, 1.0, x.dtype, r.dtype)
+        _, _, mean_ln, _ = torch.ops.tilenorm.norm_fwd(x, w, w, None, 1e-5, 0.0, True, None,
+                                                       None)
+    assert (y.shape, y.dtype, h.dtype, mean.shape, rstd.shape, rstd.dtype) == (
+        x.shape, torch.float32, torch.float32, (0,), (2, 3), torch.float32)
+    assert (dx.shape, dx.dtype, dres.dtype, dw.shape, dw.dtype, db.shape) == (
+        x.shape, torch.bfloat16, torch.bfloat16, (64,), torch.float32, (0,))
+    assert mean_ln.shape == (2, 3)
+
+
+def float64_features(x, w, eps, dy, *, offset=0.0, residual=None, dh=None):
+    """y, h, dx, dw, dresidual through float64 autograd of the textbook formula."""
+    x64 = x.detach().double().requires_grad_()
+    w64 = None if w is None else w.detach().double().requires_grad_()
+    r64 = None if residual is None else residual.detach().double().requires_grad_()
+    h = x64 if r64 is None else x64 + r64
+    y = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
+    if w64 is not None:
+        y = y * (offset + w64)
+    outputs, grads = [y], [dy.double()]
+    if dh is not None:
+        outputs.append(h)
+        grads.append(dh.double())
+    torch.autograd.backward(outputs, grads)
+    return (y.detach(), h.detach(), x64.grad, None if w64 is None else w64.grad,
+            None if r64 is None else r64.grad)
+
+
+@pytest.mark.parametrize("case", ["offset", "residual", "residual fp32 stream", "per-head",
+                                  "shared weight on heads", "out_dtype", "prenorm grad"])
+def test_features_on_reference_path_match_float64(case):
+    g, seed = fresh_generator()
+    shape = (3, 4, 64)
+    x = torch.randn(shape, generator=g).requires_grad_()
+    w = (1 + 0.5 * torch.randn(64, generator=g)).requires_grad_()
+    dy = torch.randn(shape, generator=g)
+    kw, ref_kw, dh = {}, {}, None
+    if case == "offset":
+        kw = ref_kw = dict(offset=1.0)
+    if case.startswith("residual") or case == "prenorm grad":
+        r = torch.randn(shape, generator=g).requires_grad_()
+        kw, ref_kw = dict(residual=r), dict(residual=r)
+        if case == "residual fp32 stream":
+            x = x.detach().bfloat16().requires_grad_()
+            kw["residual_dtype"] = torch.float32
+    if case == "per-head":
+        w = (1 + 0.5 * torch.randn(4, 64, generator=g)).requires_grad_()
+    if case == "out_dtype":
+        kw = dict(out_dtype=torch.bfloat16)
+    if case == "prenorm grad":
+        dh = torch.randn(shape, generator=g)
+        y, h = tilenorm.rms_norm(x, w, 1e-5, prenorm=True, **kw)
+        torch.autograd.backward([y, h], [dy, dh])
+    else:
+        y = tilenorm.rms_norm(x, w, 1e-5, **kw)
+        y.backward(dy.to(y.dtype))
+    y64, _, dx64, dw64, dr64 = float64_features(x, w, 1e-5, dy.to(y.dtype), dh=dh, **ref_kw)
+    tol = 1e-2 if torch.bfloat16 in (x.dtype, y.dtype) else 1e-5
+    assert y.dtype == kw.get("out_dtype", x.dtype)
+    assert rel(y, y64) <= tol and rel(x.grad, dx64) <= tol and rel(w.grad, dw64) <= tol, seed
+    if "residual" in ref_kw:
+        r = ref_kw["residual"]
+        assert r.grad.dtype == r.dtype and rel(r.grad, dr64) <= tol, seed
+
+
+@pytest.mark.parametrize("call,exc,words", [
+    (lambda x, w: tilenorm.rms_norm(x, None, offset=1.0), ValueError, "needs a weight"),
+    (lambda x, w: tilenorm.rms_norm(x, w, offset=float("inf")), ValueError, "offset"),
+    (lambda x, w: tilenorm.rms_norm(x, w, residual=torch.ones(3, 9)), ValueError,
+     "residual must have x's shape"),
+    (lambda x, w: tilenorm.rms_norm(x, w, residual_dtype=torch.float32), ValueError,
+     "needs a residual"),
+    (lambda x, w: tilenorm.rms_norm(x, w, out_dtype=torch.int8), TypeError, "out_dtype"),
+    (lambda x, w: tilenorm.rms_norm(x, torch.ones(4, 8)), ValueError, "per head"),
+    (lambda x, w: tilenorm.layer_norm(x, torch.ones(3, 8)), ValueError, "shape (8,)"),
+    (lambda x, w: tilenorm.layer_norm(x, w, torch.ones(7)), ValueError, "bias must have"),
+])
+def test_bad_feature_arguments_raise(call, exc, words):
+    x, w = torch.randn(3, 8), torch.ones(8)
+    with pytest.raises(exc, match=words.replace("(", r"\(").replace(")", r"\)")):
+        call(x, w)
+
+
+def test_per_head_weight_strided_qkv_needs_no_copy():
+    """q sliced out of a fused qkv projection: (B, S, H, D) with a row stride of 3 * H * D."""
+    from tilenorm.pytorch._checks import view_3d
+
+    qkv = torch.randn(2, 5, 3, 4, 16)
+    q = qkv[:, :, 0]
+    for keep_heads in (True, False):
+        shape3, strides3 = view_3d(tuple(q.shape), q.stride(), keep_heads)
+        view = q.as_strided(shape3, strides3)
+        assert view.data_ptr() == q.data_ptr() and torch.equal(view.reshape(q.shape), q)
+        assert shape3 == (10, 4, 16)
 
 
 # --- cuTile kernels (GPU) ----------------------------------------------------------------
@@ -194,9 +283,6 @@ DTYPE_CASES = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)
                (torch.float16, torch.float16), (torch.float32, torch.float32)]
 NS = [1, 7, 64, 127, 128, 1000, 1024, 4096, 5120, 8192, 16384, 65536]
 MS = [1, 3, 1000, 32768]
-OUT_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}
-RSTD_TOL = 1e-5
-DGAMMA_TOL_FP32 = 1e-3
 EPS = 1e-6
 
 
@@ -211,105 +297,100 @@ def _kernel_cases():
                                    id=f"{m}x{n}-{str(x_dtype)[6:]}-w{str(w_dtype)[6:]}")
 
 
-def _poisoned(shape, dtype):
-    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
-
-
-def _assert_same_bits(a: torch.Tensor, b: torch.Tensor, what: str):
-    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{what} differs between runs"
-
-
 @pytest.mark.parametrize("m,n,x_dtype,w_dtype", list(_kernel_cases()))
 def test_kernels_match_float64(m, n, x_dtype, w_dtype):
-    g, seed = fresh_generator("cuda")
-    x = torch.randn(m, n, generator=g, device="cuda", dtype=x_dtype)
-    dy = torch.randn(m, n, generator=g, device="cuda", dtype=x_dtype)
-    w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(w_dtype)
-    fwd, bwd = kernel_plan(x, "forward"), kernel_plan(x, "backward")
+    check_kernels(m, 1, n, x_dtype=x_dtype, w_dtype=w_dtype, eps=EPS, repeats=2)
 
-    y, rstd = cutile_rms_norm.forward(fwd, x, w, EPS, y=_poisoned((m, n), x_dtype),
-                                      rstd=_poisoned((m,), torch.float32))
-    dx, dw = cutile_rms_norm.backward(
-        bwd, dy, x, w, rstd, dx=_poisoned((m, n), x_dtype),
-        partial=_poisoned(bwd.partial_shape, torch.float32), dweight=_poisoned((n,), w_dtype))
-    for name, t in (("y", y), ("rstd", rstd), ("dx", dx), ("dweight", dw)):
-        assert not t.isnan().any(), f"{name} has unwritten (poisoned) elements; seed {seed}"
 
-    for _ in range(2):  # runs 2 and 3 must repeat run 1 bit for bit
-        y2, rstd2 = cutile_rms_norm.forward(fwd, x, w, EPS, y=_poisoned((m, n), x_dtype),
-                                            rstd=_poisoned((m,), torch.float32))
-        dx2, dw2 = cutile_rms_norm.backward(
-            bwd, dy, x, w, rstd2, dx=_poisoned((m, n), x_dtype),
-            partial=_poisoned(bwd.partial_shape, torch.float32),
-            dweight=_poisoned((n,), w_dtype))
-        for name, a, b in (("y", y, y2), ("rstd", rstd, rstd2), ("dx", dx, dx2),
-                           ("dweight", dw, dw2)):
-            _assert_same_bits(a, b, name)
-        del y2, rstd2, dx2, dw2
-
-    err = {k: ref64.RelError() for k in ("y", "rstd", "dx")}
-    dw64 = torch.zeros(n, dtype=torch.float64, device="cuda")
-    for rows in ref64.row_blocks(m, n):
-        y64, rstd64 = ref64.rms_norm_fwd(x[rows], w, EPS)
-        err["y"].add(y[rows], y64)
-        err["rstd"].add(rstd[rows], rstd64)
-        dx64, dw64_rows, scale = ref64.rms_norm_bwd(dy[rows], x[rows], w, EPS)
-        # For N = 1 the exact dx is O(eps) (x_hat = +-1 to within eps): a cancellation fp32
-        # cannot resolve relative to itself, so dx is measured against its terms' scale.
-        err["dx"].add(dx[rows], dx64, scale if n == 1 else None)
-        dw64 += dw64_rows
-    tol = OUT_TOL[x_dtype]
-    dw_tol = DGAMMA_TOL_FP32 if w_dtype == torch.float32 else OUT_TOL[w_dtype]
-    errors = {k: e.value for k, e in err.items()}
-    errors["dweight"] = rel(dw, dw64)
-    limits = {"y": tol, "rstd": RSTD_TOL, "dx": tol, "dweight": dw_tol}
-    failed = {k: v for k, v in errors.items() if not v <= limits[k]}
-    assert not failed, f"relative errors {failed} over {limits}; seed {seed}"
+FEATURE_NS = [128, 1000, 4096, 20000]
 
 
 @gpu
-@pytest.mark.parametrize("n", [64, 1000, 4096, 20000])
-def test_kernels_without_weight(n):
-    g, seed = fresh_generator("cuda")
-    x = torch.randn(300, n, generator=g, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn_like(x)
-    y, rstd = cutile_rms_norm.forward(kernel_plan(x, "forward"), x, None, EPS,
-                                      y=_poisoned(x.shape, x.dtype))
-    dx, dw = cutile_rms_norm.backward(kernel_plan(x, "backward"), dy, x, None, rstd,
-                                      dx=_poisoned(x.shape, x.dtype))
-    y64, dx64, _ = float64_autograd(x, None, EPS, dy)
-    assert dw is None
-    assert rel(y, y64) <= 1e-2 and rel(dx, dx64) <= 1e-2, seed
+@pytest.mark.parametrize("n", FEATURE_NS)
+@pytest.mark.parametrize("case", [
+    "no weight", "offset", "residual", "residual fp32 stream", "residual fp16",
+    "fp32 in bf16 out", "bf16 in fp32 out", "offset+residual fp32 weight"])
+def test_feature_kernels_match_float64(case, n):
+    kw = {
+        "no weight": dict(has_weight=False),
+        "offset": dict(offset=1.0),
+        "residual": dict(res_dtype=torch.bfloat16),
+        "residual fp32 stream": dict(res_dtype=torch.float32),
+        "residual fp16": dict(x_dtype=torch.float16, res_dtype=torch.float16),
+        "fp32 in bf16 out": dict(x_dtype=torch.float32, out_dtype=torch.bfloat16),
+        "bf16 in fp32 out": dict(out_dtype=torch.float32),
+        "offset+residual fp32 weight": dict(offset=1.0, res_dtype=torch.float32,
+                                            w_dtype=torch.float32),
+    }[case]
+    check_kernels(777, 1, n, eps=EPS, repeats=1, **kw)
+
+
+@gpu
+@pytest.mark.parametrize("rows,heads,d", [(4096, 8, 128), (1000, 40, 64), (333, 5, 256),
+                                          (64, 64, 128), (2048, 2, 96)])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_per_head_kernels_match_float64(rows, heads, d, per_head):
+    fwd, bwd = check_kernels(rows, heads, d, per_head=per_head, eps=EPS, repeats=1)
+    if per_head:
+        assert bwd.grid % bwd.head_tiles == 0
+
+
+@gpu
+def test_per_head_on_strided_qkv_slice():
+    g, _ = fresh_generator("cuda")
+    qkv = torch.randn(4096, 3, 16, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    check_kernels(4096, 16, 128, per_head=True, x=qkv[:, 0], eps=EPS)
+
+
+@gpu
+def test_more_than_2_pow_31_elements_index_with_64_bits():
+    m, n = 65536 + 24, 32768  # 2^31 + 786432 elements
+    fwd, bwd = check_kernels(m, 1, n, eps=EPS, repeats=0)
+    assert fwd.index_bits == bwd.index_bits == 64
+    assert plan_row_norm(32768, 65536, itemsize=2, sm_count=132, arch=(9, 0),
+                         direction="forward").index_bits == 32
 
 
 def _strided_inputs(g):
     base = torch.randn(64, 2 * 1000 + 8, generator=g, device="cuda", dtype=torch.bfloat16)
     flat = torch.randn(64 * 1000 + 1, generator=g, device="cuda", dtype=torch.bfloat16)
     cube = torch.randn(8, 16, 1000, generator=g, device="cuda", dtype=torch.bfloat16)
+    big = torch.randn(4, 6, 8, 1000, generator=g, device="cuda", dtype=torch.bfloat16)
     return {
         "row stride": base[:, :1000],
         "column stride 2": base[:, :2000:2],
         "misaligned storage offset": flat[1:].view(64, 1000),
         "non-collapsible leading dims": cube.transpose(0, 1),
+        "three non-collapsible groups": big.permute(2, 0, 1, 3),
         "expanded (stride 0)": cube[:1].expand(8, 16, 1000),
     }
 
 
 @gpu
 @pytest.mark.parametrize("case", ["row stride", "column stride 2", "misaligned storage offset",
-                                  "non-collapsible leading dims", "expanded (stride 0)"])
+                                  "non-collapsible leading dims", "three non-collapsible groups",
+                                  "expanded (stride 0)"])
 def test_public_op_on_strided_inputs(case):
     g, seed = fresh_generator("cuda")
     x = _strided_inputs(g)[case].detach().requires_grad_()
     w = (1 + 0.5 * torch.randn(1000, generator=g, device="cuda")).requires_grad_()
+    r = torch.randn(x.shape, generator=g, device="cuda").transpose(0, 1).contiguous() \
+        .transpose(0, 1).requires_grad_()  # a residual whose strides differ from x's
     dy = torch.randn(x.shape, generator=g, device="cuda", dtype=x.dtype)
     with tilenorm.experimental():
         assert tilenorm.explain(x, w).uses_kernel
         y = tilenorm.rms_norm(x, w, eps=EPS)
         y.backward(dy)
-    y64, dx64, dw64 = float64_autograd(x, w, EPS, dy)
-    assert rel(y, y64) <= 1e-2 and rel(x.grad, dx64) <= 1e-2, seed
-    assert rel(w.grad, dw64) <= DGAMMA_TOL_FP32, seed
+        y64, _, dx64, dw64, _ = float64_features(x, w, EPS, dy)
+        assert rel(y, y64) <= 1e-2 and rel(x.grad, dx64) <= 1e-2, seed
+        assert rel(w.grad, dw64) <= DGAMMA_TOL_FP32, seed
+        x.grad = w.grad = None
+        y, h = tilenorm.rms_norm(x, w, eps=EPS, residual=r, prenorm=True)
+        y.backward(dy)
+        y64, h64, dx64, dw64, dr64 = float64_features(x, w, EPS, dy, residual=r)
+        assert h.dtype == torch.float32 and rel(h, h64) <= 1e-6, seed
+        assert rel(y, y64) <= 1e-2 and rel(x.grad, dx64) <= 1e-2, seed
+        assert rel(r.grad, dr64) <= 1e-2 and rel(w.grad, dw64) <= DGAMMA_TOL_FP32, seed
 
 
 @gpu
@@ -322,9 +403,9 @@ def test_public_op_and_module_match_torch():
             theirs.weight.uniform_(0.5, 1.5, generator=g)
         ours.load_state_dict(theirs.state_dict())
         x = torch.randn(2, 512, 4096, generator=g, device="cuda", dtype=torch.bfloat16)
-        assert "rms_norm_fwd_single" in str(tilenorm.explain(x, ours.weight))
-        y64, _, _ = float64_autograd(x, theirs.weight, torch.finfo(torch.bfloat16).eps,
-                                     torch.zeros_like(x))
+        assert "norm_fwd_single" in str(tilenorm.explain(x, ours.weight))
+        y64, _, _, _, _ = float64_features(x, theirs.weight, torch.finfo(torch.bfloat16).eps,
+                                           torch.zeros_like(x))
         assert rel(ours(x), y64) <= 1e-2, seed
         assert rel(theirs(x), y64) <= 1e-2, seed
 
@@ -337,23 +418,40 @@ def test_empty_and_large_leading_shapes_on_gpu():
 
 
 @gpu
-def test_torch_compile_fullgraph_matches_reference():
+@pytest.mark.parametrize("case", ["plain", "residual prenorm", "per-head offset"])
+def test_torch_compile_fullgraph_matches_float64(case):
     g, seed = fresh_generator("cuda")
-    x = torch.randn(4, 256, 1024, generator=g, device="cuda", dtype=torch.bfloat16)
-    w = (1 + 0.5 * torch.randn(1024, generator=g, device="cuda")).requires_grad_()
+    x = torch.randn(4, 256, 8, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    wshape = (8, 128) if case == "per-head offset" else (128,)
+    w = (0.5 * torch.randn(wshape, generator=g, device="cuda")).requires_grad_()
+    r = torch.randn(x.shape, generator=g, device="cuda", dtype=x.dtype).requires_grad_()
     dy = torch.randn(x.shape, generator=g, device="cuda", dtype=x.dtype)
+    dh = torch.randn(x.shape, generator=g, device="cuda", dtype=x.dtype)
+    offset = 1.0 if case == "per-head offset" else 0.0
+
+    def f(x, w, r):
+        if case == "residual prenorm":
+            return tilenorm.rms_norm(x, w, 1e-6, residual=r, prenorm=True)
+        return tilenorm.rms_norm(x, w, 1e-6, offset=offset), x
+
     with tilenorm.experimental():
-        compiled = torch.compile(lambda x, w: tilenorm.rms_norm(x, w, 1e-6), fullgraph=True)
+        compiled = torch.compile(f, fullgraph=True)
         xg = x.clone().requires_grad_()
-        y = compiled(xg, w)
-        y.backward(dy)
-    y64, dx64, dw64 = float64_autograd(x, w, 1e-6, dy)
+        y, h = compiled(xg, w, r)
+        if case == "residual prenorm":
+            torch.autograd.backward([y, h], [dy, dh])
+        else:
+            y.backward(dy)
+    kw = dict(residual=r, dh=dh) if case == "residual prenorm" else dict(offset=offset)
+    y64, _, dx64, dw64, dr64 = float64_features(x, w, 1e-6, dy, **kw)
     assert rel(y, y64) <= 1e-2 and rel(xg.grad, dx64) <= 1e-2, seed
     assert rel(w.grad, dw64) <= DGAMMA_TOL_FP32, seed
+    if case == "residual prenorm":
+        assert rel(r.grad, dr64) <= 1e-2, seed
 
 
 @gpu
-def test_cuda_graph_replay_matches_reference():
+def test_cuda_graph_replay_matches_float64():
     g, seed = fresh_generator("cuda")
     x = torch.randn(1024, 4096, generator=g, device="cuda", dtype=torch.bfloat16)
     w = (1 + 0.5 * torch.randn(4096, generator=g, device="cuda")).requires_grad_()
@@ -379,7 +477,7 @@ def test_cuda_graph_replay_matches_reference():
                                            dtype=x.dtype))
             graph.replay()
             torch.cuda.synchronize()
-            y64, dx64, dw64 = float64_autograd(static_x, w, 1e-6, dy)
+            y64, _, dx64, dw64, _ = float64_features(static_x, w, 1e-6, dy)
             y, dx, dw = outs
             assert rel(y, y64) <= 1e-2 and rel(dx, dx64) <= 1e-2, seed
             assert rel(dw, dw64) <= DGAMMA_TOL_FP32, seed
@@ -390,5 +488,23 @@ def test_flag_off_never_runs_experimental_kernels():
     x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
     with tilenorm.experimental(False):
         route = tilenorm.explain(x)
-        assert route.uses_kernel == is_stable(CUTILE_RMS_NORM)
-        torch.testing.assert_close(tilenorm.rms_norm(x), reference.rms_norm(x, None, 1e-6))
+        assert route.uses_kernel == is_stable(CUTILE_NORM)
+        torch.testing.assert_close(tilenorm.rms_norm(x),
+                                   reference.norm(x, None, None, 1e-6)[0])
+
+
+@gpu
+def test_launch_level_pair_matches_autograd():
+    g, seed = fresh_generator("cuda")
+    x = torch.randn(512, 2048, generator=g, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(512, 2048, generator=g, device="cuda", dtype=torch.float32)
+    w = 1 + 0.5 * torch.randn(2048, generator=g, device="cuda")
+    dy, dh = torch.randn_like(x), torch.randn_like(r)
+    with tilenorm.experimental():
+        y, h, rstd = tilenorm.rms_norm_forward(x, w, EPS, offset=1.0, residual=r)
+        dx, dr, dw = tilenorm.rms_norm_backward(dy, h, w, rstd, offset=1.0, dh=dh,
+                                                x_dtype=x.dtype, residual_dtype=r.dtype)
+    y64, _, dx64, dw64, dr64 = float64_features(x, w, EPS, dy, offset=1.0, residual=r, dh=dh)
+    assert (dx.dtype, dr.dtype, h.dtype) == (torch.bfloat16, torch.float32, torch.float32)
+    assert rel(y, y64) <= 1e-2 and rel(dx, dx64) <= 1e-2 and rel(dr, dr64) <= 1e-5, seed
+    assert rel(dw, dw64) <= DGAMMA_TOL_FP32, seed

@@ -3,7 +3,7 @@ beside torch (with a GPU) or an ahead-of-time build of the kernels for sm_90 and
 (without one).
 
     python -m tilenorm                 the main job
-    python -m tilenorm --aot-all       build every kernel variant (all dtypes), not one dtype
+    python -m tilenorm --aot-all       build every kernel variant (all features and dtypes)
     python -m tilenorm validation ...  GPU validation records (see tilenorm.validation)
 """
 
@@ -55,6 +55,18 @@ def _rel(out, ref) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
+def _float64(x, w, b, dy, layer_norm):
+    leaves = [None if t is None else t.detach().double().requires_grad_() for t in (x, w, b)]
+    h = leaves[0]
+    if layer_norm:
+        h = h - h.mean(-1, keepdim=True)
+    y = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + EPS) * leaves[1]
+    if b is not None:
+        y = y + leaves[2]
+    y.backward(dy.double())
+    return y, *(None if t is None else t.grad for t in leaves)
+
+
 def self_check(device: str) -> bool:
     """Every op's forward and backward against float64 autograd on fresh random inputs; on a
     GPU the kernels themselves (experimental or not)."""
@@ -62,24 +74,29 @@ def self_check(device: str) -> bool:
     cases = [((4, 1000), torch.float32, 1e-5), ((3, 7, 4096), torch.bfloat16, 1e-2),
              ((2, 20000), torch.float16, 1e-2)]
     with tilenorm.experimental(device == "cuda"):
-        for shape, dtype, tol in cases:
-            x = torch.randn(shape, device=device).to(dtype).requires_grad_()
-            w = (1 + 0.5 * torch.randn(shape[-1], device=device)).requires_grad_()
-            dy = torch.randn(shape, device=device, dtype=dtype)
-            route = tilenorm.explain(x, w)
-            y = tilenorm.rms_norm(x, w, EPS)
-            y.backward(dy)
-            x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-            y64 = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + EPS) * w64
-            y64.backward(dy.double())
-            errs = (_rel(y, y64), _rel(x.grad, x64.grad), _rel(w.grad, w64.grad))
-            passed = max(errs[:2]) <= tol and errs[2] <= max(tol, 1e-3)
-            ok &= passed
-            path = f"{route.family.language} {', '.join(route.kernels[:2])}" \
-                if route.uses_kernel else "reference"
-            print(f"  rms_norm {str(dtype)[6:]:>8} {str(shape):>14} via {path}: rel err "
-                  f"y {errs[0]:.1e} dx {errs[1]:.1e} dw {errs[2]:.1e} "
-                  f"{'ok' if passed else 'FAILED'}")
+        for layer_norm in (False, True):
+            for shape, dtype, tol in cases:
+                x = torch.randn(shape, device=device).to(dtype).requires_grad_()
+                w = (1 + 0.5 * torch.randn(shape[-1], device=device)).requires_grad_()
+                b = torch.randn(shape[-1], device=device).requires_grad_() if layer_norm \
+                    else None
+                dy = torch.randn(shape, device=device, dtype=dtype)
+                route = tilenorm.explain(x, w, bias=b, layer_norm=layer_norm)
+                y = (tilenorm.layer_norm(x, w, b, EPS) if layer_norm
+                     else tilenorm.rms_norm(x, w, EPS))
+                y.backward(dy)
+                y64, dx64, dw64, db64 = _float64(x, w, b, dy, layer_norm)
+                errs = [_rel(y, y64), _rel(x.grad, dx64), _rel(w.grad, dw64)]
+                if layer_norm:
+                    errs.append(_rel(b.grad, db64))
+                passed = max(errs[:2]) <= tol and max(errs[2:]) <= max(tol, 1e-3)
+                ok &= passed
+                path = f"{route.family.language} {', '.join(route.kernels[:2])}" \
+                    if route.uses_kernel else "reference"
+                op = "layer_norm" if layer_norm else "rms_norm"
+                print(f"  {op:>10} {str(dtype)[6:]:>8} {str(shape):>14} via {path}: rel err "
+                      f"y {errs[0]:.1e} dx {errs[1]:.1e} dparams {max(errs[2:]):.1e} "
+                      f"{'ok' if passed else 'FAILED'}")
     return ok
 
 
@@ -92,17 +109,24 @@ def short_benchmark() -> None:
     dy = torch.randn_like(x)
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     fwd_bytes, bwd_bytes = 2 * m * n * 2 + 2 * n + 4 * m, 3 * m * n * 2 + 4 * n + 4 * m
-    compiled_fwd = torch.compile(lambda x, w: reference.rms_norm_forward(x, w, EPS))
-    compiled_bwd = torch.compile(reference.rms_norm_backward)
+
+    def reference_fwd(x, w):
+        y, _, _, rstd = reference.norm_forward(x, w, None, EPS)
+        return y, rstd
+
+    def reference_bwd(dy, x, w, rstd):
+        return reference.norm_backward(dy, None, x, w, None, None, rstd)
+
+    compiled_fwd, compiled_bwd = torch.compile(reference_fwd), torch.compile(reference_bwd)
     with tilenorm.experimental():
-        _, rstd = tilenorm.rms_norm_forward(x, w, EPS)
+        _, _, rstd = tilenorm.rms_norm_forward(x, w, EPS)
         providers = {
             "tilenorm": (lambda: tilenorm.rms_norm_forward(x, w, EPS),
                          lambda: tilenorm.rms_norm_backward(dy, x, w, rstd)),
             "torch.compile": (lambda: compiled_fwd(x, w),
                               lambda: compiled_bwd(dy, x, w, rstd)),
         }
-        print(f"  bf16 {m}x{n}, CUDA-graph kernel time; device copy {copy:.0f} GB/s")
+        print(f"  rms_norm bf16 {m}x{n}, CUDA-graph kernel time; device copy {copy:.0f} GB/s")
         for name, (fwd, bwd) in providers.items():
             f, b = graph_ms(fwd), graph_ms(bwd)
             print(f"  {name:>14}: forward {fwd_bytes / f / 1e6:6.0f} GB/s "
@@ -119,20 +143,21 @@ def _export_one(index: int, gpu_code: str, all_dtypes: bool) -> tuple[str, str, 
 
 
 def _jobs(all_dtypes: bool):
-    from tilenorm.cutile.export import rms_norm_jobs
+    from tilenorm.cutile.export import jobs
 
-    jobs = list(rms_norm_jobs())
+    every = list(jobs())
     if all_dtypes:
-        return jobs
-    return [j for j in jobs if "bfloat16/bfloat16" in j.label or "column_sum" in j.label]
+        return every
+    return [j for j in every if "/" not in j.label]
 
 
 def build_ahead_of_time(all_dtypes: bool) -> bool:
     from tilenorm.cutile.export import GPU_CODES
 
     work = [(i, code) for code in GPU_CODES for i in range(len(_jobs(all_dtypes)))]
-    print(f"  {len(work)} kernel builds ({'all dtypes' if all_dtypes else 'bf16 variants'} "
-          f"of every planner configuration) for {', '.join(GPU_CODES)}")
+    scope = ("every feature and dtype combination" if all_dtypes
+             else "bf16 variants of every planner configuration")
+    print(f"  {len(work)} kernel builds ({scope}) for {', '.join(GPU_CODES)}")
     ok, start = True, time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
         futures = {pool.submit(_export_one, i, code, all_dtypes): (i, code) for i, code in work}

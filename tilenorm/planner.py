@@ -1,9 +1,13 @@
 """Launch planning for the row-normalization kernels. Pure Python: no GPU, no torch.
 
 Every launch decision (tile shape, single pass or column chunks, occupancy, persistent grid,
-partial-buffer shape, the dgamma reduction's tiling) comes from :func:`plan_row_norm`, a
-function of (M, N, element size, SM count, architecture), so CPU tests can check it and
-:func:`tilenorm.explain` can show it.
+partial-buffer shape, 32- or 64-bit indexing, the dgamma reduction's tiling) comes from
+:func:`plan_row_norm`, a function of the problem's shape, element size, SM count and
+architecture, so CPU tests can check it and :func:`tilenorm.explain` can show it.
+
+A problem is ``rows x heads`` normalized vectors of ``cols`` elements: x viewed as
+(rows, heads, cols). Plain norms have ``heads == 1``; per-head (QK) norms keep the head axis so
+that a strided (..., H, D) input needs no copy and a per-head weight (H, D) can be applied.
 """
 
 from __future__ import annotations
@@ -23,14 +27,15 @@ MAX_SINGLE_PASS_COLS = {"forward": 16384, "backward": 8192}
 CHUNK_TILE = {"forward": (1, 4096), "backward": (8, 512)}
 #: Narrower rows are padded to this many columns: 16 bf16 elements are one 32-byte sector.
 MIN_TILE_COLS = 16
-#: Elements per single-pass (TILE_M, TILE_N) tile: narrow rows are packed up to this.
+#: Elements per single-pass (rows, heads, cols) tile: narrow rows are packed up to this.
 TILE_ELEMENTS = {"forward": 8192, "backward": 4096}
 #: Resident programs per SM that the kernels are compiled for (the occupancy hint).
 OCCUPANCY = {"forward": 2, "backward": 2}
+#: Whether the single-pass loop loads its next row tile before normalizing the current one.
+PREFETCH = {"forward": True, "backward": False}
 #: Tile of the fixed-order dgamma reduction over the partial buffer.
 REDUCE_TILE = (64, 64)
-#: Kernels index with 32-bit integers: element offsets up to 2^31 - 1, so at most 2^31
-#: elements (larger tensors need 64-bit offsets, not yet planned).
+#: Largest element offset 32-bit indexing reaches; beyond it the kernels index with 64 bits.
 MAX_INT32_OFFSET = 2**31 - 1
 
 
@@ -48,23 +53,32 @@ class UnsupportedShape(ValueError):
 
 @dataclass(frozen=True)
 class RowNormPlan:
-    """How one normalization launch covers an (M, N) problem.
+    """How one normalization launch covers a (rows, heads, cols) problem.
 
-    Program ``p`` of ``grid`` handles row tiles ``p, p + grid, ...`` (see
-    :meth:`program_row_tiles`); a row tile is ``tile_rows`` rows by ``col_tiles`` column tiles
-    of ``tile_cols`` columns.
+    Row tile ``t`` is ``tile_rows x tile_heads`` vectors by ``col_tiles`` column tiles of
+    ``tile_cols`` columns, at row-tile index ``t // head_tiles`` and head-tile index
+    ``t % head_tiles``. Program ``p`` of ``grid`` handles row tiles ``p, p + grid, ...`` (see
+    :meth:`program_row_tiles`). With a per-head weight the grid is a multiple of
+    ``head_tiles``, so each program stays on one head tile and owns one slot of the
+    ``(grid // head_tiles, heads, cols)`` partial buffer.
     """
 
     rows: int
+    heads: int
     cols: int
     direction: Direction
+    per_head_weight: bool
     tile_rows: int
+    tile_heads: int
     tile_cols: int
     col_tiles: int
+    head_tiles: int
     row_tiles: int
     grid: int
     occupancy: int
-    partial_shape: tuple[int, int]
+    prefetch: bool
+    index_bits: int
+    partial_shape: tuple[int, int, int]
     reduce_tile: tuple[int, int]
     reduce_grid: int
 
@@ -72,74 +86,89 @@ class RowNormPlan:
     def single_pass(self) -> bool:
         return self.col_tiles == 1
 
+    @property
+    def config(self) -> tuple:
+        """What selects a compiled kernel variant (besides dtypes and feature flags)."""
+        return (self.single_pass, self.tile_rows, self.tile_heads, self.tile_cols,
+                self.occupancy, self.prefetch and self.single_pass, self.index_bits)
+
     def program_row_tiles(self, program: int) -> range:
         """Row tiles of ``program``, in the order it visits them."""
         return range(program, self.row_tiles, self.grid)
 
-    def tile_row_range(self, row_tile: int) -> range:
-        """Rows of ``row_tile`` that exist (the last tile may be partial)."""
-        start = row_tile * self.tile_rows
-        return range(start, min(start + self.tile_rows, self.rows))
+    def tile_vectors(self, row_tile: int) -> list[tuple[int, int]]:
+        """(row, head) pairs of ``row_tile`` that exist (edge tiles may be partial)."""
+        r0 = row_tile // self.head_tiles * self.tile_rows
+        h0 = row_tile % self.head_tiles * self.tile_heads
+        return [(r, h) for r in range(r0, min(r0 + self.tile_rows, self.rows))
+                for h in range(h0, min(h0 + self.tile_heads, self.heads))]
+
+    def partial_slot(self, program: int) -> int:
+        """The partial-buffer row that ``program`` writes."""
+        return program // self.head_tiles if self.per_head_weight else program
 
     def describe(self) -> str:
         mode = "single pass" if self.single_pass else f"{self.col_tiles} column chunks, 2 passes"
-        text = (f"tile {self.tile_rows}x{self.tile_cols} ({mode}), {self.row_tiles} row tiles, "
-                f"persistent grid {self.grid} (occupancy {self.occupancy})")
+        heads = f"x{self.tile_heads}" if self.heads > 1 else ""
+        text = (f"tile {self.tile_rows}{heads}x{self.tile_cols} ({mode}), {self.row_tiles} row "
+                f"tiles, persistent grid {self.grid} (occupancy {self.occupancy})")
+        if self.prefetch and self.single_pass:
+            text += ", next tile prefetched"
+        if self.index_bits == 64:
+            text += ", 64-bit offsets"
         if self.direction == "backward":
-            text += (f", partial buffer {self.partial_shape[0]}x{self.partial_shape[1]} fp32, "
-                     f"dgamma reduce grid {self.reduce_grid} of {self.reduce_tile[0]}x"
-                     f"{self.reduce_tile[1]} tiles")
+            p = self.partial_shape
+            shape = f"{p[0]}x{p[2]}" if p[1] == 1 else f"{p[0]}x{p[1]}x{p[2]}"
+            text += (f", partial buffer {shape} fp32, dgamma reduce grid {self.reduce_grid} of "
+                     f"{self.reduce_tile[0]}x{self.reduce_tile[1]} tiles")
         return text
 
 
 @functools.lru_cache(maxsize=4096)
 def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
-                  arch: tuple[int, int], direction: Direction) -> RowNormPlan:
-    """Plan a persistent normalization over an (rows, cols) problem.
+                  arch: tuple[int, int], direction: Direction, heads: int = 1,
+                  per_head_weight: bool = False, max_offset: int | None = None) -> RowNormPlan:
+    """Plan a persistent normalization of ``rows x heads`` vectors of ``cols`` elements.
 
     ``itemsize`` is the input's element size in bytes and ``arch`` the compute capability.
-    Raises :class:`UnsupportedShape` for problems the kernels cannot take.
+    ``max_offset`` is the largest element offset any operand reaches (default: that of a
+    contiguous tensor); past 2^31 - 1 the kernels index with 64 bits. Raises
+    :class:`UnsupportedShape` for problems the kernels cannot take.
     """
-    if rows < 1 or cols < 1:
-        raise UnsupportedShape(f"empty problem ({rows}x{cols}) needs no kernel")
+    if rows < 1 or cols < 1 or heads < 1:
+        raise UnsupportedShape(f"empty problem ({rows}x{heads}x{cols}) needs no kernel")
     if sm_count < 1:
         raise ValueError(f"sm_count must be positive, got {sm_count}")
     if itemsize not in (2, 4):
         raise UnsupportedShape(f"{itemsize}-byte elements are not supported (2 or 4)")
     if direction not in OCCUPANCY:
         raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
-    if rows * cols - 1 > MAX_INT32_OFFSET:
-        raise UnsupportedShape(
-            f"{rows}x{cols} has {rows * cols} elements, more than 32-bit offsets reach")
+    if max_offset is None:
+        max_offset = rows * heads * cols - 1
 
     if cols <= MAX_SINGLE_PASS_COLS[direction]:
         tile_cols = max(MIN_TILE_COLS, next_pow2(cols))
-        tile_rows = max(1, TILE_ELEMENTS[direction] // tile_cols)
+        vectors = max(1, TILE_ELEMENTS[direction] // tile_cols)
+        tile_heads = min(next_pow2(heads), vectors)
+        tile_rows = max(1, vectors // tile_heads)
     else:
-        tile_rows, tile_cols = CHUNK_TILE[direction]
+        (tile_rows, tile_cols), tile_heads = CHUNK_TILE[direction], 1
     col_tiles = cdiv(cols, tile_cols)
-    row_tiles = cdiv(rows, tile_rows)
+    head_tiles = cdiv(heads, tile_heads)
+    row_tiles = cdiv(rows, tile_rows) * head_tiles
     occupancy = OCCUPANCY[direction]
     grid = min(row_tiles, sm_count * occupancy)
-    partial_shape = (grid, col_tiles * tile_cols)
-    reduce_tile = REDUCE_TILE
+    if per_head_weight:
+        grid = max(head_tiles, grid // head_tiles * head_tiles)
+    partial_rows = grid // head_tiles if per_head_weight else grid
+    partial_shape = (partial_rows, heads if per_head_weight else 1, cols)
+    reduce_cols = partial_shape[1] * cols
     return RowNormPlan(
-        rows=rows, cols=cols, direction=direction,
-        tile_rows=tile_rows, tile_cols=tile_cols, col_tiles=col_tiles, row_tiles=row_tiles,
-        grid=grid, occupancy=occupancy, partial_shape=partial_shape,
-        reduce_tile=reduce_tile, reduce_grid=cdiv(partial_shape[1], reduce_tile[1]),
+        rows=rows, heads=heads, cols=cols, direction=direction,
+        per_head_weight=per_head_weight, tile_rows=tile_rows, tile_heads=tile_heads,
+        tile_cols=tile_cols, col_tiles=col_tiles, head_tiles=head_tiles, row_tiles=row_tiles,
+        grid=grid, occupancy=occupancy, prefetch=PREFETCH[direction],
+        index_bits=64 if max_offset > MAX_INT32_OFFSET else 32,
+        partial_shape=partial_shape, reduce_tile=REDUCE_TILE,
+        reduce_grid=cdiv(reduce_cols, REDUCE_TILE[1]),
     )
-
-
-def kernel_configs(direction: Direction) -> list[tuple[bool, int, int, int]]:
-    """Every (single_pass, tile_rows, tile_cols, occupancy) that :func:`plan_row_norm` can
-    choose for ``direction``: the set that ahead-of-time compilation must cover."""
-    occupancy = OCCUPANCY[direction]
-    configs = []
-    tile_cols = MIN_TILE_COLS
-    while tile_cols <= next_pow2(MAX_SINGLE_PASS_COLS[direction]):
-        configs.append((True, max(1, TILE_ELEMENTS[direction] // tile_cols), tile_cols,
-                        occupancy))
-        tile_cols *= 2
-    configs.append((False, *CHUNK_TILE[direction], occupancy))
-    return configs

@@ -1,6 +1,14 @@
 """Reference implementations in plain torch: the path for CPU tensors and for every case no
-kernel covers, with the kernels' semantics (fp32 arithmetic, fp64 for fp64 inputs, result in
-x's dtype). Differentiable through autograd."""
+kernel covers, with the kernels' semantics.
+
+    h = x + residual, rounded to residual_dtype   (fused residual add; otherwise h = x)
+    mu = mean(h) (LayerNorm only), rstd = 1 / sqrt(mean((h - mu)^2) + eps)
+    y = (h - mu) * rstd * (offset + weight) + bias, in out_dtype
+
+Arithmetic is fp32 (fp64 for fp64 inputs). The weight and bias are (N,), or (H, N) per head
+for x of shape (..., H, N). :func:`norm` is differentiable through autograd;
+:func:`norm_forward` and :func:`norm_backward` are the launch-level pair the custom ops use.
+"""
 
 from __future__ import annotations
 
@@ -11,38 +19,90 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None,
-             eps: float = 1e-6) -> torch.Tensor:
+def _residual_sum(x: torch.Tensor, residual: torch.Tensor | None,
+                  residual_dtype: torch.dtype | None) -> torch.Tensor:
+    if residual is None:
+        return x
     acc = compute_dtype(x.dtype)
-    xf = x.to(acc)
-    y = xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps)
+    return (x.to(acc) + residual.to(acc)).to(residual_dtype)
+
+
+def _stats(hf: torch.Tensor, layer_norm: bool, eps: float
+           ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    mean = hf.mean(dim=-1, keepdim=True) if layer_norm else None
+    centered = hf - mean if layer_norm else hf
+    return mean, torch.rsqrt(centered.square().mean(dim=-1, keepdim=True) + eps)
+
+
+def _affine(x_hat, weight, bias, offset, acc):
+    y = x_hat
     if weight is not None:
-        y = y * weight.to(acc)
-    return y.to(x.dtype)
+        y = y * (weight.to(acc) + offset)
+    if bias is not None:
+        y = y + bias.to(acc)
+    return y
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, rstd) with rstd of shape x.shape[:-1] in the compute dtype: the kernels' outputs."""
+def norm(x: torch.Tensor, weight: torch.Tensor | None = None,
+         bias: torch.Tensor | None = None, eps: float = 1e-6, *, layer_norm: bool = False,
+         offset: float = 0.0, residual: torch.Tensor | None = None,
+         residual_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, h), differentiable in every tensor argument; h is x without a residual."""
     acc = compute_dtype(x.dtype)
-    xf = x.to(acc)
-    rstd = torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps)
-    y = xf * rstd
-    if weight is not None:
-        y = y * weight.to(acc)
-    return y.to(x.dtype), rstd.squeeze(-1)
+    h = _residual_sum(x, residual, residual_dtype)
+    hf = h.to(acc)
+    mean, rstd = _stats(hf, layer_norm, eps)
+    x_hat = (hf - mean if layer_norm else hf) * rstd
+    y = _affine(x_hat, weight, bias, offset, acc)
+    return y.to(out_dtype or x.dtype), h
 
 
-def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
-                      rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(dx, dweight) from the forward's rstd: the kernels' backward, in torch."""
+def norm_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                 eps: float, *, layer_norm: bool = False, offset: float = 0.0,
+                 residual: torch.Tensor | None = None,
+                 residual_dtype: torch.dtype | None = None,
+                 out_dtype: torch.dtype | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(y, h, mean, rstd): the kernels' outputs. mean (None for RMSNorm) and rstd have shape
+    x.shape[:-1] in the compute dtype."""
     acc = compute_dtype(x.dtype)
-    rstd = rstd.to(acc).unsqueeze(-1)
-    x_hat = x.to(acc) * rstd
-    dyf = dy.to(acc)
-    wdy = dyf * weight.to(acc) if weight is not None else dyf
-    dx = (wdy - x_hat * (x_hat * wdy).mean(dim=-1, keepdim=True)) * rstd
-    dweight = None
-    if weight is not None:
-        dweight = (dyf * x_hat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
-    return dx.to(x.dtype), dweight
+    with torch.no_grad():
+        h = _residual_sum(x, residual, residual_dtype)
+        hf = h.to(acc)
+        mean, rstd = _stats(hf, layer_norm, eps)
+        x_hat = (hf - mean if layer_norm else hf) * rstd
+        y = _affine(x_hat, weight, bias, offset, acc).to(out_dtype or x.dtype)
+    return y, h, None if mean is None else mean.squeeze(-1), rstd.squeeze(-1)
+
+
+def _fold(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over every leading dimension that ``like`` (a weight or bias) lacks."""
+    return t.reshape(-1, *like.shape).sum(0).to(like.dtype)
+
+
+def norm_backward(dy: torch.Tensor, dres_in: torch.Tensor | None, h: torch.Tensor,
+                  weight: torch.Tensor | None, bias: torch.Tensor | None,
+                  mean: torch.Tensor | None, rstd: torch.Tensor, *, offset: float = 0.0,
+                  x_dtype: torch.dtype | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                             torch.Tensor | None]:
+    """(dx, dh, dweight, dbias) from the forward's h, mean and rstd. dh is the gradient of the
+    residual stream in h's dtype (the residual's gradient); dx the same values in
+    ``x_dtype`` (default h's dtype)."""
+    acc = compute_dtype(h.dtype)
+    with torch.no_grad():
+        r = rstd.to(acc).unsqueeze(-1)
+        hf = h.to(acc)
+        x_hat = (hf - mean.to(acc).unsqueeze(-1) if mean is not None else hf) * r
+        g = dy.to(acc)
+        wdy = g * (weight.to(acc) + offset) if weight is not None else g
+        d = wdy - x_hat * (x_hat * wdy).mean(dim=-1, keepdim=True)
+        if mean is not None:
+            d = d - wdy.mean(dim=-1, keepdim=True)
+        d = d * r
+        if dres_in is not None:
+            d = d + dres_in.to(acc)
+        dweight = None if weight is None else _fold(g * x_hat, weight)
+        dbias = None if bias is None else _fold(g, bias)
+        return d.to(x_dtype or h.dtype), d.to(h.dtype), dweight, dbias

@@ -37,9 +37,8 @@ class KernelFamily:
         return _digest(self.sources)
 
 
-CUTILE_RMS_NORM = KernelFamily(
-    "cutile/rms_norm", "cuTile", ("cutile/rms_norm.py", "cutile/reduce.py"))
-FAMILIES = (CUTILE_RMS_NORM,)
+CUTILE_NORM = KernelFamily("cutile/norm", "cuTile", ("cutile/norm.py", "cutile/reduce.py"))
+FAMILIES = (CUTILE_NORM,)
 
 
 @functools.cache

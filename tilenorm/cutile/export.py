@@ -1,19 +1,21 @@
-"""Ahead-of-time compilation of every cuTile kernel variant the planner can choose.
+"""Ahead-of-time compilation of the cuTile kernel variants the planner and the ops choose.
 
 Needs no GPU: ``cuda.tile.compilation.export_kernel`` runs the cuTile compiler (tileiras)
 on the CPU. CI uses it to prove that each configuration builds for Hopper (sm_90) and
 Blackwell (sm_100); ``python -m tilenorm`` does the same on a machine without a GPU.
 
 The launch arguments come from the same builders the runtime uses
-(:func:`tilenorm.cutile.rms_norm.forward_launch` and friends), with parameter constraints in
-place of tensors, so the exported variants are the ones that run.
+(:func:`tilenorm.cutile.norm.forward_launch` and friends), with parameter constraints in place
+of tensors, so the exported variants are the ones that run. The jobs cover every tile
+configuration the planner can choose (for RMSNorm and LayerNorm in bf16), and every feature
+and dtype combination the ops accept on one single-pass and one chunked configuration.
 """
 
 from __future__ import annotations
 
 import io
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import cuda.tile as ct
 from cuda.tile.compilation import (
@@ -24,20 +26,30 @@ from cuda.tile.compilation import (
     export_kernel,
 )
 
-from tilenorm.cutile import rms_norm
-from tilenorm.planner import (
-    MAX_SINGLE_PASS_COLS,
-    MIN_TILE_COLS,
-    RowNormPlan,
-    kernel_configs,
-    plan_row_norm,
-)
+from tilenorm.cutile import norm
+from tilenorm.cutile.norm import NormFeatures
+from tilenorm.planner import MAX_SINGLE_PASS_COLS, MIN_TILE_COLS, RowNormPlan, plan_row_norm
 
 DTYPES = {"bfloat16": ct.bfloat16, "float16": ct.float16, "float32": ct.float32}
 #: (x dtype, weight dtype) pairs the ops accept: the weight in x's dtype or in fp32.
 DTYPE_PAIRS = [("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "float32"),
                ("bfloat16", "float32"), ("float16", "float32")]
 GPU_CODES = ("sm_90", "sm_100")
+F32 = ScalarConstraint(ct.float32)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One feature combination, with the dtypes of its operands."""
+
+    label: str
+    features: NormFeatures
+    x: str = "bfloat16"
+    weight: str = "bfloat16"
+    out: str | None = None  # None: x's dtype
+    residual: str | None = None  # the residual stream's dtype
+    heads: int = 1
+    index_bits: int = 32
 
 
 @dataclass(frozen=True)
@@ -47,57 +59,112 @@ class ExportJob:
     signature: KernelSignature
 
 
-def _array(dtype, ndim: int) -> ArrayConstraint:
+def _array(dtype, ndim: int, index_bits: int = 32) -> ArrayConstraint:
     # The common case: innermost stride 1 and a 16-byte aligned base. Other layouts compile
     # other variants of the same code just in time.
     return ArrayConstraint(
-        dtype, ndim, index_dtype=ct.int32, stride_lower_bound_incl=0, alias_groups=[],
-        may_alias_internally=False, stride_constant=[None] * (ndim - 1) + [1],
-        base_addr_divisible_by=16)
+        dtype, ndim, index_dtype=ct.int64 if index_bits == 64 else ct.int32,
+        stride_lower_bound_incl=0, alias_groups=[], may_alias_internally=False,
+        stride_constant=[None] * (ndim - 1) + [1], base_addr_divisible_by=16)
 
 
-def representative_plans(direction) -> list[RowNormPlan]:
-    """One plan per kernel configuration the planner can choose for ``direction``."""
+def _plans(direction, heads: int = 1, per_head: bool = False) -> list[RowNormPlan]:
+    """One plan per tile configuration the planner can choose for ``direction``."""
     cols = [MIN_TILE_COLS]
     while cols[-1] < MAX_SINGLE_PASS_COLS[direction]:
         cols.append(cols[-1] * 2)
     cols.append(2 * MAX_SINGLE_PASS_COLS[direction])
-    plans = [plan_row_norm(4096, n, itemsize=2, sm_count=132, arch=(9, 0), direction=direction)
-             for n in cols]
-    configs = {(p.single_pass, p.tile_rows, p.tile_cols, p.occupancy) for p in plans}
-    assert configs == set(kernel_configs(direction)), "representative plans miss a config"
-    return plans
+    plans = {}
+    for n in cols:
+        p = plan_row_norm(65536 // heads, n, heads=heads, per_head_weight=per_head, itemsize=2,
+                          sm_count=132, arch=(9, 0), direction=direction)
+        plans.setdefault(p.config, p)
+    return list(plans.values())
 
 
-def rms_norm_jobs() -> Iterator[ExportJob]:
-    f32 = ScalarConstraint(ct.float32)
-    cconv = CallingConvention.cutile_python_v2()
+def _jobs(plan: RowNormPlan, v: Variant) -> Iterator[ExportJob]:
+    f, bits = v.features, v.index_bits
+    x, w = DTYPES[v.x], DTYPES[v.weight]
+    res = DTYPES[v.residual] if v.residual else ct.float32
+
+    def a3(dt):
+        return _array(dt, 3, bits)
+
+    def opt(present, arr):
+        return arr if present else _array(ct.float32, 1)
+
+    stat, weight = _array(ct.float32, 2, bits), opt(f.has_weight, a3(w))
+    name = (f"{'single' if plan.single_pass else 'chunked'} {plan.tile_rows}x{plan.tile_heads}"
+            f"x{plan.tile_cols} {v.label}")
+    if plan.direction == "forward":
+        kernel, _, args = norm.forward_launch(
+            plan, f, a3(x), opt(f.has_residual, a3(res)), weight, opt(f.has_bias, a3(w)),
+            a3(DTYPES[v.out or v.x]), opt(f.has_residual, a3(res)),
+            opt(f.layer_norm, stat), stat, F32, F32)
+    else:
+        h = a3(res) if f.has_residual else a3(x)
+        split = f.has_residual and v.residual != v.x
+        kernel, _, args = norm.backward_launch(
+            plan, f, a3(DTYPES[v.out or v.x]), h, weight, opt(f.layer_norm, stat), stat,
+            opt(f.has_residual, a3(res)), a3(x), opt(split, a3(res)),
+            opt(f.has_weight, a3(ct.float32)), opt(f.has_bias, a3(ct.float32)), F32,
+            f.has_residual, split)
+    yield ExportJob(f"{plan.direction[:3]} {name}", kernel,
+                    KernelSignature(list(args), CallingConvention.cutile_python_v2()))
+
+
+RMS = NormFeatures()
+LAYER_NORM = NormFeatures(layer_norm=True, has_bias=True)
+
+
+def variants() -> list[Variant]:
+    """Feature and dtype combinations built on one single-pass and one chunked configuration."""
+    out = []
     for x_name, w_name in DTYPE_PAIRS:
-        x_dt, w_dt = DTYPES[x_name], DTYPES[w_name]
-        # Without a weight the weight's dtype is irrelevant; build that variant once per x.
-        weight_options = [True] if x_name != w_name else [True, False]
-        for has_weight in weight_options:
-            w = _array(w_dt if has_weight else ct.float32, 1)
-            suffix = f"{x_name}/{w_name if has_weight else 'no-weight'}"
-            for plan in representative_plans("forward"):
-                kernel, _, args = rms_norm.forward_launch(
-                    plan, _array(x_dt, 2), w, _array(x_dt, 2), _array(ct.float32, 1),
-                    f32, f32, has_weight)
-                yield ExportJob(f"fwd {plan.tile_rows}x{plan.tile_cols} "
-                                f"{'single' if plan.single_pass else 'chunked'} {suffix}",
-                                kernel, KernelSignature(list(args), cconv))
-            for plan in representative_plans("backward"):
-                kernel, _, args = rms_norm.backward_launch(
-                    plan, _array(x_dt, 2), _array(x_dt, 2), w, _array(ct.float32, 1),
-                    _array(x_dt, 2), _array(ct.float32, 2), f32, has_weight)
-                yield ExportJob(f"bwd {plan.tile_rows}x{plan.tile_cols} "
-                                f"{'single' if plan.single_pass else 'chunked'} {suffix}",
-                                kernel, KernelSignature(list(args), cconv))
-    plan = representative_plans("backward")[0]
+        suffix = f"{x_name}/{w_name}"
+        out += [Variant(f"rms {suffix}", RMS, x_name, w_name),
+                Variant(f"layer_norm {suffix}", LAYER_NORM, x_name, w_name)]
+        if x_name == w_name:
+            out += [Variant(f"rms no-weight {x_name}", replace(RMS, has_weight=False), x_name,
+                            w_name),
+                    Variant(f"layer_norm no-affine {x_name}",
+                            replace(LAYER_NORM, has_weight=False, has_bias=False), x_name,
+                            w_name)]
+    residual = replace(RMS, has_residual=True)
+    out += [
+        Variant("rms residual bf16", residual),
+        Variant("rms residual fp32 stream", residual, residual="float32"),
+        Variant("layer_norm residual bf16", replace(LAYER_NORM, has_residual=True)),
+        Variant("rms fp32 in, bf16 out", RMS, "float32", "float32", out="bfloat16"),
+        Variant("rms bf16 64-bit offsets", RMS, index_bits=64),
+        Variant("layer_norm bf16 64-bit offsets", LAYER_NORM, index_bits=64),
+    ]
+    return [replace(v, residual=v.residual or v.x) if v.features.has_residual else v
+            for v in out]
+
+
+def jobs() -> Iterator[ExportJob]:
+    for direction in ("forward", "backward"):
+        plans = _plans(direction)
+        for plan in plans:  # every tile configuration
+            for v in (Variant("rms", RMS), Variant("layer_norm", LAYER_NORM)):
+                yield from _jobs(plan, v)
+        for plan in (plans[-2], plans[-1]):  # one single-pass, one chunked
+            for v in variants():
+                if v.index_bits == 64:
+                    plan = replace(plan, index_bits=64)
+                yield from _jobs(plan, v)
+        for per_head in (False, True):  # QK-norm: 8 heads of 128
+            plan = _plans(direction, heads=8, per_head=per_head)[3]
+            label = "per-head weight" if per_head else "shared weight"
+            yield from _jobs(plan, Variant(f"rms 8 heads {label}",
+                                           replace(RMS, per_head_weight=per_head), heads=8))
+    plan = _plans("backward")[0]
     for w_name in ("bfloat16", "float16", "float32"):
-        kernel, _, args = rms_norm.reduce_launch(plan, _array(ct.float32, 2),
-                                                 _array(DTYPES[w_name], 1))
-        yield ExportJob(f"column_sum -> {w_name}", kernel, KernelSignature(list(args), cconv))
+        kernel, _, args = norm.reduce_launch(plan, _array(ct.float32, 2),
+                                             _array(DTYPES[w_name], 1))
+        yield ExportJob(f"column_sum -> {w_name}", kernel,
+                        KernelSignature(list(args), CallingConvention.cutile_python_v2()))
 
 
 def export(job: ExportJob, gpu_code: str) -> bytes:

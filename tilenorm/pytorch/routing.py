@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 
 from tilenorm import validation
-from tilenorm._experimental import experimental_enabled
 from tilenorm.device import DeviceInfo, device_info
 from tilenorm.planner import RowNormPlan, UnsupportedShape, plan_row_norm
 from tilenorm.validation import KernelFamily
@@ -63,14 +62,21 @@ def _reference(op: str, reason: str) -> Route:
 
 
 @functools.lru_cache(maxsize=1024)
-def _route(op: str, family: KernelFamily, kernel_names: tuple[tuple[str, ...], ...],
-           device: torch.device, x_dtype: torch.dtype, rows: int, cols: int,
-           allow_experimental: bool) -> Route:
+def route_problem(op: str, family: KernelFamily, kernel_names: tuple[tuple[str, ...], ...],
+                  device: torch.device, dtypes: tuple[torch.dtype, ...], rows: int, heads: int,
+                  cols: int, per_head_weight: bool, max_offset: int,
+                  allow_experimental: bool) -> Route:
+    """The route for normalizing ``rows x heads`` vectors of ``cols`` elements on ``device``.
+    ``dtypes`` lists every operand's dtype (x first); ``max_offset`` is the largest element
+    offset any operand reaches; ``kernel_names`` lists the kernels used for single-pass rows
+    and for chunked rows."""
     if device.type != "cuda":
         return _reference(op, f"x is on {device}; the kernels run on CUDA devices")
-    if x_dtype not in KERNEL_DTYPES:
-        return _reference(op, f"x is {x_dtype}; the kernels take bfloat16, float16 and float32")
-    if rows * cols == 0:
+    odd = [d for d in dtypes if d not in KERNEL_DTYPES]
+    if odd:
+        return _reference(op, f"an operand is {odd[0]}; the kernels take bfloat16, float16 "
+                              f"and float32")
+    if rows * heads * cols == 0:
         return _reference(op, "x is empty: there is nothing to launch")
     stable = validation.is_stable(family)
     if not stable and not allow_experimental:
@@ -81,7 +87,10 @@ def _route(op: str, family: KernelFamily, kernel_names: tuple[tuple[str, ...], .
                 f"or `with tilenorm.experimental():`")
     info = device_info(device.index)
     try:
-        fwd, bwd = (_plan(rows, cols, x_dtype, info, d) for d in ("forward", "backward"))
+        fwd, bwd = (plan_row_norm(rows, cols, heads=heads, per_head_weight=per_head_weight,
+                                  itemsize=dtypes[0].itemsize, sm_count=info.sm_count,
+                                  arch=info.arch, direction=d, max_offset=max_offset)
+                    for d in ("forward", "backward"))
     except UnsupportedShape as e:
         return _reference(op, str(e))
     names = kernel_names[0 if fwd.single_pass else 1]
@@ -89,26 +98,3 @@ def _route(op: str, family: KernelFamily, kernel_names: tuple[tuple[str, ...], .
               else "experimental kernels are enabled")
     return Route(op=op, reason=reason, family=family, kernels=names, forward=fwd, backward=bwd,
                  device=info)
-
-
-def _plan(rows: int, cols: int, dtype: torch.dtype, info: DeviceInfo, direction: str
-          ) -> RowNormPlan:
-    return plan_row_norm(rows, cols, itemsize=dtype.itemsize, sm_count=info.sm_count,
-                         arch=info.arch, direction=direction)
-
-
-def kernel_plan(x: torch.Tensor, direction: str) -> RowNormPlan:
-    """The launch plan for CUDA tensor ``x`` (..., N), whatever the route: the launchers use
-    it, so a flag flipped between forward and backward cannot strand a backward."""
-    cols = x.shape[-1]
-    return _plan(x.numel() // cols, cols, x.dtype, device_info(x.device.index), direction)
-
-
-def route(op: str, family: KernelFamily, kernel_names: tuple[tuple[str, ...], ...],
-          x: torch.Tensor) -> Route:
-    """The route for ``x`` (..., N). ``kernel_names`` lists the kernels used for single-pass
-    rows and for chunked rows."""
-    cols = x.shape[-1]
-    rows = x.numel() // cols if cols else 0
-    return _route(op, family, kernel_names, x.device, x.dtype, rows, cols,
-                  experimental_enabled())

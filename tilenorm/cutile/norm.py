@@ -1,0 +1,494 @@
+"""RMSNorm and LayerNorm forward and backward in cuTile: persistent grid-stride kernels.
+
+One kernel template serves both ops (LayerNorm is the RMSNorm of the centered row) and every
+feature; compile-time constants select the variant, so a feature that is off costs nothing:
+
+    h = x + residual                      (HAS_RESIDUAL; stored as residual_out, the norm reads it)
+    mu = mean(h)                          (LAYER_NORM; stored as mean)
+    rstd = 1 / sqrt(mean((h - mu)^2) + eps)
+    y = (h - mu) * rstd * (offset + w) + b    (w: HAS_WEIGHT, per head with PER_HEAD; b: HAS_BIAS)
+
+All arithmetic is fp32; y takes y's dtype (the output dtype may differ from x's).
+
+Operands are viewed as (rows, heads, cols): plain norms have one head; per-head (QK) norms keep
+the head axis so strided (..., H, D) inputs need no copy. Every kernel runs on a persistent
+grid from :mod:`tilenorm.planner`; program ``p`` handles row tiles ``p, p + grid, ...``. Rows
+that fit in one tile are done in one pass ("single" kernels); wider rows are walked in column
+chunks twice, the second pass reading the row back from L2 ("chunked" kernels).
+
+The backward writes dx (and, for a fused residual, the residual's gradient) and folds
+``sum(dy * x_hat)`` (and ``sum(dy)``) over the program's rows into its slot of a fp32 partial
+buffer; :func:`tilenorm.cutile.reduce.column_sum` adds the slots in a fixed order. No M x N
+temporary, no atomics: results are bit-for-bit repeatable.
+
+Each kernel exists twice: with 32-bit indexing and, for operands whose offsets pass 2^31 - 1,
+with 64-bit indexing (``plan.index_bits``).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from dataclasses import dataclass
+
+import cuda.tile as ct
+import torch
+
+from tilenorm.cutile.reduce import column_sum
+from tilenorm.planner import RowNormPlan
+
+ConstInt = ct.Constant[int]
+ConstBool = ct.Constant[bool]
+ZERO = ct.PaddingMode.ZERO
+
+
+@dataclass(frozen=True)
+class NormFeatures:
+    """The compile-time features of one normalization (see the module docstring)."""
+
+    layer_norm: bool = False
+    has_weight: bool = True
+    per_head_weight: bool = False
+    has_bias: bool = False
+    has_residual: bool = False
+
+
+# --- tile helpers (inlined into the kernels) ---------------------------------------------
+
+
+def _param(p, head_tile, chunk, TILE_H, TILE_N, PER_HEAD):
+    """A (1, TILE_H or 1, TILE_N) fp32 tile of a (1, heads or 1, cols) weight or bias."""
+    if PER_HEAD:
+        t = ct.load(p, index=(0, head_tile, chunk), shape=(1, TILE_H, TILE_N),
+                    padding_mode=ZERO)
+    else:
+        t = ct.load(p, index=(0, 0, chunk), shape=(1, 1, TILE_N), padding_mode=ZERO)
+    return t.astype(ct.float32)
+
+
+def _scale(weight, offset, head_tile, chunk, TILE_H, TILE_N, HAS_WEIGHT, PER_HEAD):
+    """``offset + w`` for one column chunk, or ones without a weight."""
+    if HAS_WEIGHT:
+        return _param(weight, head_tile, chunk, TILE_H, TILE_N, PER_HEAD) + offset
+    return ct.full((1, 1, TILE_N), 1.0, dtype=ct.float32)
+
+
+def _affine(v, weight, bias, offset, head_tile, chunk, TILE_H, TILE_N, HAS_WEIGHT, PER_HEAD,
+            HAS_BIAS):
+    out = v * _scale(weight, offset, head_tile, chunk, TILE_H, TILE_N, HAS_WEIGHT, PER_HEAD)
+    if HAS_BIAS:
+        out = out + _param(bias, head_tile, chunk, TILE_H, TILE_N, PER_HEAD)
+    return out
+
+
+def _column_mask(chunk, cols, TILE_N):
+    """(1, 1, TILE_N): True on the columns of chunk ``chunk`` that exist."""
+    index = ct.arange(TILE_N, dtype=ct.int32) + chunk * TILE_N
+    return (index < cols).reshape((1, 1, TILE_N))
+
+
+def _load3(a, row_tile, head_tile, chunk, TILE_A, TILE_H, TILE_N):
+    return ct.load(a, index=(row_tile, head_tile, chunk), shape=(TILE_A, TILE_H, TILE_N),
+                   padding_mode=ZERO)
+
+
+def _row_stat(a, row_tile, head_tile, TILE_A, TILE_H):
+    """A (TILE_A, TILE_H, 1) tile of a (rows, heads) statistic; rows past the end read 0."""
+    t = ct.load(a, index=(row_tile, head_tile), shape=(TILE_A, TILE_H), padding_mode=ZERO)
+    return t.reshape((TILE_A, TILE_H, 1))
+
+
+def _store_stat(a, row_tile, head_tile, value, TILE_A, TILE_H):
+    ct.store(a, index=(row_tile, head_tile), tile=value.reshape((TILE_A, TILE_H)))
+
+
+def _residual_sum(xt, rt, residual_out, row_tile, head_tile, chunk):
+    """h = x + residual, rounded to the residual stream's dtype (what the norm and the
+    backward read), stored, and returned in fp32."""
+    h = (xt.astype(ct.float32) + rt.astype(ct.float32)).astype(residual_out.dtype)
+    ct.store(residual_out, index=(row_tile, head_tile, chunk), tile=h)
+    return h.astype(ct.float32)
+
+
+def _store_partial(partial, acc, slot, head_tile, chunk, PER_HEAD, ACCUMULATE):
+    """Fold a (TILE_A, TILE_H, TILE_N) accumulator into the program's partial-buffer slot."""
+    if PER_HEAD:
+        folded = ct.sum(acc, axis=0, keepdims=True)
+        index = (slot, head_tile, chunk)
+    else:
+        folded = ct.sum(ct.sum(acc, axis=0, keepdims=True), axis=1, keepdims=True)
+        index = (slot, 0, chunk)
+    if ACCUMULATE:
+        folded = folded + ct.load(partial, index=index, shape=folded.shape, padding_mode=ZERO)
+    ct.store(partial, index=index, tile=folded)
+
+
+def _zero_partial(partial, slot, head_tile, chunks, TILE_H, TILE_N, PER_HEAD):
+    for c in range(chunks):
+        if PER_HEAD:
+            ct.store(partial, index=(slot, head_tile, c),
+                     tile=ct.zeros((1, TILE_H, TILE_N), dtype=ct.float32))
+        else:
+            ct.store(partial, index=(slot, 0, c), tile=ct.zeros((1, 1, TILE_N),
+                                                                dtype=ct.float32))
+
+
+# --- forward -----------------------------------------------------------------------------
+
+
+def _fwd_tile(xt, rt, t, head_tiles, scale, shift, y, residual_out, mean, rstd, eps, inv_n,
+              TILE_A, TILE_H, TILE_N, LAYER_NORM, HAS_BIAS, HAS_RESIDUAL):
+    """Normalize one loaded single-pass row tile and store its outputs."""
+    row_tile, head_tile = t // head_tiles, t % head_tiles
+    if HAS_RESIDUAL:
+        v = _residual_sum(xt, rt, residual_out, row_tile, head_tile, 0)
+    else:
+        v = xt.astype(ct.float32)
+    if LAYER_NORM:
+        mu = ct.sum(v, axis=2, keepdims=True) * inv_n
+        # Padding columns load 0; centered they would be -mu: keep them out of the variance.
+        v = ct.where(_column_mask(0, y.shape[2], TILE_N), v - mu, 0.0)
+        _store_stat(mean, row_tile, head_tile, mu, TILE_A, TILE_H)
+    r = ct.rsqrt(ct.sum(v * v, axis=2, keepdims=True) * inv_n + eps)
+    out = v * r * scale
+    if HAS_BIAS:
+        out = out + shift
+    ct.store(y, index=(row_tile, head_tile, 0), tile=out.astype(y.dtype))
+    _store_stat(rstd, row_tile, head_tile, r, TILE_A, TILE_H)
+
+
+def norm_fwd_single(x, residual, weight, bias, y, residual_out, mean, rstd,
+                    eps: float, inv_n: float, offset: float,
+                    TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
+                    LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
+                    HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool, PREFETCH: ConstBool):
+    shape = (TILE_A, TILE_H, TILE_N)
+    head_tiles = ct.num_tiles(x, axis=1, shape=shape)
+    row_tiles = ct.num_tiles(x, axis=0, shape=shape) * head_tiles
+    program, step = ct.bid(0), ct.num_blocks(0)
+    # With a per-head weight the grid is a multiple of head_tiles: one head tile per program,
+    # so the program loads its weight and bias once.
+    head_tile_w = program % head_tiles
+    scale = _scale(weight, offset, head_tile_w, 0, TILE_H, TILE_N, HAS_WEIGHT, PER_HEAD)
+    shift = scale
+    if HAS_BIAS:
+        shift = _param(bias, head_tile_w, 0, TILE_H, TILE_N, PER_HEAD)
+    if PREFETCH:
+        # Load row tile t + step while tile t is normalized and stored, so a program always
+        # has a load in flight (the last tile is loaded once more instead of branching).
+        xt = _load3(x, program // head_tiles, program % head_tiles, 0, TILE_A, TILE_H, TILE_N)
+        rt = xt
+        if HAS_RESIDUAL:
+            rt = _load3(residual, program // head_tiles, program % head_tiles, 0, TILE_A,
+                        TILE_H, TILE_N)
+        for t in range(program, row_tiles, step):
+            nt = min(t + step, row_tiles - 1)
+            xn = _load3(x, nt // head_tiles, nt % head_tiles, 0, TILE_A, TILE_H, TILE_N)
+            rn = xn
+            if HAS_RESIDUAL:
+                rn = _load3(residual, nt // head_tiles, nt % head_tiles, 0, TILE_A, TILE_H,
+                            TILE_N)
+            _fwd_tile(xt, rt, t, head_tiles, scale, shift, y, residual_out, mean, rstd, eps,
+                      inv_n, TILE_A, TILE_H, TILE_N, LAYER_NORM, HAS_BIAS, HAS_RESIDUAL)
+            xt = xn
+            rt = rn
+    else:
+        for t in range(program, row_tiles, step):
+            xt = _load3(x, t // head_tiles, t % head_tiles, 0, TILE_A, TILE_H, TILE_N)
+            rt = xt
+            if HAS_RESIDUAL:
+                rt = _load3(residual, t // head_tiles, t % head_tiles, 0, TILE_A, TILE_H,
+                            TILE_N)
+            _fwd_tile(xt, rt, t, head_tiles, scale, shift, y, residual_out, mean, rstd, eps,
+                      inv_n, TILE_A, TILE_H, TILE_N, LAYER_NORM, HAS_BIAS, HAS_RESIDUAL)
+
+
+def norm_fwd_chunked(x, residual, weight, bias, y, residual_out, mean, rstd,
+                     eps: float, inv_n: float, offset: float,
+                     TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
+                     LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
+                     HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool, PREFETCH: ConstBool):
+    shape = (TILE_A, TILE_H, TILE_N)
+    head_tiles = ct.num_tiles(x, axis=1, shape=shape)
+    row_tiles = ct.num_tiles(x, axis=0, shape=shape) * head_tiles
+    chunks = ct.num_tiles(x, axis=2, shape=shape)
+    cols = x.shape[2]
+    program = ct.bid(0)
+    head_tile_w = program % head_tiles
+    for t in range(program, row_tiles, ct.num_blocks(0)):
+        row_tile, head_tile = t // head_tiles, t % head_tiles
+        acc = ct.zeros(shape, dtype=ct.float32)
+        mu = ct.zeros((TILE_A, TILE_H, 1), dtype=ct.float32)
+        m2 = ct.zeros((TILE_A, TILE_H, 1), dtype=ct.float32)
+        for c in range(chunks):
+            xt = _load3(x, row_tile, head_tile, c, TILE_A, TILE_H, TILE_N)
+            if HAS_RESIDUAL:
+                rt = _load3(residual, row_tile, head_tile, c, TILE_A, TILE_H, TILE_N)
+                v = _residual_sum(xt, rt, residual_out, row_tile, head_tile, c)
+            else:
+                v = xt.astype(ct.float32)
+            if LAYER_NORM:
+                # Merge this chunk's exact mean and squared deviations into the row's
+                # (Chan et al.): no E[x^2] - E[x]^2 cancellation.
+                seen = c * (TILE_N * 1.0)
+                count = min(cols - c * TILE_N, TILE_N) * 1.0
+                chunk_mean = ct.sum(v, axis=2, keepdims=True) / count
+                d = ct.where(_column_mask(c, cols, TILE_N), v - chunk_mean, 0.0)
+                delta = chunk_mean - mu
+                mu = mu + delta * (count / (seen + count))
+                m2 = m2 + ct.sum(d * d, axis=2, keepdims=True) + \
+                    delta * delta * (seen * count / (seen + count))
+            else:
+                acc += v * v
+        if LAYER_NORM:
+            r = ct.rsqrt(m2 * inv_n + eps)
+            _store_stat(mean, row_tile, head_tile, mu, TILE_A, TILE_H)
+        else:
+            r = ct.rsqrt(ct.sum(acc, axis=2, keepdims=True) * inv_n + eps)
+        source = residual_out if HAS_RESIDUAL else x
+        for c in range(chunks):
+            v = _load3(source, row_tile, head_tile, c, TILE_A, TILE_H, TILE_N)
+            v = v.astype(ct.float32)
+            if LAYER_NORM:
+                v = v - mu
+            out = _affine(v * r, weight, bias, offset, head_tile_w, c, TILE_H, TILE_N,
+                          HAS_WEIGHT, PER_HEAD, HAS_BIAS)
+            ct.store(y, index=(row_tile, head_tile, c), tile=out.astype(y.dtype))
+        _store_stat(rstd, row_tile, head_tile, r, TILE_A, TILE_H)
+
+
+# --- backward ----------------------------------------------------------------------------
+
+
+def _x_hat(v, mean, rstd_t, row_tile, head_tile, TILE_A, TILE_H, LAYER_NORM):
+    if LAYER_NORM:
+        return (v - _row_stat(mean, row_tile, head_tile, TILE_A, TILE_H)) * rstd_t
+    return v * rstd_t
+
+
+def _store_dx(d, dres_in, dx, dres, row_tile, head_tile, chunk, TILE_A, TILE_H, TILE_N,
+              HAS_DRES_IN, STORE_DRES):
+    """Store the input gradient; with a fused residual it also flows to the residual (plus
+    the gradient that reached the residual output directly)."""
+    if HAS_DRES_IN:
+        d = d + _load3(dres_in, row_tile, head_tile, chunk, TILE_A, TILE_H,
+                       TILE_N).astype(ct.float32)
+    ct.store(dx, index=(row_tile, head_tile, chunk), tile=d.astype(dx.dtype))
+    if STORE_DRES:
+        ct.store(dres, index=(row_tile, head_tile, chunk), tile=d.astype(dres.dtype))
+
+
+def norm_bwd_single(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, partial_b,
+                    inv_n: float, offset: float,
+                    TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
+                    LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
+                    HAS_BIAS: ConstBool, HAS_DRES_IN: ConstBool, STORE_DRES: ConstBool):
+    shape = (TILE_A, TILE_H, TILE_N)
+    head_tiles = ct.num_tiles(h, axis=1, shape=shape)
+    row_tiles = ct.num_tiles(h, axis=0, shape=shape) * head_tiles
+    program = ct.bid(0)
+    head_tile_w = program % head_tiles
+    scale = _scale(weight, offset, head_tile_w, 0, TILE_H, TILE_N, HAS_WEIGHT, PER_HEAD)
+    dw = ct.zeros(shape, dtype=ct.float32)
+    db = ct.zeros(shape, dtype=ct.float32)
+    for t in range(program, row_tiles, ct.num_blocks(0)):
+        row_tile, head_tile = t // head_tiles, t % head_tiles
+        v = _load3(h, row_tile, head_tile, 0, TILE_A, TILE_H, TILE_N).astype(ct.float32)
+        g = _load3(dy, row_tile, head_tile, 0, TILE_A, TILE_H, TILE_N).astype(ct.float32)
+        # Rows past the end load rstd = 0, which zeroes their x_hat and dx (never stored).
+        r = _row_stat(rstd, row_tile, head_tile, TILE_A, TILE_H)
+        x_hat = _x_hat(v, mean, r, row_tile, head_tile, TILE_A, TILE_H, LAYER_NORM)
+        wdy = g * scale
+        d = wdy - x_hat * (ct.sum(x_hat * wdy, axis=2, keepdims=True) * inv_n)
+        if LAYER_NORM:
+            d = d - ct.sum(wdy, axis=2, keepdims=True) * inv_n
+        _store_dx(d * r, dres_in, dx, dres, row_tile, head_tile, 0, TILE_A, TILE_H, TILE_N,
+                  HAS_DRES_IN, STORE_DRES)
+        if HAS_WEIGHT:
+            dw += g * x_hat
+        if HAS_BIAS:
+            db += g
+    slot = program // head_tiles if PER_HEAD else program
+    if HAS_WEIGHT:
+        _store_partial(partial_w, dw, slot, head_tile_w, 0, PER_HEAD, False)
+    if HAS_BIAS:
+        _store_partial(partial_b, db, slot, head_tile_w, 0, PER_HEAD, False)
+
+
+def norm_bwd_chunked(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, partial_b,
+                     inv_n: float, offset: float,
+                     TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
+                     LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
+                     HAS_BIAS: ConstBool, HAS_DRES_IN: ConstBool, STORE_DRES: ConstBool):
+    shape = (TILE_A, TILE_H, TILE_N)
+    head_tiles = ct.num_tiles(h, axis=1, shape=shape)
+    row_tiles = ct.num_tiles(h, axis=0, shape=shape) * head_tiles
+    chunks = ct.num_tiles(h, axis=2, shape=shape)
+    program = ct.bid(0)
+    head_tile_w = program % head_tiles
+    slot = program // head_tiles if PER_HEAD else program
+    # The program's partial slot is accumulated in place once per row tile: start at 0.
+    if HAS_WEIGHT:
+        _zero_partial(partial_w, slot, head_tile_w, chunks, TILE_H, TILE_N, PER_HEAD)
+    if HAS_BIAS:
+        _zero_partial(partial_b, slot, head_tile_w, chunks, TILE_H, TILE_N, PER_HEAD)
+    for t in range(program, row_tiles, ct.num_blocks(0)):
+        row_tile, head_tile = t // head_tiles, t % head_tiles
+        r = _row_stat(rstd, row_tile, head_tile, TILE_A, TILE_H)
+        mu = ct.zeros((TILE_A, TILE_H, 1), dtype=ct.float32)
+        if LAYER_NORM:
+            mu = _row_stat(mean, row_tile, head_tile, TILE_A, TILE_H)
+        acc_hw = ct.zeros(shape, dtype=ct.float32)
+        acc_w = ct.zeros(shape, dtype=ct.float32)
+        for c in range(chunks):
+            v = _load3(h, row_tile, head_tile, c, TILE_A, TILE_H, TILE_N).astype(ct.float32)
+            g = _load3(dy, row_tile, head_tile, c, TILE_A, TILE_H, TILE_N).astype(ct.float32)
+            wdy = g * _scale(weight, offset, head_tile_w, c, TILE_H, TILE_N, HAS_WEIGHT,
+                             PER_HEAD)
+            acc_hw += v * wdy
+            if LAYER_NORM:
+                acc_w += wdy
+        # mean(x_hat * wdy) = rstd * (mean(h * wdy) - mu * mean(wdy))
+        c_row = ct.sum(acc_hw, axis=2, keepdims=True) * inv_n
+        mean_wdy = ct.sum(acc_w, axis=2, keepdims=True) * inv_n
+        if LAYER_NORM:
+            c_row = c_row - mu * mean_wdy
+        c_row = c_row * r
+        for c in range(chunks):
+            v = _load3(h, row_tile, head_tile, c, TILE_A, TILE_H, TILE_N).astype(ct.float32)
+            g = _load3(dy, row_tile, head_tile, c, TILE_A, TILE_H, TILE_N).astype(ct.float32)
+            wdy = g * _scale(weight, offset, head_tile_w, c, TILE_H, TILE_N, HAS_WEIGHT,
+                             PER_HEAD)
+            if LAYER_NORM:
+                x_hat = (v - mu) * r
+                d = wdy - x_hat * c_row - mean_wdy
+            else:
+                x_hat = v * r
+                d = wdy - x_hat * c_row
+            d = d * r
+            _store_dx(d, dres_in, dx, dres, row_tile, head_tile, c, TILE_A, TILE_H, TILE_N,
+                      HAS_DRES_IN, STORE_DRES)
+            if HAS_WEIGHT:
+                _store_partial(partial_w, g * x_hat, slot, head_tile_w, c, PER_HEAD, True)
+            if HAS_BIAS:
+                _store_partial(partial_b, g, slot, head_tile_w, c, PER_HEAD, True)
+
+
+# --- compiled variants and launchers -------------------------------------------------------
+
+_ARRAYS = {
+    norm_fwd_single: ("x", "residual", "weight", "bias", "y", "residual_out", "mean", "rstd"),
+    norm_bwd_single: ("dy", "h", "weight", "mean", "rstd", "dres_in", "dx", "dres",
+                      "partial_w", "partial_b"),
+}
+_ARRAYS[norm_fwd_chunked] = _ARRAYS[norm_fwd_single]
+_ARRAYS[norm_bwd_chunked] = _ARRAYS[norm_bwd_single]
+
+
+def _indexed_with_int64(fn):
+    """A copy of kernel function ``fn`` whose array parameters index with 64 bits."""
+    wide = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
+                              fn.__closure__)
+    wide.__annotations__ = {**fn.__annotations__,
+                            **dict.fromkeys(_ARRAYS[fn], ct.IndexedWithInt64)}
+    wide.__qualname__ = fn.__qualname__
+    wide.__module__ = fn.__module__
+    return wide
+
+
+@functools.cache
+def compiled(fn, occupancy: int, index_bits: int) -> ct.kernel:
+    """The kernel for ``fn`` compiled for ``occupancy`` CTAs per SM and ``index_bits``-bit
+    indexing (each variant has its own JIT cache)."""
+    source = _indexed_with_int64(fn) if index_bits == 64 else fn
+    return ct.kernel(source, occupancy=occupancy)
+
+
+def forward_launch(plan: RowNormPlan, features: NormFeatures, x, residual, weight, bias, y,
+                   residual_out, mean, rstd, eps, offset):
+    """(kernel, grid, args) of the forward for ``plan``. Shared by the launcher and by
+    ahead-of-time export (which passes parameter constraints in place of tensors and scalars),
+    so both build exactly the same kernel variants."""
+    f = features
+    fn = norm_fwd_single if plan.single_pass else norm_fwd_chunked
+    args = (x, residual, weight, bias, y, residual_out, mean, rstd, eps, 1.0 / plan.cols,
+            offset, plan.tile_rows, plan.tile_heads, plan.tile_cols, f.layer_norm,
+            f.has_weight, f.per_head_weight, f.has_bias, f.has_residual,
+            plan.prefetch and plan.single_pass)
+    return compiled(fn, plan.occupancy, plan.index_bits), (plan.grid, 1, 1), args
+
+
+def backward_launch(plan: RowNormPlan, features: NormFeatures, dy, h, weight, mean, rstd,
+                    dres_in, dx, dres, partial_w, partial_b, offset, has_dres_in: bool,
+                    store_dres: bool):
+    """(kernel, grid, args) of the backward's first kernel for ``plan`` (see forward_launch)."""
+    f = features
+    fn = norm_bwd_single if plan.single_pass else norm_bwd_chunked
+    args = (dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, partial_b,
+            1.0 / plan.cols, offset, plan.tile_rows, plan.tile_heads, plan.tile_cols,
+            f.layer_norm, f.has_weight, f.per_head_weight, f.has_bias, has_dres_in,
+            store_dres)
+    return compiled(fn, plan.occupancy, plan.index_bits), (plan.grid, 1, 1), args
+
+
+def reduce_launch(plan: RowNormPlan, partial, out):
+    tile_r, tile_c = plan.reduce_tile
+    return column_sum, (plan.reduce_grid, 1, 1), (partial, out, tile_r, tile_c)
+
+
+@functools.cache
+def _placeholder(device: torch.device, slot: int) -> torch.Tensor:
+    # Stands in for an operand that the compiled variant never touches (no weight, no
+    # residual, ...); one buffer per slot so that no two kernel arguments alias.
+    return torch.empty(1, dtype=torch.float32, device=device)
+
+
+def _stream(device: torch.device) -> int:
+    # torch.cuda.current_stream() costs ~4 us per call; the raw handle costs ~0.1 us.
+    return torch._C._cuda_getCurrentRawStream(device.index)
+
+
+def _or_placeholder(t: torch.Tensor | None, device: torch.device, slot: int) -> torch.Tensor:
+    return _placeholder(device, slot) if t is None else t
+
+
+def forward(plan: RowNormPlan, features: NormFeatures, *, x: torch.Tensor,
+            weight: torch.Tensor | None, bias: torch.Tensor | None,
+            residual: torch.Tensor | None, y: torch.Tensor, residual_out: torch.Tensor | None,
+            mean: torch.Tensor | None, rstd: torch.Tensor, eps: float,
+            offset: float = 0.0) -> None:
+    """Launch the forward. x, residual, y and residual_out are (rows, heads, cols) views;
+    weight and bias (1, heads or 1, cols); mean and rstd (rows, heads) fp32. Every element of
+    the outputs is written."""
+    dev = x.device
+    kernel, grid, args = forward_launch(
+        plan, features, x, _or_placeholder(residual, dev, 0), _or_placeholder(weight, dev, 1),
+        _or_placeholder(bias, dev, 2), y, _or_placeholder(residual_out, dev, 3),
+        _or_placeholder(mean, dev, 4), rstd, float(eps), float(offset))
+    ct.launch(_stream(dev), grid, kernel, args)
+
+
+def backward(plan: RowNormPlan, features: NormFeatures, *, dy: torch.Tensor, h: torch.Tensor,
+             weight: torch.Tensor | None, mean: torch.Tensor | None, rstd: torch.Tensor,
+             dres_in: torch.Tensor | None, dx: torch.Tensor, dres: torch.Tensor | None,
+             partial_w: torch.Tensor | None, partial_b: torch.Tensor | None,
+             dweight: torch.Tensor | None, dbias: torch.Tensor | None,
+             offset: float = 0.0) -> None:
+    """Launch the backward and the dgamma/dbeta reductions. ``h`` is the normalized input
+    (x, or the residual output of a fused residual add); ``dres_in`` the gradient that reached
+    the residual output; ``dres`` a second gradient output in the residual's dtype (when it
+    differs from x's). partial_w/partial_b are fp32 of ``plan.partial_shape`` (contiguous);
+    dweight/dbias have the weight's shape. Nothing needs zeroing."""
+    dev = h.device
+    stream = _stream(dev)
+    kernel, grid, args = backward_launch(
+        plan, features, dy, h, _or_placeholder(weight, dev, 1), _or_placeholder(mean, dev, 4),
+        rstd, _or_placeholder(dres_in, dev, 0), dx, _or_placeholder(dres, dev, 3),
+        _or_placeholder(partial_w, dev, 5), _or_placeholder(partial_b, dev, 6),
+        float(offset), dres_in is not None, dres is not None)
+    ct.launch(stream, grid, kernel, args)
+    for partial, out in ((partial_w, dweight), (partial_b, dbias)):
+        if partial is not None:
+            kernel, grid, args = reduce_launch(plan, partial.view(partial.shape[0], -1),
+                                               out.view(-1))
+            ct.launch(stream, grid, kernel, args)
