@@ -25,7 +25,9 @@ def fresh_generator(device="cpu") -> tuple[torch.Generator, int]:
 
 
 def rel(out, ref) -> float:
-    return ((out.double() - ref).norm() / ref.norm()).item()
+    """Relative error; absolute where the exact result is 0 (LayerNorm's dweight at N = 1)."""
+    diff = (out.double() - ref).norm()
+    return (diff / ref.norm() if ref.norm() > 0 else diff).item()
 
 
 def poisoned(shape, dtype):
@@ -123,7 +125,9 @@ def check_kernels(m, heads, n, *, x_dtype=torch.bfloat16, w_dtype=None, layer_no
             err["dres"].add(outs["dres"][rows], dx64)
         dw64, db64 = dw64 + dw_rows, db64 + db_rows
     tol = max(OUT_TOL[x_dtype], OUT_TOL[out_dtype], OUT_TOL.get(res_dtype, 0))
-    limits = {"y": tol, "h": tol, "mean": STAT_TOL, "rstd": STAT_TOL, "dx": tol, "dres": tol}
+    # A bf16/fp16 residual stream rounds h, which the statistics then describe.
+    stat_tol = max(STAT_TOL, OUT_TOL.get(res_dtype, 0))
+    limits = {"y": tol, "h": tol, "mean": stat_tol, "rstd": stat_tol, "dx": tol, "dres": tol}
     errors = {k: e.value for k, e in err.items()}
     # bf16/fp16 weights hold dgamma rounded to their dtype; fp32 ones get it to 1e-3.
     param_tol = DGAMMA_TOL_FP32 if w_dtype == torch.float32 else OUT_TOL[w_dtype]

@@ -31,8 +31,6 @@ MIN_TILE_COLS = 16
 TILE_ELEMENTS = {"forward": 8192, "backward": 4096}
 #: Resident programs per SM that the kernels are compiled for (the occupancy hint).
 OCCUPANCY = {"forward": 2, "backward": 2}
-#: Whether the single-pass loop loads its next row tile before normalizing the current one.
-PREFETCH = {"forward": True, "backward": False}
 #: Tile of the fixed-order dgamma reduction over the partial buffer.
 REDUCE_TILE = (64, 64)
 #: Largest element offset 32-bit indexing reaches; beyond it the kernels index with 64 bits.
@@ -76,7 +74,6 @@ class RowNormPlan:
     row_tiles: int
     grid: int
     occupancy: int
-    prefetch: bool
     index_bits: int
     partial_shape: tuple[int, int, int]
     reduce_tile: tuple[int, int]
@@ -90,7 +87,7 @@ class RowNormPlan:
     def config(self) -> tuple:
         """What selects a compiled kernel variant (besides dtypes and feature flags)."""
         return (self.single_pass, self.tile_rows, self.tile_heads, self.tile_cols,
-                self.occupancy, self.prefetch and self.single_pass, self.index_bits)
+                self.occupancy, self.index_bits)
 
     def program_row_tiles(self, program: int) -> range:
         """Row tiles of ``program``, in the order it visits them."""
@@ -112,8 +109,6 @@ class RowNormPlan:
         heads = f"x{self.tile_heads}" if self.heads > 1 else ""
         text = (f"tile {self.tile_rows}{heads}x{self.tile_cols} ({mode}), {self.row_tiles} row "
                 f"tiles, persistent grid {self.grid} (occupancy {self.occupancy})")
-        if self.prefetch and self.single_pass:
-            text += ", next tile prefetched"
         if self.index_bits == 64:
             text += ", 64-bit offsets"
         if self.direction == "backward":
@@ -167,7 +162,7 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
         rows=rows, heads=heads, cols=cols, direction=direction,
         per_head_weight=per_head_weight, tile_rows=tile_rows, tile_heads=tile_heads,
         tile_cols=tile_cols, col_tiles=col_tiles, head_tiles=head_tiles, row_tiles=row_tiles,
-        grid=grid, occupancy=occupancy, prefetch=PREFETCH[direction],
+        grid=grid, occupancy=occupancy,
         index_bits=64 if max_offset > MAX_INT32_OFFSET else 32,
         partial_shape=partial_shape, reduce_tile=REDUCE_TILE,
         reduce_grid=cdiv(reduce_cols, REDUCE_TILE[1]),

@@ -161,7 +161,7 @@ def norm_fwd_single(x, residual, weight, bias, y, residual_out, mean, rstd,
                     eps: float, inv_n: float, offset: float,
                     TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                     LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
-                    HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool, PREFETCH: ConstBool):
+                    HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool):
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(x, axis=1, shape=shape)
     row_tiles = ct.num_tiles(x, axis=0, shape=shape) * head_tiles
@@ -173,41 +173,20 @@ def norm_fwd_single(x, residual, weight, bias, y, residual_out, mean, rstd,
     shift = scale
     if HAS_BIAS:
         shift = _param(bias, head_tile_w, 0, TILE_H, TILE_N, PER_HEAD)
-    if PREFETCH:
-        # Load row tile t + step while tile t is normalized and stored, so a program always
-        # has a load in flight (the last tile is loaded once more instead of branching).
-        xt = _load3(x, program // head_tiles, program % head_tiles, 0, TILE_A, TILE_H, TILE_N)
+    for t in range(program, row_tiles, step):
+        xt = _load3(x, t // head_tiles, t % head_tiles, 0, TILE_A, TILE_H, TILE_N)
         rt = xt
         if HAS_RESIDUAL:
-            rt = _load3(residual, program // head_tiles, program % head_tiles, 0, TILE_A,
-                        TILE_H, TILE_N)
-        for t in range(program, row_tiles, step):
-            nt = min(t + step, row_tiles - 1)
-            xn = _load3(x, nt // head_tiles, nt % head_tiles, 0, TILE_A, TILE_H, TILE_N)
-            rn = xn
-            if HAS_RESIDUAL:
-                rn = _load3(residual, nt // head_tiles, nt % head_tiles, 0, TILE_A, TILE_H,
-                            TILE_N)
-            _fwd_tile(xt, rt, t, head_tiles, scale, shift, y, residual_out, mean, rstd, eps,
-                      inv_n, TILE_A, TILE_H, TILE_N, LAYER_NORM, HAS_BIAS, HAS_RESIDUAL)
-            xt = xn
-            rt = rn
-    else:
-        for t in range(program, row_tiles, step):
-            xt = _load3(x, t // head_tiles, t % head_tiles, 0, TILE_A, TILE_H, TILE_N)
-            rt = xt
-            if HAS_RESIDUAL:
-                rt = _load3(residual, t // head_tiles, t % head_tiles, 0, TILE_A, TILE_H,
-                            TILE_N)
-            _fwd_tile(xt, rt, t, head_tiles, scale, shift, y, residual_out, mean, rstd, eps,
-                      inv_n, TILE_A, TILE_H, TILE_N, LAYER_NORM, HAS_BIAS, HAS_RESIDUAL)
+            rt = _load3(residual, t // head_tiles, t % head_tiles, 0, TILE_A, TILE_H, TILE_N)
+        _fwd_tile(xt, rt, t, head_tiles, scale, shift, y, residual_out, mean, rstd, eps,
+                  inv_n, TILE_A, TILE_H, TILE_N, LAYER_NORM, HAS_BIAS, HAS_RESIDUAL)
 
 
 def norm_fwd_chunked(x, residual, weight, bias, y, residual_out, mean, rstd,
                      eps: float, inv_n: float, offset: float,
                      TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                      LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
-                     HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool, PREFETCH: ConstBool):
+                     HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool):
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(x, axis=1, shape=shape)
     row_tiles = ct.num_tiles(x, axis=0, shape=shape) * head_tiles
@@ -413,8 +392,7 @@ def forward_launch(plan: RowNormPlan, features: NormFeatures, x, residual, weigh
     fn = norm_fwd_single if plan.single_pass else norm_fwd_chunked
     args = (x, residual, weight, bias, y, residual_out, mean, rstd, eps, 1.0 / plan.cols,
             offset, plan.tile_rows, plan.tile_heads, plan.tile_cols, f.layer_norm,
-            f.has_weight, f.per_head_weight, f.has_bias, f.has_residual,
-            plan.prefetch and plan.single_pass)
+            f.has_weight, f.per_head_weight, f.has_bias, f.has_residual)
     return compiled(fn, plan.occupancy, plan.index_bits), (plan.grid, 1, 1), args
 
 
