@@ -343,6 +343,7 @@ def test_per_head_on_strided_qkv_slice():
 
 
 @gpu
+@pytest.mark.xdist_group("large")
 def test_more_than_2_pow_31_elements_index_with_64_bits():
     m, n = 65536 + 24, 32768  # 2^31 + 786432 elements
     fwd, bwd = check_kernels(m, 1, n, eps=EPS, repeats=0)

@@ -280,11 +280,11 @@ def norm_fwd_op(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor
 @norm_fwd_op.register_fake
 def _(x, weight, bias, residual, eps, offset, layer_norm, out_dtype, residual_dtype):
     acc = reference.compute_dtype(x.dtype)
-    stat = torch.empty(x.shape[:-1], dtype=acc, device=x.device)
+    rstd = torch.empty(x.shape[:-1], dtype=acc, device=x.device)
+    mean = torch.empty_like(rstd) if layer_norm else rstd.new_empty(0)
     h = x.new_empty(0) if residual is None else torch.empty(
         x.shape, dtype=residual_dtype or residual.dtype, device=x.device)
-    return (torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device), h,
-            stat if layer_norm else stat.new_empty(0), stat)
+    return torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device), h, mean, rstd
 
 
 @torch.library.custom_op("tilenorm::norm_bwd", mutates_args=())
@@ -305,12 +305,13 @@ def norm_bwd_op(dy: torch.Tensor, dres_in: torch.Tensor | None, h: torch.Tensor,
 
 @norm_bwd_op.register_fake
 def _(dy, dres_in, h, weight, bias, mean, rstd, offset, x_dtype, residual_in_dtype):
-    none = h.new_empty(0, dtype=x_dtype)
+    def like(p):  # a fresh tensor each: outputs must not alias
+        return h.new_empty(0, dtype=x_dtype) if p is None else torch.empty_like(p)
+
     return (torch.empty(h.shape, dtype=x_dtype, device=h.device),
-            none if residual_in_dtype is None else torch.empty(h.shape, dtype=residual_in_dtype,
-                                                               device=h.device),
-            none if weight is None else torch.empty_like(weight),
-            none if bias is None else torch.empty_like(bias))
+            like(None) if residual_in_dtype is None else torch.empty(
+                h.shape, dtype=residual_in_dtype, device=h.device),
+            like(weight), like(bias))
 
 
 def _setup_context(ctx, inputs, output):
