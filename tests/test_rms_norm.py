@@ -446,7 +446,8 @@ def test_torch_compile_fullgraph_matches_float64(case):
     kw = dict(residual=r, dh=dh) if case == "residual prenorm" else dict(offset=offset)
     y64, _, dx64, dw64, dr64 = float64_features(x, w, 1e-6, dy, **kw)
     assert rel(y, y64) <= 1e-2 and rel(xg.grad, dx64) <= 1e-2, seed
-    assert rel(w.grad, dw64) <= DGAMMA_TOL_FP32, seed
+    # A bf16 residual stream rounds h, and dgamma is computed from the rounded h.
+    assert rel(w.grad, dw64) <= (1e-2 if case == "residual prenorm" else DGAMMA_TOL_FP32), seed
     if case == "residual prenorm":
         assert rel(r.grad, dr64) <= 1e-2, seed
 

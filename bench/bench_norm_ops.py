@@ -1,0 +1,395 @@
+"""Benchmark of the ops beyond plain RMSNorm, beside every peer that has the same op, in one
+process:
+
+    layer_norm          LayerNorm with fp32 weight and bias (Quack requires fp32 parameters)
+    rms_norm_offset     Gemma's RMSNorm, y = x_hat * (1 + w)
+    rms_norm_residual   fused residual add: h = x + r, y = RMSNorm(h), returns (y, h); the
+                        backward takes dy and dh and returns dx (= dresidual) and dweight
+    rms_norm_per_head   QK-norm: x of shape (M, H, D) = (M, 32, N / 32), weight (D,)
+
+    python bench/bench_norm_ops.py                          # every op at 32768 x 4096, bf16
+    python bench/bench_norm_ops.py --ops layer_norm --shapes 32768x4096,8192x8192
+
+Same measurements and record as bench_rms_norm.py (rows carry ``op``); a provider without a
+backward for an op is timed for its forward only (bwd_gbps null).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import common  # noqa: E402
+from tilenorm import reference  # noqa: E402
+
+EPS = 1e-6
+HEADS = 32
+
+
+@dataclass
+class Prepared:
+    fwd: Callable[[], object]
+    bwd: Callable[[], object] | None
+    outputs: Callable[[], tuple[torch.Tensor, torch.Tensor | None]]  # y, dx
+
+
+@dataclass
+class Problem:
+    """One op's inputs at one shape; x is (M, N), or (M, H, N / H) per head."""
+
+    op: str
+    x: torch.Tensor
+    w: torch.Tensor
+    dy: torch.Tensor
+    b: torch.Tensor | None = None
+    r: torch.Tensor | None = None
+    dh: torch.Tensor | None = None
+
+    @property
+    def offset(self) -> float:
+        return 1.0 if self.op == "rms_norm_offset" else 0.0
+
+    @property
+    def rows2d(self) -> torch.Tensor:
+        return self.x.view(-1, self.x.shape[-1])
+
+
+def make_problem(op: str, m: int, n: int, dtype: torch.dtype) -> Problem:
+    g = torch.Generator(device="cuda").manual_seed(m * 7 + n)
+
+    def randn(*shape, dt=dtype, scale=1.0, shift=0.0):
+        return (shift + scale * torch.randn(*shape, generator=g, device="cuda")).to(dt)
+
+    shape = (m, HEADS, n // HEADS) if op == "rms_norm_per_head" else (m, n)
+    d = shape[-1]
+    if op == "layer_norm":
+        return Problem(op, randn(*shape), randn(d, dt=torch.float32, scale=0.5, shift=1),
+                       randn(*shape), b=randn(d, dt=torch.float32, scale=0.5))
+    p = Problem(op, randn(*shape), randn(d, scale=0.5, shift=0 if op.endswith("offset") else 1),
+                randn(*shape))
+    if op == "rms_norm_residual":
+        p.r, p.dh = randn(*shape), randn(*shape)
+    return p
+
+
+def bytes_moved(p: Problem) -> tuple[int, int]:
+    """(forward, backward) bytes that must move, from each op's inputs and outputs."""
+    mn, rows = p.x.numel() * p.x.element_size(), p.x.numel() // p.x.shape[-1]
+    params = p.w.numel() * p.w.element_size() * (2 if p.b is not None else 1)
+    stats = 4 * rows * (2 if p.op == "layer_norm" else 1)
+    if p.op == "rms_norm_residual":  # fwd: x, r -> y, h; bwd: dy, dh, h -> dx (= dresidual)
+        return 4 * mn + params + stats, 4 * mn + 2 * params + stats
+    return 2 * mn + params + stats, 3 * mn + 2 * params + stats
+
+
+def float64_outputs(p: Problem, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, dx) in float64 for the first rows, through autograd of the reference."""
+    x = p.x[rows].double().requires_grad_()
+    r = None if p.r is None else p.r[rows].double()
+    y, h = reference.norm(x, p.w.double(), None if p.b is None else p.b.double(), _eps(p),
+                          layer_norm=p.op == "layer_norm", offset=p.offset, residual=r)
+    outs, grads = [y], [p.dy[rows].double()]
+    if p.dh is not None:
+        outs.append(h)
+        grads.append(p.dh[rows].double())
+    torch.autograd.backward(outs, grads)
+    return y.detach(), x.grad
+
+
+def _eps(p: Problem) -> float:
+    return 1e-5 if p.op == "layer_norm" else EPS
+
+
+# --- providers: prepare(problem) -> Prepared, or raise NotImplementedError --------------------
+
+
+def tilenorm_provider(p: Problem) -> Prepared:
+    import tilenorm
+
+    if p.op == "layer_norm":
+        _, _, mean, rstd = tilenorm.layer_norm_forward(p.x, p.w, p.b, _eps(p))
+
+        def fwd():
+            return tilenorm.layer_norm_forward(p.x, p.w, p.b, _eps(p))
+
+        def bwd():
+            return tilenorm.layer_norm_backward(p.dy, p.x, p.w, p.b, mean, rstd)
+
+        return Prepared(fwd, bwd, lambda: (fwd()[0], bwd()[0]))
+    kw = dict(offset=p.offset, residual=p.r)
+    _, h, rstd = tilenorm.rms_norm_forward(p.x, p.w, EPS, **kw)
+    back = dict(offset=p.offset, dh=p.dh, x_dtype=p.x.dtype,
+                residual_dtype=None if p.r is None else p.r.dtype)
+
+    def fwd():
+        return tilenorm.rms_norm_forward(p.x, p.w, EPS, **kw)
+
+    def bwd():
+        return tilenorm.rms_norm_backward(p.dy, h, p.w, rstd, **back)
+
+    return Prepared(fwd, bwd, lambda: (fwd()[0], bwd()[0]))
+
+
+def quack_provider(p: Problem) -> Prepared:
+    from quack.rmsnorm import layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd
+
+    if p.op == "layer_norm":
+        _, rstd, mean = layernorm_fwd(p.x, p.w, p.b, _eps(p), return_rstd=True,
+                                      return_mean=True)
+
+        def fwd():
+            return layernorm_fwd(p.x, p.w, p.b, _eps(p), return_rstd=True, return_mean=True)
+
+        def bwd():
+            return layernorm_bwd(p.x, p.w, p.dy, rstd, mean, has_bias=True)
+
+        return Prepared(fwd, bwd, lambda: (fwd()[0], bwd()[0]))
+    x, dy = p.rows2d, p.dy.view(-1, p.x.shape[-1])
+    r = None if p.r is None else p.r.view_as(x)
+    dh = None if p.dh is None else p.dh.view_as(x)
+    kw = dict(residual=r, eps=EPS, store_rstd=True, weight_offset=p.offset)
+    _, h, rstd = rmsnorm_fwd(x, p.w, **kw)
+
+    def fwd():
+        return rmsnorm_fwd(x, p.w, **kw)
+
+    def bwd():
+        return rmsnorm_bwd(h, p.w, dy, rstd, dresidual_out=dh, has_residual=r is not None,
+                           weight_offset=p.offset)
+
+    return Prepared(fwd, bwd, lambda: (fwd()[0].view_as(p.x), bwd()[0].view_as(p.x)))
+
+
+def liger_provider(p: Problem) -> Prepared:
+    if p.op == "layer_norm":
+        from liger_kernel.ops.layer_norm import layer_norm_backward, layer_norm_forward
+
+        _, _, mean, rstd, _, _ = layer_norm_forward(p.x, p.w, p.b, _eps(p))
+
+        def fwd():
+            return layer_norm_forward(p.x, p.w, p.b, _eps(p))
+
+        def bwd():
+            return layer_norm_backward(p.dy, p.x, p.w, p.b, mean, rstd)
+
+        return Prepared(fwd, bwd, lambda: (fwd()[0], bwd()[0]))
+    if p.op == "rms_norm_residual":
+        from liger_kernel.ops.fused_add_rms_norm import (
+            fused_add_rms_norm_backward,
+            fused_add_rms_norm_forward,
+        )
+
+        _, s, rstd, block, warps, stages, casting = fused_add_rms_norm_forward(
+            p.x, p.r, p.w, EPS, 0.0, "llama")
+
+        def fwd():
+            return fused_add_rms_norm_forward(p.x, p.r, p.w, EPS, 0.0, "llama")
+
+        def bwd():
+            return fused_add_rms_norm_backward(p.dy, p.dh, s, p.w, rstd, 0.0, casting, block,
+                                               warps, stages, False)
+
+        return Prepared(fwd, bwd, lambda: (fwd()[0], bwd()[0]))
+    from liger_kernel.ops.rms_norm import rms_norm_backward, rms_norm_forward
+
+    casting = "gemma" if p.op == "rms_norm_offset" else "llama"
+    _, x2d, rstd, block, warps, casting_id = rms_norm_forward(p.x, p.w, EPS, p.offset, casting,
+                                                              None)
+
+    def fwd():
+        return rms_norm_forward(p.x, p.w, EPS, p.offset, casting, None)
+
+    def bwd():
+        return rms_norm_backward(p.dy, x2d, p.w, rstd, p.offset, casting_id, block, warps,
+                                 False, None)
+
+    return Prepared(fwd, bwd, lambda: (fwd()[0], bwd()[0].view_as(p.x)))
+
+
+def tilegym_provider(p: Problem) -> Prepared:
+    if p.op != "layer_norm":
+        raise NotImplementedError(f"TileGym has no {p.op} with a backward")
+    from tilegym.ops.cutile.layer_norm import layer_norm
+
+    def fwd():
+        return layer_norm(p.x, 1, 2, p.w, p.b, _eps(p))
+
+    return Prepared(fwd, None, lambda: (fwd(), None))  # TileGym's backward raises
+
+
+def _reference_pair(p: Problem):
+    layer_norm = p.op == "layer_norm"
+
+    def fwd(x, w, b, r):
+        y, h, mean, rstd = reference.norm_forward(x, w, b, _eps(p), layer_norm=layer_norm,
+                                                  offset=p.offset, residual=r)
+        return y, h, mean, rstd
+
+    def bwd(dy, dh, h, w, b, mean, rstd):
+        return reference.norm_backward(dy, dh, h, w, b, mean, rstd, offset=p.offset)
+
+    return fwd, bwd
+
+
+def torch_compile_provider(p: Problem) -> Prepared:
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = 1024
+    torch._dynamo.config.recompile_limit = 1024
+    fwd_fn, bwd_fn = _reference_pair(p)
+    fwd_c, bwd_c = torch.compile(fwd_fn, dynamic=False), torch.compile(bwd_fn, dynamic=False)
+    _, h, mean, rstd = fwd_c(p.x, p.w, p.b, p.r)
+    h = p.x if p.r is None else h
+
+    def fwd():
+        return fwd_c(p.x, p.w, p.b, p.r)
+
+    def bwd():
+        return bwd_c(p.dy, p.dh, h, p.w, p.b, mean, rstd)
+
+    return Prepared(fwd, bwd, lambda: (fwd()[0], bwd()[0]))
+
+
+def torch_eager_provider(p: Problem) -> Prepared:
+    x = p.x.detach().requires_grad_()
+    w = p.w.detach().requires_grad_()
+    b = None if p.b is None else p.b.detach().requires_grad_()
+    n = x.shape[-1]
+
+    def fwd():
+        if p.op == "layer_norm":
+            return F.layer_norm(x, (n,), w, b, _eps(p)), x
+        h = x if p.r is None else x + p.r
+        return F.rms_norm(h, (n,), w + p.offset if p.offset else w, EPS), h
+
+    y, h = fwd()
+    leaves = tuple(t for t in (x, w, b) if t is not None)
+
+    def bwd():
+        outs, grads = (y, h), (p.dy, p.dh)
+        if p.dh is None:
+            outs, grads = (y,), (p.dy,)
+        return torch.autograd.grad(outs, leaves, grads, retain_graph=True)
+
+    return Prepared(fwd, bwd, lambda: (fwd()[0], bwd()[0]))
+
+
+PROVIDERS: dict[str, Callable[[Problem], Prepared]] = {
+    "tilenorm": tilenorm_provider,
+    "quack": quack_provider,
+    "liger": liger_provider,
+    "tilegym": tilegym_provider,
+    "torch.compile": torch_compile_provider,
+    "torch eager": torch_eager_provider,
+}
+OPS = ("layer_norm", "rms_norm_offset", "rms_norm_residual", "rms_norm_per_head")
+
+
+def measure(op: str, name: str, m: int, n: int, dtype: torch.dtype, modes: list[str]
+            ) -> list[dict]:
+    p = make_problem(op, m, n, dtype)
+    prepared = PROVIDERS[name](p)
+    y, dx = prepared.outputs()
+    rows = slice(0, min(m, max(1, (1 << 22) // n)))
+    y64, dx64 = float64_outputs(p, rows)
+    fwd_err = common.rel_error(y[rows], y64)
+    bwd_err = None if dx is None else common.rel_error(dx[rows], dx64)
+    del y, dx
+    fwd_bytes, bwd_bytes = bytes_moved(p)
+    out = []
+    for mode in modes:
+        timer = common.graph_ms if mode == "graph" else common.eager_ms
+        fwd_ms = timer(prepared.fwd)
+        bwd_ms = None if prepared.bwd is None else timer(prepared.bwd)
+        out.append({"op": op, "dtype": str(dtype)[6:], "M": m, "N": n,
+                    "heads": HEADS if op == "rms_norm_per_head" else 1,
+                    "provider": name, "mode": mode,
+                    "fwd_gbps": fwd_bytes / (fwd_ms * 1e-3) / 1e9,
+                    "bwd_gbps": None if bwd_ms is None else bwd_bytes / (bwd_ms * 1e-3) / 1e9,
+                    "fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "fwd_err": fwd_err, "bwd_err": bwd_err})
+    return out
+
+
+def overhead(op: str, name: str, dtype: torch.dtype) -> dict:
+    prepared = PROVIDERS[name](make_problem(op, 256, 1024, dtype))
+    return {"op": op, "provider": name, "fwd_host_us": common.host_us(prepared.fwd),
+            "bwd_host_us": None if prepared.bwd is None else common.host_us(prepared.bwd)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ops", default=",".join(OPS))
+    parser.add_argument("--shapes", default="32768x4096", help="comma-separated MxN list")
+    parser.add_argument("--providers", default=",".join(PROVIDERS))
+    parser.add_argument("--dtype", default="bfloat16",
+                        choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--modes", default="graph,eager")
+    parser.add_argument("--out", type=Path, help="JSON path (default bench/results/...)")
+    parser.add_argument("--experimental", action="store_true",
+                        help="let tilenorm run kernels not yet validated on a GPU")
+    args = parser.parse_args(argv)
+    if args.experimental:
+        import tilenorm
+
+        tilenorm.set_experimental(True)
+    dtype = getattr(torch, args.dtype)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    copy = common.copy_gbps()
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy:.0f} GB/s")
+    record = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+              "commit": common.git_commit(), "copy_gbps": copy, "torch": torch.__version__,
+              "rows": [], "overhead": [], "failures": []}
+    for op in args.ops.split(","):
+        for name in args.providers.split(","):
+            for m, n in shapes:
+                try:
+                    record["rows"] += measure(op, name, m, n, dtype, args.modes.split(","))
+                except Exception as e:  # an absent peer or op is reported, not fatal
+                    record["failures"].append({"op": op, "provider": name, "M": m, "N": n,
+                                               "error": f"{type(e).__name__}: {e}"[:400]})
+                    if not isinstance(e, (ImportError, NotImplementedError)):
+                        traceback.print_exc(limit=2)
+                torch.cuda.empty_cache()
+            try:
+                record["overhead"].append(overhead(op, name, dtype))
+            except Exception as e:
+                record["failures"].append({"op": op, "provider": name, "overhead": True,
+                                           "error": f"{type(e).__name__}: {e}"[:400]})
+    path = common.write_record(record, args.out)
+    print_table(record)
+    print(f"wrote {path}")
+
+
+def print_table(record: dict) -> None:
+    copy = record["copy_gbps"]
+
+    def pct(v):
+        return "      -      " if v is None else f"{v:6.0f} ({100 * v / copy:3.0f}%)"
+
+    print(f"\ncopy bandwidth {copy:.0f} GB/s; GB/s (% of copy)")
+    print(f"{'op':>18} {'M x N':>12} {'provider':>14} {'mode':>6} {'fwd':>13} {'bwd':>13} "
+          f"{'fwd err':>8} {'bwd err':>8}")
+    for r in record["rows"]:
+        bwd_err = "-" if r["bwd_err"] is None else f"{r['bwd_err']:.1e}"
+        print(f"{r['op']:>18} {r['M']:>6}x{r['N']:<5} {r['provider']:>14} {r['mode']:>6} "
+              f"{pct(r['fwd_gbps'])} {pct(r['bwd_gbps'])} {r['fwd_err']:8.1e} {bwd_err:>8}")
+    for o in record["overhead"]:
+        bwd = "-" if o["bwd_host_us"] is None else f"{o['bwd_host_us']:.1f}"
+        print(f"host us/call {o['op']:>18} {o['provider']:>14}: fwd {o['fwd_host_us']:.1f}, "
+              f"bwd {bwd}")
+    for f in record["failures"]:
+        print(f"FAILED {f}")
+
+
+if __name__ == "__main__":
+    main()
