@@ -37,7 +37,8 @@ class KernelFamily:
         return _digest(self.sources)
 
 
-CUTILE_NORM = KernelFamily("cutile/norm", "cuTile", ("cutile/norm.py", "cutile/reduce.py"))
+CUTILE_NORM = KernelFamily(
+    "cutile/norm", "cuTile", ("cutile/norm.py", "cutile/reduce.py", "planner.py"))
 FAMILIES = (CUTILE_NORM,)
 
 

@@ -106,7 +106,7 @@ def _residual_sum(xt, rt, residual_out, row_tile, head_tile, chunk):
     """h = x + residual, rounded to the residual stream's dtype (what the norm and the
     backward read), stored, and returned in fp32."""
     h = (xt.astype(ct.float32) + rt.astype(ct.float32)).astype(residual_out.dtype)
-    ct.store(residual_out, index=(row_tile, head_tile, chunk), tile=h)
+    ct.store(residual_out, index=(row_tile, head_tile, chunk), tile=h, allow_tma=False)
     return h.astype(ct.float32)
 
 
@@ -137,7 +137,7 @@ def _zero_partial(partial, slot, head_tile, chunks, TILE_H, TILE_N, PER_HEAD):
 
 
 def _fwd_tile(xt, rt, t, head_tiles, scale, shift, y, residual_out, mean, rstd, eps, inv_n,
-              TILE_A, TILE_H, TILE_N, LAYER_NORM, HAS_BIAS, HAS_RESIDUAL):
+              TILE_A, TILE_H, TILE_N, LAYER_NORM, HAS_BIAS, HAS_RESIDUAL, PADDED):
     """Normalize one loaded single-pass row tile and store its outputs."""
     row_tile, head_tile = t // head_tiles, t % head_tiles
     if HAS_RESIDUAL:
@@ -146,14 +146,16 @@ def _fwd_tile(xt, rt, t, head_tiles, scale, shift, y, residual_out, mean, rstd, 
         v = xt.astype(ct.float32)
     if LAYER_NORM:
         mu = ct.sum(v, axis=2, keepdims=True) * inv_n
-        # Padding columns load 0; centered they would be -mu: keep them out of the variance.
-        v = ct.where(_column_mask(0, y.shape[2], TILE_N), v - mu, 0.0)
+        v = v - mu
+        if PADDED:  # padding columns load 0; centered they would be -mu: keep them out
+            v = ct.where(_column_mask(0, y.shape[2], TILE_N), v, 0.0)
         _store_stat(mean, row_tile, head_tile, mu, TILE_A, TILE_H)
     r = ct.rsqrt(ct.sum(v * v, axis=2, keepdims=True) * inv_n + eps)
     out = v * r * scale
     if HAS_BIAS:
         out = out + shift
-    ct.store(y, index=(row_tile, head_tile, 0), tile=out.astype(y.dtype))
+    # Stores through registers, not TMA: measured faster on H200 (bench/NOTES.md, #8).
+    ct.store(y, index=(row_tile, head_tile, 0), tile=out.astype(y.dtype), allow_tma=False)
     _store_stat(rstd, row_tile, head_tile, r, TILE_A, TILE_H)
 
 
@@ -161,7 +163,7 @@ def norm_fwd_single(x, residual, weight, bias, y, residual_out, mean, rstd,
                     eps: float, inv_n: float, offset: float,
                     TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                     LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
-                    HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool):
+                    HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool, PADDED: ConstBool):
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(x, axis=1, shape=shape)
     row_tiles = ct.num_tiles(x, axis=0, shape=shape) * head_tiles
@@ -179,14 +181,14 @@ def norm_fwd_single(x, residual, weight, bias, y, residual_out, mean, rstd,
         if HAS_RESIDUAL:
             rt = _load3(residual, t // head_tiles, t % head_tiles, 0, TILE_A, TILE_H, TILE_N)
         _fwd_tile(xt, rt, t, head_tiles, scale, shift, y, residual_out, mean, rstd, eps,
-                  inv_n, TILE_A, TILE_H, TILE_N, LAYER_NORM, HAS_BIAS, HAS_RESIDUAL)
+                  inv_n, TILE_A, TILE_H, TILE_N, LAYER_NORM, HAS_BIAS, HAS_RESIDUAL, PADDED)
 
 
 def norm_fwd_chunked(x, residual, weight, bias, y, residual_out, mean, rstd,
                      eps: float, inv_n: float, offset: float,
                      TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                      LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
-                     HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool):
+                     HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool, PADDED: ConstBool):
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(x, axis=1, shape=shape)
     row_tiles = ct.num_tiles(x, axis=0, shape=shape) * head_tiles
@@ -212,7 +214,9 @@ def norm_fwd_chunked(x, residual, weight, bias, y, residual_out, mean, rstd,
                 seen = c * (TILE_N * 1.0)
                 count = min(cols - c * TILE_N, TILE_N) * 1.0
                 chunk_mean = ct.sum(v, axis=2, keepdims=True) / count
-                d = ct.where(_column_mask(c, cols, TILE_N), v - chunk_mean, 0.0)
+                d = v - chunk_mean
+                if PADDED:
+                    d = ct.where(_column_mask(c, cols, TILE_N), d, 0.0)
                 delta = chunk_mean - mu
                 mu = mu + delta * (count / (seen + count))
                 m2 = m2 + ct.sum(d * d, axis=2, keepdims=True) + \
@@ -232,7 +236,8 @@ def norm_fwd_chunked(x, residual, weight, bias, y, residual_out, mean, rstd,
                 v = v - mu
             out = _affine(v * r, weight, bias, offset, head_tile_w, c, TILE_H, TILE_N,
                           HAS_WEIGHT, PER_HEAD, HAS_BIAS)
-            ct.store(y, index=(row_tile, head_tile, c), tile=out.astype(y.dtype))
+            ct.store(y, index=(row_tile, head_tile, c), tile=out.astype(y.dtype),
+                     allow_tma=False)
         _store_stat(rstd, row_tile, head_tile, r, TILE_A, TILE_H)
 
 
@@ -392,7 +397,8 @@ def forward_launch(plan: RowNormPlan, features: NormFeatures, x, residual, weigh
     fn = norm_fwd_single if plan.single_pass else norm_fwd_chunked
     args = (x, residual, weight, bias, y, residual_out, mean, rstd, eps, 1.0 / plan.cols,
             offset, plan.tile_rows, plan.tile_heads, plan.tile_cols, f.layer_norm,
-            f.has_weight, f.per_head_weight, f.has_bias, f.has_residual)
+            f.has_weight, f.per_head_weight, f.has_bias, f.has_residual,
+            plan.col_tiles * plan.tile_cols != plan.cols)
     return compiled(fn, plan.occupancy, plan.index_bits), (plan.grid, 1, 1), args
 
 
