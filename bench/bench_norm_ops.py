@@ -17,7 +17,6 @@ backward for an op is timed for its forward only (bwd_gbps null).
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import traceback
 from collections.abc import Callable
@@ -331,24 +330,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ops", default=",".join(OPS))
     parser.add_argument("--shapes", default="32768x4096", help="comma-separated MxN list")
     parser.add_argument("--providers", default=",".join(PROVIDERS))
-    parser.add_argument("--dtype", default="bfloat16",
-                        choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--modes", default="graph,eager")
-    parser.add_argument("--out", type=Path, help="JSON path (default bench/results/...)")
-    parser.add_argument("--experimental", action="store_true",
-                        help="let tilenorm run kernels not yet validated on a GPU")
+    common.add_run_args(parser)
     args = parser.parse_args(argv)
-    if args.experimental:
-        import tilenorm
-
-        tilenorm.set_experimental(True)
-    dtype = getattr(torch, args.dtype)
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    copy = common.copy_gbps()
-    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy:.0f} GB/s")
-    record = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-              "commit": common.git_commit(), "copy_gbps": copy, "torch": torch.__version__,
-              "rows": [], "overhead": [], "failures": []}
+    dtype = common.DTYPES[args.dtype]
+    shapes = common.parse_shapes(args.shapes)
+    record = common.new_record(args)
     for op in args.ops.split(","):
         for name in args.providers.split(","):
             for m, n in shapes:

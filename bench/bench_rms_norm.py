@@ -35,7 +35,6 @@ SWEEP_N = [128, 256, 512, 1024, 2048, 4096, 5120, 7168, 8192, 16384, 32768, 6553
 LATENCY_SHAPES = [(32768, 128), (4096, 4096)]
 SWEEP_BYTES = 256 << 20
 EPS = 1e-6
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def sweep_shapes() -> list[tuple[int, int]]:
@@ -294,21 +293,12 @@ def plot(record: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     parser.add_argument("--shapes", help="comma-separated MxN list (default: the sweep)")
     parser.add_argument("--providers", help="comma-separated subset of: " + ", ".join(PROVIDERS))
-    parser.add_argument("--modes", default="graph,eager")
-    parser.add_argument("--out", type=Path, help="JSON path (default bench/results/...)")
-    parser.add_argument("--experimental", action="store_true",
-                        help="let tilenorm run kernels not yet validated on a GPU")
+    common.add_run_args(parser)
     args = parser.parse_args(argv)
-    if args.experimental:
-        import tilenorm
-
-        tilenorm.set_experimental(True)
-    dtype = DTYPES[args.dtype]
-    shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-              if args.shapes else sweep_shapes())
+    dtype = common.DTYPES[args.dtype]
+    shapes = common.parse_shapes(args.shapes) if args.shapes else sweep_shapes()
     modes = args.modes.split(",")
 
     providers, absent = [], {}
@@ -320,19 +310,14 @@ def main(argv: list[str] | None = None) -> None:
     for name, why in absent.items():
         print(f"absent: {name}: {why}")
 
-    copy = common.copy_gbps()
-    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy:.0f} GB/s")
-    record = {"device": torch.cuda.get_device_name(), "date": None, "commit": common.git_commit(),
-              "copy_gbps": copy, "torch": torch.__version__, "absent": absent,
-              "rows": [], "overhead": [], "failures": []}
+    record = common.new_record(args)
+    record["absent"] = absent
     try:
         from tqdm import tqdm
     except ImportError:  # the progress bar is a convenience
         def tqdm(it, **_):
             return it
-    import datetime
 
-    record["date"] = datetime.date.today().isoformat()
     jobs = [(p, s) for s in shapes for p in providers]
     for provider, (m, n) in tqdm(jobs, desc="rms_norm sweep", file=sys.stderr):
         try:

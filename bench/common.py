@@ -12,8 +12,10 @@ import torch
 
 from tilenorm.benchmark import copy_gbps, eager_ms, graph_ms, host_us
 
-__all__ = ["copy_gbps", "device_slug", "eager_ms", "git_commit", "graph_ms", "host_us",
-           "rel_error", "write_record"]
+__all__ = ["add_run_args", "copy_gbps", "device_slug", "eager_ms", "git_commit", "graph_ms",
+           "host_us", "new_record", "parse_shapes", "rel_error", "write_record"]
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -53,3 +55,30 @@ def write_record(record: dict, path: Path | None = None) -> Path:
                               if (o["op"], o["provider"]) not in seen] + record["overhead"]
     path.write_text(json.dumps(record, indent=1) + "\n")
     return path
+
+
+def add_run_args(parser) -> None:
+    """The options every per-op benchmark takes."""
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument("--modes", default="graph,eager")
+    parser.add_argument("--out", type=Path, help="JSON path (default bench/results/...)")
+    parser.add_argument("--experimental", action="store_true",
+                        help="let tilenorm run kernels not yet validated on a GPU")
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
+
+
+def new_record(args) -> dict:
+    """Apply the run options and start a record: device, date, commit, and the copy
+    bandwidth measured now, in the same process as the providers."""
+    if args.experimental:
+        import tilenorm
+
+        tilenorm.set_experimental(True)
+    copy = copy_gbps()
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy:.0f} GB/s")
+    return {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+            "commit": git_commit(), "copy_gbps": copy, "torch": torch.__version__,
+            "rows": [], "overhead": [], "failures": []}
