@@ -36,13 +36,6 @@ HEADS = 32
 
 
 @dataclass
-class Prepared:
-    fwd: Callable[[], object]
-    bwd: Callable[[], object] | None
-    outputs: Callable[[], tuple[torch.Tensor, torch.Tensor | None]]  # y, dx
-
-
-@dataclass
 class Problem:
     """One op's inputs at one shape; x is (M, N), or (M, H, N / H) per head."""
 
@@ -112,7 +105,7 @@ def _eps(p: Problem) -> float:
 # --- providers: prepare(problem) -> Prepared, or raise NotImplementedError --------------------
 
 
-def tilenorm_provider(p: Problem) -> Prepared:
+def tilenorm_provider(p: Problem) -> common.Prepared:
     import tilenorm
 
     if p.op == "layer_norm":
@@ -124,7 +117,7 @@ def tilenorm_provider(p: Problem) -> Prepared:
         def bwd():
             return tilenorm.layer_norm_backward(p.dy, p.x, p.w, p.b, mean, rstd)
 
-        return Prepared(fwd, bwd, lambda: (fwd()[0], bwd()[0]))
+        return common.Prepared(fwd, bwd, lambda: (fwd()[0], bwd()[0]))
     kw = dict(offset=p.offset, residual=p.r)
     _, h, rstd = tilenorm.rms_norm_forward(p.x, p.w, EPS, **kw)
     back = dict(offset=p.offset, dh=p.dh, x_dtype=p.x.dtype,
@@ -136,10 +129,10 @@ def tilenorm_provider(p: Problem) -> Prepared:
     def bwd():
         return tilenorm.rms_norm_backward(p.dy, h, p.w, rstd, **back)
 
-    return Prepared(fwd, bwd, lambda: (fwd()[0], bwd()[0]))
+    return common.Prepared(fwd, bwd, lambda: (fwd()[0], bwd()[0]))
 
 
-def quack_provider(p: Problem) -> Prepared:
+def quack_provider(p: Problem) -> common.Prepared:
     from quack.rmsnorm import layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd
 
     if p.op == "layer_norm":
@@ -152,7 +145,7 @@ def quack_provider(p: Problem) -> Prepared:
         def bwd():
             return layernorm_bwd(p.x, p.w, p.dy, rstd, mean, has_bias=True)
 
-        return Prepared(fwd, bwd, lambda: (fwd()[0], bwd()[0]))
+        return common.Prepared(fwd, bwd, lambda: (fwd()[0], bwd()[0]))
     x, dy = p.rows2d, p.dy.view(-1, p.x.shape[-1])
     r = None if p.r is None else p.r.view_as(x)
     dh = None if p.dh is None else p.dh.view_as(x)
@@ -166,10 +159,10 @@ def quack_provider(p: Problem) -> Prepared:
         return rmsnorm_bwd(h, p.w, dy, rstd, dresidual_out=dh, has_residual=r is not None,
                            weight_offset=p.offset)
 
-    return Prepared(fwd, bwd, lambda: (fwd()[0].view_as(p.x), bwd()[0].view_as(p.x)))
+    return common.Prepared(fwd, bwd, lambda: (fwd()[0].view_as(p.x), bwd()[0].view_as(p.x)))
 
 
-def liger_provider(p: Problem) -> Prepared:
+def liger_provider(p: Problem) -> common.Prepared:
     if p.op == "layer_norm":
         from liger_kernel.ops.layer_norm import layer_norm_backward, layer_norm_forward
 
@@ -181,7 +174,7 @@ def liger_provider(p: Problem) -> Prepared:
         def bwd():
             return layer_norm_backward(p.dy, p.x, p.w, p.b, mean, rstd)
 
-        return Prepared(fwd, bwd, lambda: (fwd()[0], bwd()[0]))
+        return common.Prepared(fwd, bwd, lambda: (fwd()[0], bwd()[0]))
     if p.op == "rms_norm_residual":
         from liger_kernel.ops.fused_add_rms_norm import (
             fused_add_rms_norm_backward,
@@ -198,7 +191,7 @@ def liger_provider(p: Problem) -> Prepared:
             return fused_add_rms_norm_backward(p.dy, p.dh, s, p.w, rstd, 0.0, casting, block,
                                                warps, stages, False)
 
-        return Prepared(fwd, bwd, lambda: (fwd()[0], bwd()[0]))
+        return common.Prepared(fwd, bwd, lambda: (fwd()[0], bwd()[0]))
     from liger_kernel.ops.rms_norm import rms_norm_backward, rms_norm_forward
 
     casting = "gemma" if p.op == "rms_norm_offset" else "llama"
@@ -212,10 +205,10 @@ def liger_provider(p: Problem) -> Prepared:
         return rms_norm_backward(p.dy, x2d, p.w, rstd, p.offset, casting_id, block, warps,
                                  False, None)
 
-    return Prepared(fwd, bwd, lambda: (fwd()[0], bwd()[0].view_as(p.x)))
+    return common.Prepared(fwd, bwd, lambda: (fwd()[0], bwd()[0].view_as(p.x)))
 
 
-def tilegym_provider(p: Problem) -> Prepared:
+def tilegym_provider(p: Problem) -> common.Prepared:
     if p.op != "layer_norm":
         raise NotImplementedError(f"TileGym has no {p.op} with a backward")
     from tilegym.ops.cutile.layer_norm import layer_norm
@@ -223,7 +216,7 @@ def tilegym_provider(p: Problem) -> Prepared:
     def fwd():
         return layer_norm(p.x, 1, 2, p.w, p.b, _eps(p))
 
-    return Prepared(fwd, None, lambda: (fwd(), None))  # TileGym's backward raises
+    return common.Prepared(fwd, None, lambda: (fwd(), None))  # TileGym's backward raises
 
 
 def _reference_pair(p: Problem):
@@ -240,7 +233,7 @@ def _reference_pair(p: Problem):
     return fwd, bwd
 
 
-def torch_compile_provider(p: Problem) -> Prepared:
+def torch_compile_provider(p: Problem) -> common.Prepared:
     import torch._dynamo
 
     torch._dynamo.config.cache_size_limit = 1024
@@ -256,10 +249,10 @@ def torch_compile_provider(p: Problem) -> Prepared:
     def bwd():
         return bwd_c(p.dy, p.dh, h, p.w, p.b, mean, rstd)
 
-    return Prepared(fwd, bwd, lambda: (fwd()[0], bwd()[0]))
+    return common.Prepared(fwd, bwd, lambda: (fwd()[0], bwd()[0]))
 
 
-def torch_eager_provider(p: Problem) -> Prepared:
+def torch_eager_provider(p: Problem) -> common.Prepared:
     x = p.x.detach().requires_grad_()
     w = p.w.detach().requires_grad_()
     b = None if p.b is None else p.b.detach().requires_grad_()
@@ -280,10 +273,10 @@ def torch_eager_provider(p: Problem) -> Prepared:
             outs, grads = (y,), (p.dy,)
         return torch.autograd.grad(outs, leaves, grads, retain_graph=True)
 
-    return Prepared(fwd, bwd, lambda: (fwd()[0], bwd()[0]))
+    return common.Prepared(fwd, bwd, lambda: (fwd()[0], bwd()[0]))
 
 
-PROVIDERS: dict[str, Callable[[Problem], Prepared]] = {
+PROVIDERS: dict[str, Callable[[Problem], common.Prepared]] = {
     "tilenorm": tilenorm_provider,
     "quack": quack_provider,
     "liger": liger_provider,
@@ -305,18 +298,10 @@ def measure(op: str, name: str, m: int, n: int, dtype: torch.dtype, modes: list[
     bwd_err = None if dx is None else common.rel_error(dx[rows], dx64)
     del y, dx
     fwd_bytes, bwd_bytes = bytes_moved(p)
-    out = []
-    for mode in modes:
-        timer = common.graph_ms if mode == "graph" else common.eager_ms
-        fwd_ms = timer(prepared.fwd)
-        bwd_ms = None if prepared.bwd is None else timer(prepared.bwd)
-        out.append({"op": op, "dtype": str(dtype)[6:], "M": m, "N": n,
-                    "heads": HEADS if op == "rms_norm_per_head" else 1,
-                    "provider": name, "mode": mode,
-                    "fwd_gbps": fwd_bytes / (fwd_ms * 1e-3) / 1e9,
-                    "bwd_gbps": None if bwd_ms is None else bwd_bytes / (bwd_ms * 1e-3) / 1e9,
-                    "fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "fwd_err": fwd_err, "bwd_err": bwd_err})
-    return out
+    return common.timed_rows(prepared, fwd_bytes, bwd_bytes, modes, {
+        "op": op, "dtype": str(dtype)[6:], "M": m, "N": n,
+        "heads": HEADS if op == "rms_norm_per_head" else 1, "provider": name,
+        "fwd_err": fwd_err, "bwd_err": bwd_err})
 
 
 def overhead(op: str, name: str, dtype: torch.dtype) -> dict:
@@ -352,29 +337,8 @@ def main(argv: list[str] | None = None) -> None:
                 record["failures"].append({"op": op, "provider": name, "overhead": True,
                                            "error": f"{type(e).__name__}: {e}"[:400]})
     path = common.write_record(record, args.out)
-    print_table(record)
+    common.print_table(record)
     print(f"wrote {path}")
-
-
-def print_table(record: dict) -> None:
-    copy = record["copy_gbps"]
-
-    def pct(v):
-        return "      -      " if v is None else f"{v:6.0f} ({100 * v / copy:3.0f}%)"
-
-    print(f"\ncopy bandwidth {copy:.0f} GB/s; GB/s (% of copy)")
-    print(f"{'op':>18} {'M x N':>12} {'provider':>14} {'mode':>6} {'fwd':>13} {'bwd':>13} "
-          f"{'fwd err':>8} {'bwd err':>8}")
-    for r in record["rows"]:
-        bwd_err = "-" if r["bwd_err"] is None else f"{r['bwd_err']:.1e}"
-        print(f"{r['op']:>18} {r['M']:>6}x{r['N']:<5} {r['provider']:>14} {r['mode']:>6} "
-              f"{pct(r['fwd_gbps'])} {pct(r['bwd_gbps'])} {r['fwd_err']:8.1e} {bwd_err:>8}")
-    for o in record["overhead"]:
-        bwd = "-" if o["bwd_host_us"] is None else f"{o['bwd_host_us']:.1f}"
-        print(f"host us/call {o['op']:>18} {o['provider']:>14}: fwd {o['fwd_host_us']:.1f}, "
-              f"bwd {bwd}")
-    for f in record["failures"]:
-        print(f"FAILED {f}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ import json
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,19 +41,10 @@ def sweep_shapes() -> list[tuple[int, int]]:
     return [(max(1, SWEEP_BYTES // (2 * n)), n) for n in SWEEP_N] + LATENCY_SHAPES
 
 
-@dataclass
-class Prepared:
-    """One provider bound to one problem: closures that launch forward and backward."""
-
-    fwd: Callable[[], object]
-    bwd: Callable[[], object]
-    outputs: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # y, dx, dweight
-
-
 class Provider:
     name = "provider"
 
-    def prepare(self, x, w, dy) -> Prepared:
+    def prepare(self, x, w, dy) -> common.Prepared:
         raise NotImplementedError
 
 
@@ -73,7 +63,7 @@ class Tilenorm(Provider):
             dx, _, dw = self.bwd(dy, x, w, rstd)
             return dx, dw
 
-        return Prepared(lambda: self.fwd(x, w, EPS), bwd,
+        return common.Prepared(lambda: self.fwd(x, w, EPS), bwd,
                         lambda: (self.fwd(x, w, EPS)[0], *bwd()))
 
 
@@ -101,7 +91,7 @@ class TorchCompile(Provider):
 
     def prepare(self, x, w, dy):
         _, rstd = self.fwd(x, w)
-        return Prepared(lambda: self.fwd(x, w), lambda: self.bwd(dy, x, w, rstd),
+        return common.Prepared(lambda: self.fwd(x, w), lambda: self.bwd(dy, x, w, rstd),
                         lambda: (self.fwd(x, w)[0], *self.bwd(dy, x, w, rstd)))
 
 
@@ -118,7 +108,7 @@ class TorchEager(Provider):
         def bwd():
             return torch.autograd.grad(y, (xg, wg), dy, retain_graph=True)
 
-        return Prepared(lambda: torch.nn.functional.rms_norm(xg, (n,), wg, EPS), bwd,
+        return common.Prepared(lambda: torch.nn.functional.rms_norm(xg, (n,), wg, EPS), bwd,
                         lambda: (torch.nn.functional.rms_norm(xg, (n,), wg, EPS), *bwd()))
 
 
@@ -141,7 +131,7 @@ class Quack(Provider):
         def bwd():
             return self.bwd(x, w, dy, rstd)[:2]
 
-        return Prepared(fwd, bwd, lambda: (fwd()[0], *bwd()))
+        return common.Prepared(fwd, bwd, lambda: (fwd()[0], *bwd()))
 
 
 class _Liger(Provider):
@@ -164,7 +154,7 @@ class _Liger(Provider):
         def bwd():
             return self.bwd(dy, x2d, w, rstd, 0.0, casting, block, warps, False, None)
 
-        return Prepared(fwd, bwd, lambda: (fwd()[0], *bwd()))
+        return common.Prepared(fwd, bwd, lambda: (fwd()[0], *bwd()))
 
 
 class LigerTriton(_Liger):
@@ -198,7 +188,7 @@ class TileGym(Provider):
         def bwd():
             return self.ops.rms_norm_backward(x, dy, w, rstd)
 
-        return Prepared(fwd, bwd, lambda: (fwd(), *bwd()))
+        return common.Prepared(fwd, bwd, lambda: (fwd(), *bwd()))
 
 
 PROVIDERS: dict[str, Callable[[], Provider]] = {
@@ -245,17 +235,9 @@ def measure(provider: Provider, m: int, n: int, dtype: torch.dtype, modes: list[
         bwd_err = max(bwd_err, common.rel_error(dw, dw64))
     del y, dx, dw
     fwd_bytes, bwd_bytes = bytes_moved(m, n, x.element_size(), w.element_size())
-    rows = []
-    for mode in modes:
-        timer = common.graph_ms if mode == "graph" else common.eager_ms
-        fwd_ms, bwd_ms = timer(prepared.fwd), timer(prepared.bwd)
-        rows.append({"op": "rms_norm", "dtype": str(dtype)[6:], "M": m, "N": n,
-                     "provider": provider.name, "mode": mode,
-                     "fwd_gbps": fwd_bytes / (fwd_ms * 1e-3) / 1e9,
-                     "bwd_gbps": bwd_bytes / (bwd_ms * 1e-3) / 1e9,
-                     "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
-                     "fwd_err": fwd_err, "bwd_err": bwd_err})
-    return rows
+    return common.timed_rows(prepared, fwd_bytes, bwd_bytes, modes, {
+        "op": "rms_norm", "dtype": str(dtype)[6:], "M": m, "N": n, "provider": provider.name,
+        "fwd_err": fwd_err, "bwd_err": bwd_err})
 
 
 def overhead(provider: Provider, dtype: torch.dtype) -> dict:
@@ -341,25 +323,8 @@ def main(argv: list[str] | None = None) -> None:
         plot(record, path.with_suffix(".png"))
     except Exception as e:
         print(f"plot skipped: {type(e).__name__}: {e}")
-    print_table(record)
+    common.print_table(record)
     print(f"wrote {path}")
-
-
-def print_table(record: dict) -> None:
-    copy = record["copy_gbps"]
-    print(f"\ncopy bandwidth {copy:.0f} GB/s; GB/s (% of copy), fwd / bwd")
-    print(f"{'M x N':>14} {'provider':>14} {'mode':>6} {'fwd GB/s':>15} {'bwd GB/s':>15} "
-          f"{'fwd err':>8} {'bwd err':>8}")
-    for r in record["rows"]:
-        print(f"{r['M']:>7}x{r['N']:<6} {r['provider']:>14} {r['mode']:>6} "
-              f"{r['fwd_gbps']:7.0f} ({100 * r['fwd_gbps'] / copy:3.0f}%) "
-              f"{r['bwd_gbps']:7.0f} ({100 * r['bwd_gbps'] / copy:3.0f}%) "
-              f"{r['fwd_err']:8.1e} {r['bwd_err']:8.1e}")
-    for o in record["overhead"]:
-        print(f"host us/call {o['provider']:>14}: fwd {o['fwd_host_us']:.1f}, "
-              f"bwd {o['bwd_host_us']:.1f}")
-    for f in record["failures"]:
-        print(f"FAILED {f}")
 
 
 if __name__ == "__main__":

@@ -6,18 +6,47 @@ import datetime
 import json
 import os
 import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from tilenorm.benchmark import copy_gbps, eager_ms, graph_ms, host_us
 
-__all__ = ["add_run_args", "copy_gbps", "device_slug", "eager_ms", "git_commit", "graph_ms",
-           "host_us", "new_record", "parse_shapes", "rel_error", "write_record"]
+__all__ = ["Prepared", "add_run_args", "copy_gbps", "device_slug", "eager_ms", "git_commit",
+           "graph_ms", "host_us", "new_record", "parse_shapes", "print_table", "rel_error",
+           "timed_rows", "write_record"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Prepared:
+    """One provider bound to one problem: closures that launch forward and backward (None
+    where the provider has no backward), and one that returns the outputs to check."""
+
+    fwd: Callable[[], object]
+    bwd: Callable[[], object] | None
+    outputs: Callable[[], tuple]
+
+
+def timed_rows(prepared: Prepared, fwd_bytes: int, bwd_bytes: int, modes: list[str],
+               row: dict) -> list[dict]:
+    """One record row per mode ("graph": CUDA-graph kernel time, "eager": with host
+    overhead): ``row``'s keys plus GB/s and ms, forward and backward (None without one)."""
+    rows = []
+    for mode in modes:
+        timer = graph_ms if mode == "graph" else eager_ms
+        fwd_ms = timer(prepared.fwd)
+        bwd_ms = None if prepared.bwd is None else timer(prepared.bwd)
+        rows.append({**row, "mode": mode,
+                     "fwd_gbps": fwd_bytes / (fwd_ms * 1e-3) / 1e9,
+                     "bwd_gbps": None if bwd_ms is None else bwd_bytes / (bwd_ms * 1e-3) / 1e9,
+                     "fwd_ms": fwd_ms, "bwd_ms": bwd_ms})
+    return rows
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -82,3 +111,27 @@ def new_record(args) -> dict:
     return {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
             "commit": git_commit(), "copy_gbps": copy, "torch": torch.__version__,
             "rows": [], "overhead": [], "failures": []}
+
+
+def print_table(record: dict) -> None:
+    copy = record["copy_gbps"]
+
+    def pct(v):
+        return "      -      " if v is None else f"{v:6.0f} ({100 * v / copy:3.0f}%)"
+
+    def err(v):
+        return "-" if v is None else f"{v:.1e}"
+
+    print(f"\ncopy bandwidth {copy:.0f} GB/s; GB/s (% of copy)")
+    print(f"{'op':>18} {'M x N':>14} {'provider':>14} {'mode':>6} {'fwd':>13} {'bwd':>13} "
+          f"{'fwd err':>8} {'bwd err':>8}")
+    for r in record["rows"]:
+        print(f"{r['op']:>18} {r['M']:>7}x{r['N']:<6} {r['provider']:>14} {r['mode']:>6} "
+              f"{pct(r['fwd_gbps'])} {pct(r['bwd_gbps'])} {err(r['fwd_err']):>8} "
+              f"{err(r['bwd_err']):>8}")
+    for o in record["overhead"]:
+        bwd = "-" if o["bwd_host_us"] is None else f"{o['bwd_host_us']:.1f}"
+        print(f"host us/call {o['op']:>18} {o['provider']:>14}: fwd {o['fwd_host_us']:.1f}, "
+              f"bwd {bwd}")
+    for f in record["failures"]:
+        print(f"FAILED {f}")

@@ -264,6 +264,24 @@ def test_bad_feature_arguments_raise(call, exc, words):
         call(x, w)
 
 
+def test_launch_level_pair_on_reference_path_matches_float64():
+    g, seed = fresh_generator()
+    x, r = torch.randn(5, 64, generator=g), torch.randn(5, 64, generator=g)
+    w = 1 + 0.5 * torch.randn(64, generator=g)
+    dy, dh = torch.randn(5, 64, generator=g), torch.randn(5, 64, generator=g)
+    y, h, rstd = tilenorm.rms_norm_forward(x, w, 1e-5, offset=1.0, residual=r)
+    dx, dr, dw = tilenorm.rms_norm_backward(dy, h, w, rstd, offset=1.0, dh=dh,
+                                            x_dtype=x.dtype, residual_dtype=r.dtype)
+    y64, h64, dx64, dw64, dr64 = float64_features(x, w, 1e-5, dy, offset=1.0, residual=r,
+                                                  dh=dh)
+    assert rel(y, y64) <= 1e-5 and rel(h, h64) <= 1e-6 and rel(dw, dw64) <= 1e-5, seed
+    assert rel(dx, dx64) <= 1e-5 and rel(dr, dr64) <= 1e-5, seed
+    with pytest.raises(ValueError, match="dy must be a tensor of h's shape"):
+        tilenorm.rms_norm_backward(dy[:3], h, w, rstd)
+    with pytest.raises(ValueError, match="rstd must be the forward's"):
+        tilenorm.rms_norm_backward(dy, h, w, rstd.double())
+
+
 def test_per_head_weight_strided_qkv_needs_no_copy():
     """q sliced out of a fused qkv projection: (B, S, H, D) with a row stride of 3 * H * D."""
     from tilenorm.pytorch._checks import view_3d

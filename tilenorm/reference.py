@@ -43,19 +43,26 @@ def _affine(x_hat, weight, bias, offset, acc):
     return y
 
 
+def _forward(x, weight, bias, eps, layer_norm, offset, residual, residual_dtype, out_dtype):
+    """(y, h, mean, rstd) with mean and rstd keeping the normalized dimension."""
+    acc = compute_dtype(x.dtype)
+    h = _residual_sum(x, residual, residual_dtype)
+    hf = h.to(acc)
+    mean, rstd = _stats(hf, layer_norm, eps)
+    x_hat = (hf - mean if layer_norm else hf) * rstd
+    y = _affine(x_hat, weight, bias, offset, acc).to(out_dtype or x.dtype)
+    return y, h, mean, rstd
+
+
 def norm(x: torch.Tensor, weight: torch.Tensor | None = None,
          bias: torch.Tensor | None = None, eps: float = 1e-6, *, layer_norm: bool = False,
          offset: float = 0.0, residual: torch.Tensor | None = None,
          residual_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None
          ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, h), differentiable in every tensor argument; h is x without a residual."""
-    acc = compute_dtype(x.dtype)
-    h = _residual_sum(x, residual, residual_dtype)
-    hf = h.to(acc)
-    mean, rstd = _stats(hf, layer_norm, eps)
-    x_hat = (hf - mean if layer_norm else hf) * rstd
-    y = _affine(x_hat, weight, bias, offset, acc)
-    return y.to(out_dtype or x.dtype), h
+    y, h, _, _ = _forward(x, weight, bias, eps, layer_norm, offset, residual, residual_dtype,
+                          out_dtype)
+    return y, h
 
 
 def norm_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
@@ -66,13 +73,9 @@ def norm_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tenso
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(y, h, mean, rstd): the kernels' outputs. mean (None for RMSNorm) and rstd have shape
     x.shape[:-1] in the compute dtype."""
-    acc = compute_dtype(x.dtype)
     with torch.no_grad():
-        h = _residual_sum(x, residual, residual_dtype)
-        hf = h.to(acc)
-        mean, rstd = _stats(hf, layer_norm, eps)
-        x_hat = (hf - mean if layer_norm else hf) * rstd
-        y = _affine(x_hat, weight, bias, offset, acc).to(out_dtype or x.dtype)
+        y, h, mean, rstd = _forward(x, weight, bias, eps, layer_norm, offset, residual,
+                                    residual_dtype, out_dtype)
     return y, h, None if mean is None else mean.squeeze(-1), rstd.squeeze(-1)
 
 

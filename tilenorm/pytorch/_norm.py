@@ -24,6 +24,7 @@ from tilenorm.cutile.norm import NormFeatures
 from tilenorm.planner import MAX_INT32_OFFSET
 from tilenorm.pytorch._checks import (
     check_dtype,
+    check_offset,
     check_param,
     check_residual,
     check_x,
@@ -72,10 +73,14 @@ def recipe(op: str, layer_norm: bool, per_head_ok: bool, x: torch.Tensor,
     """The recipe for this call's layout; checks every operand the first time it is seen."""
     key = (op, _meta(x), _meta(weight), _meta(bias), _meta(residual), out_dtype,
            residual_dtype, experimental_enabled())
+    return _cached(key, lambda: _build_recipe(op, layer_norm, per_head_ok, x, weight, bias,
+                                              residual, out_dtype, residual_dtype))
+
+
+def _cached(key, build) -> Recipe:
     found = _RECIPES.get(key)
     if found is None:
-        found = _build_recipe(op, layer_norm, per_head_ok, x, weight, bias, residual,
-                              out_dtype, residual_dtype)
+        found = build()
         if len(_RECIPES) >= MAX_RECIPES:
             _RECIPES.clear()
         _RECIPES[key] = found
@@ -132,11 +137,8 @@ def backward_recipe(layer_norm: bool, h: torch.Tensor, weight: torch.Tensor | No
     of a fused residual add, whose dtype may differ from the weight's)."""
     key = ("backward", layer_norm, _meta(h), _meta(weight), _meta(bias),
            experimental_enabled())
-    found = _RECIPES.get(key)
-    if found is None:
-        op = "layer_norm" if layer_norm else "rms_norm"
-        found = _RECIPES[key] = _make_recipe(op, layer_norm, h, weight, bias, None, None, None)
-    return found
+    op = "layer_norm" if layer_norm else "rms_norm"
+    return _cached(key, lambda: _make_recipe(op, layer_norm, h, weight, bias, None, None, None))
 
 
 def _as_shape3(t: torch.Tensor, shape3) -> torch.Tensor:
@@ -363,8 +365,29 @@ def launch_forward(op, layer_norm, per_head_ok, x, weight, bias, residual, eps, 
     return _forward(rc, x, weight, bias, residual, eps, offset)
 
 
-def launch_backward(layer_norm, dy, dres_in, h, weight, bias, mean, rstd, offset, x_dtype,
+def launch_backward(op, layer_norm, dy, dres_in, h, weight, bias, mean, rstd, offset, x_dtype,
                     residual_in_dtype):
-    """Launch-level backward: (dx, dres, dweight, dbias) as in kernel_backward."""
+    """Launch-level backward: (dx, dres, dweight, dbias) as in kernel_backward, after checking
+    the operands against h (the forward's normalized input)."""
+    check_x(op, h)
+    check_dtype(op, "x_dtype", x_dtype)
+    check_dtype(op, "residual_dtype", residual_in_dtype)
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and (p.device != h.device or p.shape[-1] != h.shape[-1]):
+            raise ValueError(f"{op}: {name} of shape {tuple(p.shape)} on {p.device} does not "
+                             f"match h of shape {tuple(h.shape)} on {h.device}")
+    offset = check_offset(op, offset, weight)
+    for name, t in (("dy", dy), ("dh", dres_in)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != h.shape
+                              or t.device != h.device):
+            raise ValueError(f"{op}: {name} must be a tensor of h's shape {tuple(h.shape)} on "
+                             f"{h.device}")
+    stat_dtype = reference.compute_dtype(h.dtype)
+    for name, t in (("rstd", rstd), ("mean", mean)):
+        if (t is not None or name == "rstd") and (
+                not isinstance(t, torch.Tensor) or t.shape != h.shape[:-1]
+                or t.dtype != stat_dtype):
+            raise ValueError(f"{op}: {name} must be the forward's, of shape "
+                             f"{tuple(h.shape[:-1])} and dtype {stat_dtype}")
     return _backward(backward_recipe(layer_norm, h, weight, bias), dy, dres_in, h, weight,
-                     bias, mean, rstd, offset, x_dtype, residual_in_dtype)
+                     bias, mean, rstd, offset, x_dtype or h.dtype, residual_in_dtype)

@@ -7,7 +7,6 @@ import torch
 
 from tilenorm.pytorch import _norm
 from tilenorm.pytorch._checks import check_eps
-from tilenorm.pytorch.rms_norm import _launch_backward
 
 OP = "layer_norm"
 
@@ -55,5 +54,5 @@ def layer_norm_backward(dy: torch.Tensor, h: torch.Tensor, weight: torch.Tensor 
     residual_dtype."""
     if mean is None:
         raise ValueError(f"{OP}: mean must be the forward's, not None")
-    return _launch_backward(OP, True, dy, h, weight, bias, mean, rstd, 0.0, dh, x_dtype,
-                            residual_dtype)
+    return _norm.launch_backward(OP, True, dy, dh, h, weight, bias, mean, rstd, 0.0, x_dtype,
+                                 residual_dtype)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from tilenorm.pytorch import _norm
-from tilenorm.pytorch._checks import check_dtype, check_eps, check_offset, check_x
+from tilenorm.pytorch._checks import check_eps, check_offset
 from tilenorm.pytorch.routing import Route
 
 OP = "rms_norm"
@@ -63,35 +63,8 @@ def rms_norm_backward(dy: torch.Tensor, h: torch.Tensor, weight: torch.Tensor | 
     dweight). With a fused residual pass ``residual_dtype`` (the residual input's dtype),
     ``x_dtype`` (x's dtype, default h's) and ``dh``, the gradient that reached h directly
     (or None); dresidual is None without a residual, dweight None without a weight."""
-    return _launch_backward(OP, False, dy, h, weight, None, None, rstd, offset, dh, x_dtype,
-                            residual_dtype)[:3]
-
-
-def _launch_backward(op, layer_norm, dy, h, weight, bias, mean, rstd, offset, dh, x_dtype,
-                     residual_dtype):
-    """Checks the launch-level backward's operands against h, then launches it."""
-    check_x(op, h)
-    check_dtype(op, "x_dtype", x_dtype)
-    check_dtype(op, "residual_dtype", residual_dtype)
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None and (p.device != h.device or p.shape[-1] != h.shape[-1]):
-            raise ValueError(f"{op}: {name} of shape {tuple(p.shape)} on {p.device} does not "
-                             f"match h of shape {tuple(h.shape)} on {h.device}")
-    offset = check_offset(op, offset, weight)
-    for name, t in (("dy", dy), ("dh", dh)):
-        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != h.shape
-                              or t.device != h.device):
-            raise ValueError(f"{op}: {name} must be a tensor of h's shape {tuple(h.shape)} on "
-                             f"{h.device}")
-    stat_dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
-    for name, t in (("rstd", rstd), ("mean", mean)):
-        if (t is not None or name == "rstd") and (
-                not isinstance(t, torch.Tensor) or t.shape != h.shape[:-1]
-                or t.dtype != stat_dtype):
-            raise ValueError(f"{op}: {name} must be the forward's, of shape "
-                             f"{tuple(h.shape[:-1])} and dtype {stat_dtype}")
-    return _norm.launch_backward(layer_norm, dy, dh, h, weight, bias, mean, rstd, offset,
-                                 x_dtype or h.dtype, residual_dtype)
+    return _norm.launch_backward(OP, False, dy, dh, h, weight, None, None, rstd, offset,
+                                 x_dtype, residual_dtype)[:3]
 
 
 def explain(x: torch.Tensor, weight: torch.Tensor | None = None,
