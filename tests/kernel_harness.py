@@ -77,7 +77,8 @@ def check_kernels(m, heads, n, *, x_dtype=torch.bfloat16, w_dtype=None, layer_no
     w_dtype = w_dtype or x_dtype
     out_dtype = out_dtype or x_dtype
     f = NormFeatures(layer_norm=layer_norm, has_weight=has_weight, per_head_weight=per_head,
-                     has_bias=has_bias, has_residual=res_dtype is not None)
+                     has_bias=has_bias, has_residual=res_dtype is not None,
+                     has_offset=offset != 0.0)
     if x is None:
         x = torch.randn(m, heads, n, generator=g, device="cuda", dtype=x_dtype)
         if layer_norm:  # a mean far from 0 exercises the centered variance

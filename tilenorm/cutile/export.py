@@ -136,6 +136,8 @@ def variants() -> list[Variant]:
         Variant("rms residual fp32 stream", residual, residual="float32"),
         Variant("layer_norm residual bf16", replace(LAYER_NORM, has_residual=True)),
         Variant("rms fp32 in, bf16 out", RMS, "float32", "float32", out="bfloat16"),
+        Variant("rms offset bf16", replace(RMS, has_offset=True)),
+        Variant("rms offset fp32 weight", replace(RMS, has_offset=True), weight="float32"),
         Variant("rms bf16 64-bit offsets", RMS, index_bits=64),
         Variant("layer_norm bf16 64-bit offsets", LAYER_NORM, index_bits=64),
     ]

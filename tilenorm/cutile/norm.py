@@ -51,6 +51,7 @@ class NormFeatures:
     per_head_weight: bool = False
     has_bias: bool = False
     has_residual: bool = False
+    has_offset: bool = False
 
 
 # --- tile helpers (inlined into the kernels) ---------------------------------------------
@@ -66,16 +67,22 @@ def _param(p, head_tile, chunk, TILE_H, TILE_N, PER_HEAD):
     return t.astype(ct.float32)
 
 
-def _scale(weight, offset, head_tile, chunk, TILE_H, TILE_N, HAS_WEIGHT, PER_HEAD):
-    """``offset + w`` for one column chunk, or ones without a weight."""
+def _scale(weight, offset, head_tile, chunk, TILE_H, TILE_N, HAS_WEIGHT, PER_HEAD, HAS_OFFSET):
+    """``offset + w`` for one column chunk, or ones without a weight. The offset is added only
+    where there is one: a loaded weight tile can be re-read, a computed one must stay in
+    registers, which spills at 8192-element tiles (bench/NOTES.md, #12)."""
     if HAS_WEIGHT:
-        return _param(weight, head_tile, chunk, TILE_H, TILE_N, PER_HEAD) + offset
+        w = _param(weight, head_tile, chunk, TILE_H, TILE_N, PER_HEAD)
+        if HAS_OFFSET:
+            w = w + offset
+        return w
     return ct.full((1, 1, TILE_N), 1.0, dtype=ct.float32)
 
 
 def _affine(v, weight, bias, offset, head_tile, chunk, TILE_H, TILE_N, HAS_WEIGHT, PER_HEAD,
-            HAS_BIAS):
-    out = v * _scale(weight, offset, head_tile, chunk, TILE_H, TILE_N, HAS_WEIGHT, PER_HEAD)
+            HAS_BIAS, HAS_OFFSET):
+    out = v * _scale(weight, offset, head_tile, chunk, TILE_H, TILE_N, HAS_WEIGHT, PER_HEAD,
+                     HAS_OFFSET)
     if HAS_BIAS:
         out = out + _param(bias, head_tile, chunk, TILE_H, TILE_N, PER_HEAD)
     return out
@@ -163,7 +170,8 @@ def norm_fwd_single(x, residual, weight, bias, y, residual_out, mean, rstd,
                     eps: float, inv_n: float, offset: float,
                     TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                     LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
-                    HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool, PADDED: ConstBool):
+                    HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool, PADDED: ConstBool,
+                    HAS_OFFSET: ConstBool):
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(x, axis=1, shape=shape)
     row_tiles = ct.num_tiles(x, axis=0, shape=shape) * head_tiles
@@ -171,7 +179,8 @@ def norm_fwd_single(x, residual, weight, bias, y, residual_out, mean, rstd,
     # With a per-head weight the grid is a multiple of head_tiles: one head tile per program,
     # so the program loads its weight and bias once.
     head_tile_w = program % head_tiles
-    scale = _scale(weight, offset, head_tile_w, 0, TILE_H, TILE_N, HAS_WEIGHT, PER_HEAD)
+    scale = _scale(weight, offset, head_tile_w, 0, TILE_H, TILE_N, HAS_WEIGHT, PER_HEAD,
+                   HAS_OFFSET)
     shift = scale
     if HAS_BIAS:
         shift = _param(bias, head_tile_w, 0, TILE_H, TILE_N, PER_HEAD)
@@ -188,7 +197,8 @@ def norm_fwd_chunked(x, residual, weight, bias, y, residual_out, mean, rstd,
                      eps: float, inv_n: float, offset: float,
                      TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                      LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
-                     HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool, PADDED: ConstBool):
+                     HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool, PADDED: ConstBool,
+                    HAS_OFFSET: ConstBool):
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(x, axis=1, shape=shape)
     row_tiles = ct.num_tiles(x, axis=0, shape=shape) * head_tiles
@@ -235,7 +245,7 @@ def norm_fwd_chunked(x, residual, weight, bias, y, residual_out, mean, rstd,
             if LAYER_NORM:
                 v = v - mu
             out = _affine(v * r, weight, bias, offset, head_tile_w, c, TILE_H, TILE_N,
-                          HAS_WEIGHT, PER_HEAD, HAS_BIAS)
+                          HAS_WEIGHT, PER_HEAD, HAS_BIAS, HAS_OFFSET)
             ct.store(y, index=(row_tile, head_tile, c), tile=out.astype(y.dtype),
                      allow_tma=False)
         _store_stat(rstd, row_tile, head_tile, r, TILE_A, TILE_H)
@@ -266,13 +276,15 @@ def norm_bwd_single(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, par
                     inv_n: float, offset: float,
                     TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                     LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
-                    HAS_BIAS: ConstBool, HAS_DRES_IN: ConstBool, STORE_DRES: ConstBool):
+                    HAS_BIAS: ConstBool, HAS_DRES_IN: ConstBool, STORE_DRES: ConstBool,
+                    HAS_OFFSET: ConstBool):
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(h, axis=1, shape=shape)
     row_tiles = ct.num_tiles(h, axis=0, shape=shape) * head_tiles
     program = ct.bid(0)
     head_tile_w = program % head_tiles
-    scale = _scale(weight, offset, head_tile_w, 0, TILE_H, TILE_N, HAS_WEIGHT, PER_HEAD)
+    scale = _scale(weight, offset, head_tile_w, 0, TILE_H, TILE_N, HAS_WEIGHT, PER_HEAD,
+                   HAS_OFFSET)
     dw = ct.zeros(shape, dtype=ct.float32)
     db = ct.zeros(shape, dtype=ct.float32)
     for t in range(program, row_tiles, ct.num_blocks(0)):
@@ -303,7 +315,8 @@ def norm_bwd_chunked(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, pa
                      inv_n: float, offset: float,
                      TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                      LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
-                     HAS_BIAS: ConstBool, HAS_DRES_IN: ConstBool, STORE_DRES: ConstBool):
+                     HAS_BIAS: ConstBool, HAS_DRES_IN: ConstBool, STORE_DRES: ConstBool,
+                    HAS_OFFSET: ConstBool):
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(h, axis=1, shape=shape)
     row_tiles = ct.num_tiles(h, axis=0, shape=shape) * head_tiles
@@ -328,7 +341,7 @@ def norm_bwd_chunked(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, pa
             v = _load3(h, row_tile, head_tile, c, TILE_A, TILE_H, TILE_N).astype(ct.float32)
             g = _load3(dy, row_tile, head_tile, c, TILE_A, TILE_H, TILE_N).astype(ct.float32)
             wdy = g * _scale(weight, offset, head_tile_w, c, TILE_H, TILE_N, HAS_WEIGHT,
-                             PER_HEAD)
+                             PER_HEAD, HAS_OFFSET)
             acc_hw += v * wdy
             if LAYER_NORM:
                 acc_w += wdy
@@ -342,7 +355,7 @@ def norm_bwd_chunked(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, pa
             v = _load3(h, row_tile, head_tile, c, TILE_A, TILE_H, TILE_N).astype(ct.float32)
             g = _load3(dy, row_tile, head_tile, c, TILE_A, TILE_H, TILE_N).astype(ct.float32)
             wdy = g * _scale(weight, offset, head_tile_w, c, TILE_H, TILE_N, HAS_WEIGHT,
-                             PER_HEAD)
+                             PER_HEAD, HAS_OFFSET)
             if LAYER_NORM:
                 x_hat = (v - mu) * r
                 d = wdy - x_hat * c_row - mean_wdy
@@ -398,7 +411,7 @@ def forward_launch(plan: RowNormPlan, features: NormFeatures, x, residual, weigh
     args = (x, residual, weight, bias, y, residual_out, mean, rstd, eps, 1.0 / plan.cols,
             offset, plan.tile_rows, plan.tile_heads, plan.tile_cols, f.layer_norm,
             f.has_weight, f.per_head_weight, f.has_bias, f.has_residual,
-            plan.col_tiles * plan.tile_cols != plan.cols)
+            plan.col_tiles * plan.tile_cols != plan.cols, f.has_offset)
     return compiled(fn, plan.occupancy, plan.index_bits), (plan.grid, 1, 1), args
 
 
@@ -411,7 +424,7 @@ def backward_launch(plan: RowNormPlan, features: NormFeatures, dy, h, weight, me
     args = (dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, partial_b,
             1.0 / plan.cols, offset, plan.tile_rows, plan.tile_heads, plan.tile_cols,
             f.layer_norm, f.has_weight, f.per_head_weight, f.has_bias, has_dres_in,
-            store_dres)
+            store_dres, f.has_offset)
     return compiled(fn, plan.occupancy, plan.index_bits), (plan.grid, 1, 1), args
 
 

@@ -51,6 +51,7 @@ class Recipe:
 
     route: Route
     features: NormFeatures
+    offset_features: NormFeatures  # the same with the weight offset compiled in
     shape3: tuple[int, int, int]
     copy_x: bool
     out_dtype: torch.dtype
@@ -127,7 +128,9 @@ def _make_recipe(op, layer_norm, x, weight, bias, residual, out_dtype, residual_
     dtypes += tuple(d for d in (out_dtype, residual_dtype) if d is not None)
     route = route_problem(op, CUTILE_NORM, KERNEL_NAMES, x.device, dtypes, *shape3, per_head,
                           max(offsets), experimental_enabled())
-    return Recipe(route=route, features=features, shape3=shape3, copy_x=copy_x,
+    return Recipe(route=route, features=features,
+                  offset_features=dataclasses.replace(features, has_offset=True),
+                  shape3=shape3, copy_x=copy_x,
                   out_dtype=out_dtype or x.dtype, residual_dtype=residual_dtype)
 
 
@@ -175,7 +178,8 @@ def kernel_forward(rc: Recipe, x, weight, bias, residual, eps: float, offset: fl
         h = torch.empty(x.shape, dtype=rc.residual_dtype, device=dev)
         h3 = h.view(shape3)
     with _on_device(x):
-        cutile_norm.forward(rc.route.forward, rc.features, x=x3, weight=_params3(weight),
+        features = rc.offset_features if offset else rc.features
+        cutile_norm.forward(rc.route.forward, features, x=x3, weight=_params3(weight),
                             bias=_params3(bias), residual=r3, y=y.view(shape3),
                             residual_out=h3, mean=mean, rstd=rstd, eps=eps, offset=offset)
     stat_shape = x.shape[:-1]
@@ -208,7 +212,8 @@ def kernel_backward(rc: Recipe, dy, dres_in, h, weight, bias, mean, rstd, offset
     stat = shape3[:2]
     with _on_device(h):
         cutile_norm.backward(
-            plan, rc.features, dy=dy3, h=h3, weight=_params3(weight),
+            plan, rc.offset_features if offset else rc.features, dy=dy3, h=h3,
+            weight=_params3(weight),
             mean=None if mean is None else mean.view(stat), rstd=rstd.view(stat),
             dres_in=dres_in3, dx=dx.view(shape3), dres=None if dres is None else dres.view(
                 shape3), partial_w=partial_w, partial_b=partial_b, dweight=dweight,
