@@ -31,6 +31,10 @@ MIN_TILE_COLS = 16
 TILE_ELEMENTS = {"forward": 8192, "backward": 4096}
 #: Resident programs per SM that the kernels are compiled for (the occupancy hint).
 OCCUPANCY = {"forward": 2, "backward": 2}
+#: Warps per program (the kernels' num_worker_warps hint); None leaves it to the compiler.
+WORKER_WARPS = {"forward": None, "backward": None}
+#: Single-pass tiles of at most this many columns load without TMA: 0 turns this off.
+TMA_FREE_LOAD_COLS = {"forward": 0, "backward": 0}
 #: Tile of the fixed-order dgamma reduction over the partial buffer.
 REDUCE_TILE = (64, 64)
 #: Largest element offset 32-bit indexing reaches; beyond it the kernels index with 64 bits.
@@ -74,6 +78,8 @@ class RowNormPlan:
     row_tiles: int
     grid: int
     occupancy: int
+    load_tma: bool
+    worker_warps: int | None
     index_bits: int
     partial_shape: tuple[int, int, int]
     reduce_tile: tuple[int, int]
@@ -87,7 +93,7 @@ class RowNormPlan:
     def config(self) -> tuple:
         """What selects a compiled kernel variant (besides dtypes and feature flags)."""
         return (self.single_pass, self.tile_rows, self.tile_heads, self.tile_cols,
-                self.occupancy, self.index_bits)
+                self.occupancy, self.load_tma, self.worker_warps, self.index_bits)
 
     def program_row_tiles(self, program: int) -> range:
         """Row tiles of ``program``, in the order it visits them."""
@@ -109,6 +115,10 @@ class RowNormPlan:
         heads = f"x{self.tile_heads}" if self.heads > 1 else ""
         text = (f"tile {self.tile_rows}{heads}x{self.tile_cols} ({mode}), {self.row_tiles} row "
                 f"tiles, persistent grid {self.grid} (occupancy {self.occupancy})")
+        if self.worker_warps:
+            text += f", {self.worker_warps} worker warps"
+        if not self.load_tma:
+            text += ", loads without TMA"
         if self.index_bits == 64:
             text += ", 64-bit offsets"
         if self.direction == "backward":
@@ -149,6 +159,7 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
     else:
         (tile_rows, tile_cols), tile_heads = CHUNK_TILE[direction], 1
     col_tiles = cdiv(cols, tile_cols)
+    load_tma = col_tiles > 1 or tile_cols > TMA_FREE_LOAD_COLS[direction]
     head_tiles = cdiv(heads, tile_heads)
     row_tiles = cdiv(rows, tile_rows) * head_tiles
     occupancy = OCCUPANCY[direction]
@@ -162,7 +173,8 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
         rows=rows, heads=heads, cols=cols, direction=direction,
         per_head_weight=per_head_weight, tile_rows=tile_rows, tile_heads=tile_heads,
         tile_cols=tile_cols, col_tiles=col_tiles, head_tiles=head_tiles, row_tiles=row_tiles,
-        grid=grid, occupancy=occupancy,
+        grid=grid, occupancy=occupancy, load_tma=load_tma,
+        worker_warps=WORKER_WARPS[direction],
         index_bits=64 if max_offset > MAX_INT32_OFFSET else 32,
         partial_shape=partial_shape, reduce_tile=REDUCE_TILE,
         reduce_grid=cdiv(reduce_cols, REDUCE_TILE[1]),

@@ -67,22 +67,27 @@ def _param(p, head_tile, chunk, TILE_H, TILE_N, PER_HEAD):
     return t.astype(ct.float32)
 
 
-def _scale(weight, offset, head_tile, chunk, TILE_H, TILE_N, HAS_WEIGHT, PER_HEAD, HAS_OFFSET):
-    """``offset + w`` for one column chunk, or ones without a weight. The offset is added only
-    where there is one: a loaded weight tile can be re-read, a computed one must stay in
-    registers, which spills at 8192-element tiles (bench/NOTES.md, #12)."""
+def _scale(weight, head_tile, chunk, TILE_H, TILE_N, HAS_WEIGHT, PER_HEAD):
+    """The fp32 weight tile of one column chunk, or ones without a weight."""
     if HAS_WEIGHT:
-        w = _param(weight, head_tile, chunk, TILE_H, TILE_N, PER_HEAD)
-        if HAS_OFFSET:
-            w = w + offset
-        return w
+        return _param(weight, head_tile, chunk, TILE_H, TILE_N, PER_HEAD)
     return ct.full((1, 1, TILE_N), 1.0, dtype=ct.float32)
+
+
+def _times_scale(v, scale, offset, HAS_OFFSET):
+    """``v * (offset + w)``, computed as ``v * w + v * offset``: the weight tile stays as
+    loaded. A loaded tile can be re-read, a computed one must live in registers for the whole
+    persistent loop, which spills at 8192-element tiles (bench/NOTES.md, #12)."""
+    out = v * scale
+    if HAS_OFFSET:
+        out = out + v * offset
+    return out
 
 
 def _affine(v, weight, bias, offset, head_tile, chunk, TILE_H, TILE_N, HAS_WEIGHT, PER_HEAD,
             HAS_BIAS, HAS_OFFSET):
-    out = v * _scale(weight, offset, head_tile, chunk, TILE_H, TILE_N, HAS_WEIGHT, PER_HEAD,
-                     HAS_OFFSET)
+    out = _times_scale(v, _scale(weight, head_tile, chunk, TILE_H, TILE_N, HAS_WEIGHT,
+                                 PER_HEAD), offset, HAS_OFFSET)
     if HAS_BIAS:
         out = out + _param(bias, head_tile, chunk, TILE_H, TILE_N, PER_HEAD)
     return out
@@ -94,9 +99,9 @@ def _column_mask(chunk, cols, TILE_N):
     return (index < cols).reshape((1, 1, TILE_N))
 
 
-def _load3(a, row_tile, head_tile, chunk, TILE_A, TILE_H, TILE_N):
-    return ct.load(a, index=(row_tile, head_tile, chunk), shape=(TILE_A, TILE_H, TILE_N),
-                   padding_mode=ZERO)
+def _load3(a, index, shape, LOAD_TMA):
+    """A (rows, heads, cols) tile; TMA-free loads are a planner choice (plan.load_tma)."""
+    return ct.load(a, index=index, shape=shape, padding_mode=ZERO, allow_tma=LOAD_TMA)
 
 
 def _row_stat(a, row_tile, head_tile, TILE_A, TILE_H):
@@ -144,7 +149,8 @@ def _zero_partial(partial, slot, head_tile, chunks, TILE_H, TILE_N, PER_HEAD):
 
 
 def _fwd_tile(xt, rt, t, head_tiles, scale, shift, y, residual_out, mean, rstd, eps, inv_n,
-              TILE_A, TILE_H, TILE_N, LAYER_NORM, HAS_BIAS, HAS_RESIDUAL, PADDED):
+              offset, TILE_A, TILE_H, TILE_N, LAYER_NORM, HAS_BIAS, HAS_RESIDUAL, PADDED,
+              HAS_OFFSET):
     """Normalize one loaded single-pass row tile and store its outputs."""
     row_tile, head_tile = t // head_tiles, t % head_tiles
     if HAS_RESIDUAL:
@@ -158,7 +164,7 @@ def _fwd_tile(xt, rt, t, head_tiles, scale, shift, y, residual_out, mean, rstd, 
             v = ct.where(_column_mask(0, y.shape[2], TILE_N), v, 0.0)
         _store_stat(mean, row_tile, head_tile, mu, TILE_A, TILE_H)
     r = ct.rsqrt(ct.sum(v * v, axis=2, keepdims=True) * inv_n + eps)
-    out = v * r * scale
+    out = _times_scale(v * r, scale, offset, HAS_OFFSET)
     if HAS_BIAS:
         out = out + shift
     # Stores through registers, not TMA: measured faster on H200 (bench/NOTES.md, #8).
@@ -171,7 +177,7 @@ def norm_fwd_single(x, residual, weight, bias, y, residual_out, mean, rstd,
                     TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                     LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
                     HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool, PADDED: ConstBool,
-                    HAS_OFFSET: ConstBool):
+                    HAS_OFFSET: ConstBool, LOAD_TMA: ConstBool):
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(x, axis=1, shape=shape)
     row_tiles = ct.num_tiles(x, axis=0, shape=shape) * head_tiles
@@ -179,18 +185,18 @@ def norm_fwd_single(x, residual, weight, bias, y, residual_out, mean, rstd,
     # With a per-head weight the grid is a multiple of head_tiles: one head tile per program,
     # so the program loads its weight and bias once.
     head_tile_w = program % head_tiles
-    scale = _scale(weight, offset, head_tile_w, 0, TILE_H, TILE_N, HAS_WEIGHT, PER_HEAD,
-                   HAS_OFFSET)
+    scale = _scale(weight, head_tile_w, 0, TILE_H, TILE_N, HAS_WEIGHT, PER_HEAD)
     shift = scale
     if HAS_BIAS:
         shift = _param(bias, head_tile_w, 0, TILE_H, TILE_N, PER_HEAD)
     for t in range(program, row_tiles, step):
-        xt = _load3(x, t // head_tiles, t % head_tiles, 0, TILE_A, TILE_H, TILE_N)
+        xt = _load3(x, (t // head_tiles, t % head_tiles, 0), shape, LOAD_TMA)
         rt = xt
         if HAS_RESIDUAL:
-            rt = _load3(residual, t // head_tiles, t % head_tiles, 0, TILE_A, TILE_H, TILE_N)
+            rt = _load3(residual, (t // head_tiles, t % head_tiles, 0), shape, LOAD_TMA)
         _fwd_tile(xt, rt, t, head_tiles, scale, shift, y, residual_out, mean, rstd, eps,
-                  inv_n, TILE_A, TILE_H, TILE_N, LAYER_NORM, HAS_BIAS, HAS_RESIDUAL, PADDED)
+                  inv_n, offset, TILE_A, TILE_H, TILE_N, LAYER_NORM, HAS_BIAS, HAS_RESIDUAL,
+                  PADDED, HAS_OFFSET)
 
 
 def norm_fwd_chunked(x, residual, weight, bias, y, residual_out, mean, rstd,
@@ -198,7 +204,7 @@ def norm_fwd_chunked(x, residual, weight, bias, y, residual_out, mean, rstd,
                      TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                      LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
                      HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool, PADDED: ConstBool,
-                    HAS_OFFSET: ConstBool):
+                     HAS_OFFSET: ConstBool, LOAD_TMA: ConstBool):
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(x, axis=1, shape=shape)
     row_tiles = ct.num_tiles(x, axis=0, shape=shape) * head_tiles
@@ -212,9 +218,9 @@ def norm_fwd_chunked(x, residual, weight, bias, y, residual_out, mean, rstd,
         mu = ct.zeros((TILE_A, TILE_H, 1), dtype=ct.float32)
         m2 = ct.zeros((TILE_A, TILE_H, 1), dtype=ct.float32)
         for c in range(chunks):
-            xt = _load3(x, row_tile, head_tile, c, TILE_A, TILE_H, TILE_N)
+            xt = _load3(x, (row_tile, head_tile, c), shape, LOAD_TMA)
             if HAS_RESIDUAL:
-                rt = _load3(residual, row_tile, head_tile, c, TILE_A, TILE_H, TILE_N)
+                rt = _load3(residual, (row_tile, head_tile, c), shape, LOAD_TMA)
                 v = _residual_sum(xt, rt, residual_out, row_tile, head_tile, c)
             else:
                 v = xt.astype(ct.float32)
@@ -240,7 +246,7 @@ def norm_fwd_chunked(x, residual, weight, bias, y, residual_out, mean, rstd,
             r = ct.rsqrt(ct.sum(acc, axis=2, keepdims=True) * inv_n + eps)
         source = residual_out if HAS_RESIDUAL else x
         for c in range(chunks):
-            v = _load3(source, row_tile, head_tile, c, TILE_A, TILE_H, TILE_N)
+            v = _load3(source, (row_tile, head_tile, c), shape, LOAD_TMA)
             v = v.astype(ct.float32)
             if LAYER_NORM:
                 v = v - mu
@@ -260,16 +266,14 @@ def _x_hat(v, mean, rstd_t, row_tile, head_tile, TILE_A, TILE_H, LAYER_NORM):
     return v * rstd_t
 
 
-def _store_dx(d, dres_in, dx, dres, row_tile, head_tile, chunk, TILE_A, TILE_H, TILE_N,
-              HAS_DRES_IN, STORE_DRES):
+def _store_dx(d, dres_in, dx, dres, index, HAS_DRES_IN, STORE_DRES, LOAD_TMA):
     """Store the input gradient; with a fused residual it also flows to the residual (plus
     the gradient that reached the residual output directly)."""
     if HAS_DRES_IN:
-        d = d + _load3(dres_in, row_tile, head_tile, chunk, TILE_A, TILE_H,
-                       TILE_N).astype(ct.float32)
-    ct.store(dx, index=(row_tile, head_tile, chunk), tile=d.astype(dx.dtype))
+        d = d + _load3(dres_in, index, d.shape, LOAD_TMA).astype(ct.float32)
+    ct.store(dx, index=index, tile=d.astype(dx.dtype))
     if STORE_DRES:
-        ct.store(dres, index=(row_tile, head_tile, chunk), tile=d.astype(dres.dtype))
+        ct.store(dres, index=index, tile=d.astype(dres.dtype))
 
 
 def norm_bwd_single(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, partial_b,
@@ -277,29 +281,28 @@ def norm_bwd_single(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, par
                     TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                     LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
                     HAS_BIAS: ConstBool, HAS_DRES_IN: ConstBool, STORE_DRES: ConstBool,
-                    HAS_OFFSET: ConstBool):
+                    HAS_OFFSET: ConstBool, LOAD_TMA: ConstBool):
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(h, axis=1, shape=shape)
     row_tiles = ct.num_tiles(h, axis=0, shape=shape) * head_tiles
     program = ct.bid(0)
     head_tile_w = program % head_tiles
-    scale = _scale(weight, offset, head_tile_w, 0, TILE_H, TILE_N, HAS_WEIGHT, PER_HEAD,
-                   HAS_OFFSET)
+    scale = _scale(weight, head_tile_w, 0, TILE_H, TILE_N, HAS_WEIGHT, PER_HEAD)
     dw = ct.zeros(shape, dtype=ct.float32)
     db = ct.zeros(shape, dtype=ct.float32)
     for t in range(program, row_tiles, ct.num_blocks(0)):
         row_tile, head_tile = t // head_tiles, t % head_tiles
-        v = _load3(h, row_tile, head_tile, 0, TILE_A, TILE_H, TILE_N).astype(ct.float32)
-        g = _load3(dy, row_tile, head_tile, 0, TILE_A, TILE_H, TILE_N).astype(ct.float32)
+        v = _load3(h, (row_tile, head_tile, 0), shape, LOAD_TMA).astype(ct.float32)
+        g = _load3(dy, (row_tile, head_tile, 0), shape, LOAD_TMA).astype(ct.float32)
         # Rows past the end load rstd = 0, which zeroes their x_hat and dx (never stored).
         r = _row_stat(rstd, row_tile, head_tile, TILE_A, TILE_H)
         x_hat = _x_hat(v, mean, r, row_tile, head_tile, TILE_A, TILE_H, LAYER_NORM)
-        wdy = g * scale
+        wdy = _times_scale(g, scale, offset, HAS_OFFSET)
         d = wdy - x_hat * (ct.sum(x_hat * wdy, axis=2, keepdims=True) * inv_n)
         if LAYER_NORM:
             d = d - ct.sum(wdy, axis=2, keepdims=True) * inv_n
-        _store_dx(d * r, dres_in, dx, dres, row_tile, head_tile, 0, TILE_A, TILE_H, TILE_N,
-                  HAS_DRES_IN, STORE_DRES)
+        _store_dx(d * r, dres_in, dx, dres, (row_tile, head_tile, 0), HAS_DRES_IN, STORE_DRES,
+                  LOAD_TMA)
         if HAS_WEIGHT:
             dw += g * x_hat
         if HAS_BIAS:
@@ -316,7 +319,7 @@ def norm_bwd_chunked(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, pa
                      TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                      LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
                      HAS_BIAS: ConstBool, HAS_DRES_IN: ConstBool, STORE_DRES: ConstBool,
-                    HAS_OFFSET: ConstBool):
+                     HAS_OFFSET: ConstBool, LOAD_TMA: ConstBool):
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(h, axis=1, shape=shape)
     row_tiles = ct.num_tiles(h, axis=0, shape=shape) * head_tiles
@@ -338,10 +341,10 @@ def norm_bwd_chunked(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, pa
         acc_hw = ct.zeros(shape, dtype=ct.float32)
         acc_w = ct.zeros(shape, dtype=ct.float32)
         for c in range(chunks):
-            v = _load3(h, row_tile, head_tile, c, TILE_A, TILE_H, TILE_N).astype(ct.float32)
-            g = _load3(dy, row_tile, head_tile, c, TILE_A, TILE_H, TILE_N).astype(ct.float32)
-            wdy = g * _scale(weight, offset, head_tile_w, c, TILE_H, TILE_N, HAS_WEIGHT,
-                             PER_HEAD, HAS_OFFSET)
+            v = _load3(h, (row_tile, head_tile, c), shape, LOAD_TMA).astype(ct.float32)
+            g = _load3(dy, (row_tile, head_tile, c), shape, LOAD_TMA).astype(ct.float32)
+            wdy = _times_scale(g, _scale(weight, head_tile_w, c, TILE_H, TILE_N, HAS_WEIGHT,
+                                         PER_HEAD), offset, HAS_OFFSET)
             acc_hw += v * wdy
             if LAYER_NORM:
                 acc_w += wdy
@@ -352,10 +355,10 @@ def norm_bwd_chunked(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, pa
             c_row = c_row - mu * mean_wdy
         c_row = c_row * r
         for c in range(chunks):
-            v = _load3(h, row_tile, head_tile, c, TILE_A, TILE_H, TILE_N).astype(ct.float32)
-            g = _load3(dy, row_tile, head_tile, c, TILE_A, TILE_H, TILE_N).astype(ct.float32)
-            wdy = g * _scale(weight, offset, head_tile_w, c, TILE_H, TILE_N, HAS_WEIGHT,
-                             PER_HEAD, HAS_OFFSET)
+            v = _load3(h, (row_tile, head_tile, c), shape, LOAD_TMA).astype(ct.float32)
+            g = _load3(dy, (row_tile, head_tile, c), shape, LOAD_TMA).astype(ct.float32)
+            wdy = _times_scale(g, _scale(weight, head_tile_w, c, TILE_H, TILE_N, HAS_WEIGHT,
+                                         PER_HEAD), offset, HAS_OFFSET)
             if LAYER_NORM:
                 x_hat = (v - mu) * r
                 d = wdy - x_hat * c_row - mean_wdy
@@ -363,8 +366,8 @@ def norm_bwd_chunked(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, pa
                 x_hat = v * r
                 d = wdy - x_hat * c_row
             d = d * r
-            _store_dx(d, dres_in, dx, dres, row_tile, head_tile, c, TILE_A, TILE_H, TILE_N,
-                      HAS_DRES_IN, STORE_DRES)
+            _store_dx(d, dres_in, dx, dres, (row_tile, head_tile, c), HAS_DRES_IN, STORE_DRES,
+                      LOAD_TMA)
             if HAS_WEIGHT:
                 _store_partial(partial_w, g * x_hat, slot, head_tile_w, c, PER_HEAD, True)
             if HAS_BIAS:
@@ -394,11 +397,16 @@ def _indexed_with_int64(fn):
 
 
 @functools.cache
-def compiled(fn, occupancy: int, index_bits: int) -> ct.kernel:
-    """The kernel for ``fn`` compiled for ``occupancy`` CTAs per SM and ``index_bits``-bit
-    indexing (each variant has its own JIT cache)."""
+def compiled(fn, occupancy: int, index_bits: int, worker_warps: int | None) -> ct.kernel:
+    """The kernel for ``fn`` compiled for ``occupancy`` CTAs per SM, ``index_bits``-bit
+    indexing and ``worker_warps`` (None: the compiler's choice); each variant has its own JIT
+    cache."""
     source = _indexed_with_int64(fn) if index_bits == 64 else fn
-    return ct.kernel(source, occupancy=occupancy)
+    return ct.kernel(source, occupancy=occupancy, num_worker_warps=worker_warps)
+
+
+def _compiled_for(fn, plan: RowNormPlan) -> ct.kernel:
+    return compiled(fn, plan.occupancy, plan.index_bits, plan.worker_warps)
 
 
 def forward_launch(plan: RowNormPlan, features: NormFeatures, x, residual, weight, bias, y,
@@ -411,8 +419,8 @@ def forward_launch(plan: RowNormPlan, features: NormFeatures, x, residual, weigh
     args = (x, residual, weight, bias, y, residual_out, mean, rstd, eps, 1.0 / plan.cols,
             offset, plan.tile_rows, plan.tile_heads, plan.tile_cols, f.layer_norm,
             f.has_weight, f.per_head_weight, f.has_bias, f.has_residual,
-            plan.col_tiles * plan.tile_cols != plan.cols, f.has_offset)
-    return compiled(fn, plan.occupancy, plan.index_bits), (plan.grid, 1, 1), args
+            plan.col_tiles * plan.tile_cols != plan.cols, f.has_offset, plan.load_tma)
+    return _compiled_for(fn, plan), (plan.grid, 1, 1), args
 
 
 def backward_launch(plan: RowNormPlan, features: NormFeatures, dy, h, weight, mean, rstd,
@@ -424,8 +432,8 @@ def backward_launch(plan: RowNormPlan, features: NormFeatures, dy, h, weight, me
     args = (dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, partial_b,
             1.0 / plan.cols, offset, plan.tile_rows, plan.tile_heads, plan.tile_cols,
             f.layer_norm, f.has_weight, f.per_head_weight, f.has_bias, has_dres_in,
-            store_dres, f.has_offset)
-    return compiled(fn, plan.occupancy, plan.index_bits), (plan.grid, 1, 1), args
+            store_dres, f.has_offset, plan.load_tma)
+    return _compiled_for(fn, plan), (plan.grid, 1, 1), args
 
 
 def reduce_launch(plan: RowNormPlan, partial, out):
