@@ -2,11 +2,12 @@
 where the host time of one launch goes. Results feed bench/NOTES.md; the winners become
 planner defaults.
 
-A variant is a JSON object: ``planner`` overrides the planner's module settings (e.g.
-``{"OCCUPANCY": {"forward": 2, "backward": 1}}``); ``patch`` replaces fields of the plans it
-makes, per direction and optionally per tile width (``{"backward": {"worker_warps": 8,
-"occupancy": 1}}`` or ``{"backward@8192": {...}}``). A case is ``op:N`` with op one of
-rms, layer_norm, offset, residual, per_head (32 heads of N / 32); M makes x 256 MiB.
+A variant is a JSON object: ``planner`` overrides the planner's module settings, e.g.
+``{"CHUNKED_HINTS": {"forward": [2, null], "backward": [1, 8]}}``; ``patch`` replaces fields
+of the plans it makes, per direction and optionally per tile width, e.g. ``{"backward":
+{"worker_warps": 8, "occupancy": 1}}`` or ``{"backward@8192": {...}}``. A case is ``op:N``
+with op one of rms, layer_norm, offset, residual, per_head (32 heads of N / 32); M makes x
+256 MiB.
 
     python bench/tune_norm.py --cases rms:4096,layer_norm:4096 \\
         --variants '[{}, {"patch": {"backward": {"worker_warps": 8}}}]'
@@ -73,7 +74,9 @@ def measure_case(info, op: str, n: int, patch: dict) -> dict:
     offset = 1.0 if f.has_offset else 0.0
     x = torch.randn(m, heads, cols, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
-    w = torch.randn(1, 1, cols, device="cuda", dtype=torch.bfloat16)
+    # LayerNorm's parameters in fp32, as bench_norm_ops.py (and torch autocast) has them.
+    w = torch.randn(1, 1, cols, device="cuda",
+                    dtype=torch.float32 if f.layer_norm else torch.bfloat16)
     b = torch.randn_like(w) if f.has_bias else None
     r = torch.randn_like(x) if f.has_residual else None
     dres_in = torch.randn_like(x) if f.has_residual else None
@@ -114,10 +117,14 @@ def measure_case(info, op: str, n: int, patch: dict) -> dict:
     fwd_bytes = arrays * (4 if f.has_residual else 2)
     bwd_bytes = arrays * (4 if f.has_residual else 3)
     # A plan already timed on this case (in an earlier variant) is not timed again.
+    first = [t.clone() for t in (y, dx, dw)]
     f_ms = _timed.get((op, n, fwd)) or _timed.setdefault((op, n, fwd), graph_ms(forward))
     b_ms = _timed.get((op, n, bwd)) or _timed.setdefault((op, n, bwd), graph_ms(backward))
+    forward()
+    backward()
+    repeatable = all(torch.equal(a, t) for a, t in zip(first, (y, dx, dw), strict=True))
     return {"op": op, "M": m, "N": n, "fwd_gbps": fwd_bytes / f_ms / 1e6,
-            "bwd_gbps": bwd_bytes / b_ms / 1e6, **errors,
+            "bwd_gbps": bwd_bytes / b_ms / 1e6, **errors, "repeatable": repeatable,
             "fwd_plan": fwd.describe(), "bwd_plan": bwd.describe()}
 
 
@@ -166,7 +173,8 @@ def main() -> None:
             results["rows"].append(row)
             print(f"{json.dumps(variant):>60} {row['op']:>10} N={row['N']:>6}: "
                   f"fwd {row['fwd_gbps']:5.0f} bwd {row['bwd_gbps']:5.0f} GB/s  err "
-                  f"{row['fwd_err']:.1e} {row['bwd_err']:.1e} {row['dw_err']:.1e}", flush=True)
+                  f"{row['fwd_err']:.1e} {row['bwd_err']:.1e} {row['dw_err']:.1e}"
+                  f"{'' if row['repeatable'] else '  NOT REPEATABLE'}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 

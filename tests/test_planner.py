@@ -6,6 +6,7 @@ import pytest
 
 from tilenorm.planner import (
     MAX_SINGLE_PASS_COLS,
+    SINGLE_PASS_HINTS,
     TILE_ELEMENTS,
     UnsupportedShape,
     plan_row_norm,
@@ -70,6 +71,26 @@ def test_partial_buffer_bytes_stay_small():
     p = plan_row_norm(1 << 20, 128, itemsize=2, sm_count=132, arch=(9, 0),
                       direction="backward")
     assert p.partial_shape == (264, 1, 128)
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_launch_hints_cover_every_single_pass_width(direction):
+    widths = [w for w, _, _ in SINGLE_PASS_HINTS[direction]]
+    assert widths == sorted(widths) and widths[-1] >= MAX_SINGLE_PASS_COLS[direction]
+    for cols in (16, 1024, 4096, 8192, MAX_SINGLE_PASS_COLS[direction]):
+        p = plan_row_norm(1 << 16, cols, itemsize=2, sm_count=132, arch=(9, 0),
+                          direction=direction)
+        widest, occupancy, warps = next(h for h in SINGLE_PASS_HINTS[direction]
+                                        if p.tile_cols <= h[0])
+        assert (p.occupancy, p.worker_warps) == (occupancy, warps)
+        assert p.grid == min(p.row_tiles, 132 * occupancy)
+
+
+def test_widest_backward_tiles_run_one_program_per_sm_with_8_warps():
+    p = plan_row_norm(32768, 8192, itemsize=2, sm_count=132, arch=(9, 0),
+                      direction="backward")
+    assert (p.occupancy, p.worker_warps, p.grid) == (1, 8, 132)
+    assert "8 worker warps" in p.describe()
 
 
 @pytest.mark.parametrize("rows,cols,itemsize", [(0, 128, 2), (4, 0, 2), (4, 128, 8)])

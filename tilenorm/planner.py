@@ -29,12 +29,17 @@ CHUNK_TILE = {"forward": (1, 4096), "backward": (8, 512)}
 MIN_TILE_COLS = 16
 #: Elements per single-pass (rows, heads, cols) tile: narrow rows are packed up to this.
 TILE_ELEMENTS = {"forward": 8192, "backward": 4096}
-#: Resident programs per SM that the kernels are compiled for (the occupancy hint).
-OCCUPANCY = {"forward": 2, "backward": 2}
-#: Warps per program (the kernels' num_worker_warps hint); None leaves it to the compiler.
-WORKER_WARPS = {"forward": None, "backward": None}
-#: Single-pass tiles of at most this many columns load without TMA: 0 turns this off.
-TMA_FREE_LOAD_COLS = {"forward": 0, "backward": 0}
+#: (widest tile_cols, occupancy, worker warps) for single-pass tiles: the first entry whose
+#: width reaches the tile's applies. Occupancy is the resident programs per SM the kernel is
+#: compiled for; worker warps its num_worker_warps hint (None: the compiler's choice).
+#: Occupancy 1 with 8 warps gives each thread twice the registers: the widest tiles stop
+#: spilling (bench/NOTES.md, #13).
+SINGLE_PASS_HINTS = {
+    "forward": ((1024, 1, 8), (4096, 2, 8), (8192, 2, None), (16384, 1, 8)),
+    "backward": ((4096, 2, None), (8192, 1, 8)),
+}
+#: (occupancy, worker warps) of the chunked kernels.
+CHUNKED_HINTS = {"forward": (2, None), "backward": (2, None)}
 #: Tile of the fixed-order dgamma reduction over the partial buffer.
 REDUCE_TILE = (64, 64)
 #: Largest element offset 32-bit indexing reaches; beyond it the kernels index with 64 bits.
@@ -78,7 +83,6 @@ class RowNormPlan:
     row_tiles: int
     grid: int
     occupancy: int
-    load_tma: bool
     worker_warps: int | None
     index_bits: int
     partial_shape: tuple[int, int, int]
@@ -93,7 +97,7 @@ class RowNormPlan:
     def config(self) -> tuple:
         """What selects a compiled kernel variant (besides dtypes and feature flags)."""
         return (self.single_pass, self.tile_rows, self.tile_heads, self.tile_cols,
-                self.occupancy, self.load_tma, self.worker_warps, self.index_bits)
+                self.occupancy, self.worker_warps, self.index_bits)
 
     def program_row_tiles(self, program: int) -> range:
         """Row tiles of ``program``, in the order it visits them."""
@@ -117,8 +121,6 @@ class RowNormPlan:
                 f"tiles, persistent grid {self.grid} (occupancy {self.occupancy})")
         if self.worker_warps:
             text += f", {self.worker_warps} worker warps"
-        if not self.load_tma:
-            text += ", loads without TMA"
         if self.index_bits == 64:
             text += ", 64-bit offsets"
         if self.direction == "backward":
@@ -146,7 +148,7 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
         raise ValueError(f"sm_count must be positive, got {sm_count}")
     if itemsize not in (2, 4):
         raise UnsupportedShape(f"{itemsize}-byte elements are not supported (2 or 4)")
-    if direction not in OCCUPANCY:
+    if direction not in CHUNKED_HINTS:
         raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
     if max_offset is None:
         max_offset = rows * heads * cols - 1
@@ -159,10 +161,13 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
     else:
         (tile_rows, tile_cols), tile_heads = CHUNK_TILE[direction], 1
     col_tiles = cdiv(cols, tile_cols)
-    load_tma = col_tiles > 1 or tile_cols > TMA_FREE_LOAD_COLS[direction]
+    if col_tiles == 1:
+        occupancy, worker_warps = next((occ, warps) for widest, occ, warps
+                                       in SINGLE_PASS_HINTS[direction] if tile_cols <= widest)
+    else:
+        occupancy, worker_warps = CHUNKED_HINTS[direction]
     head_tiles = cdiv(heads, tile_heads)
     row_tiles = cdiv(rows, tile_rows) * head_tiles
-    occupancy = OCCUPANCY[direction]
     grid = min(row_tiles, sm_count * occupancy)
     if per_head_weight:
         grid = max(head_tiles, grid // head_tiles * head_tiles)
@@ -173,8 +178,7 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
         rows=rows, heads=heads, cols=cols, direction=direction,
         per_head_weight=per_head_weight, tile_rows=tile_rows, tile_heads=tile_heads,
         tile_cols=tile_cols, col_tiles=col_tiles, head_tiles=head_tiles, row_tiles=row_tiles,
-        grid=grid, occupancy=occupancy, load_tma=load_tma,
-        worker_warps=WORKER_WARPS[direction],
+        grid=grid, occupancy=occupancy, worker_warps=worker_warps,
         index_bits=64 if max_offset > MAX_INT32_OFFSET else 32,
         partial_shape=partial_shape, reduce_tile=REDUCE_TILE,
         reduce_grid=cdiv(reduce_cols, REDUCE_TILE[1]),

@@ -59,13 +59,28 @@ class ExportJob:
     signature: KernelSignature
 
 
-def _array(dtype, ndim: int, index_bits: int = 32) -> ArrayConstraint:
-    # The common case: innermost stride 1 and a 16-byte aligned base. Other layouts compile
-    # other variants of the same code just in time.
+def _array(dtype, shape: tuple[int, ...], index_bits: int = 32) -> ArrayConstraint:
+    """The constraints cuTile's launcher derives from a contiguous tensor of ``shape`` (read
+    off its JIT signatures on the GPU host): unit strides and extents are constants, other
+    strides divide into 16 bytes, extents divisible by 16 are marked, the base is 16-byte
+    aligned. Layouts that differ compile their own variants just in time."""
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    per_16_bytes = 16 // _ITEMSIZE[dtype]
     return ArrayConstraint(
-        dtype, ndim, index_dtype=ct.int64 if index_bits == 64 else ct.int32,
-        stride_lower_bound_incl=0, alias_groups=[], may_alias_internally=False,
-        stride_constant=[None] * (ndim - 1) + [1], base_addr_divisible_by=16)
+        dtype, len(shape), index_dtype=ct.int64 if index_bits == 64 else ct.int32,
+        stride_lower_bound_incl=[None if s == 1 else 0 for s in strides], alias_groups=[],
+        may_alias_internally=False,
+        stride_constant=[1 if s == 1 else None for s in strides],
+        shape_constant=[1 if d == 1 else None for d in shape],
+        stride_divisible_by=[per_16_bytes if s % per_16_bytes == 0 else 1 for s in strides],
+        shape_divisible_by=[16 if d % 16 == 0 else 1 for d in shape],
+        base_addr_divisible_by=16)
+
+
+_ITEMSIZE = {ct.bfloat16: 2, ct.float16: 2, ct.float32: 4}
+PLACEHOLDER = (1,)
 
 
 def _plans(direction, heads: int = 1, per_head: bool = False) -> list[RowNormPlan]:
@@ -87,18 +102,23 @@ def _jobs(plan: RowNormPlan, v: Variant) -> Iterator[ExportJob]:
     x, w = DTYPES[v.x], DTYPES[v.weight]
     res = DTYPES[v.residual] if v.residual else ct.float32
 
-    def a3(dt):
-        return _array(dt, 3, bits)
+    rows3 = (plan.rows, plan.heads, plan.cols)
+    param3 = (1, plan.heads if f.per_head_weight else 1, plan.cols)
+
+    def a3(dt, shape=rows3):
+        return _array(dt, shape, bits)
 
     def opt(present, arr):
-        return arr if present else _array(ct.float32, 1)
+        return arr if present else _array(ct.float32, PLACEHOLDER)
 
-    stat, weight = _array(ct.float32, 2, bits), opt(f.has_weight, a3(w))
+    stat, weight = _array(ct.float32, rows3[:2], bits), opt(f.has_weight, a3(w, param3))
+    partial = _array(ct.float32, plan.partial_shape, bits)
     name = (f"{'single' if plan.single_pass else 'chunked'} {plan.tile_rows}x{plan.tile_heads}"
             f"x{plan.tile_cols} {v.label}")
     if plan.direction == "forward":
         kernel, _, args = norm.forward_launch(
-            plan, f, a3(x), opt(f.has_residual, a3(res)), weight, opt(f.has_bias, a3(w)),
+            plan, f, a3(x), opt(f.has_residual, a3(res)), weight,
+            opt(f.has_bias, a3(w, param3)),
             a3(DTYPES[v.out or v.x]), opt(f.has_residual, a3(res)),
             opt(f.layer_norm, stat), stat, F32, F32)
     else:
@@ -107,7 +127,7 @@ def _jobs(plan: RowNormPlan, v: Variant) -> Iterator[ExportJob]:
         kernel, _, args = norm.backward_launch(
             plan, f, a3(DTYPES[v.out or v.x]), h, weight, opt(f.layer_norm, stat), stat,
             opt(f.has_residual, a3(res)), a3(x), opt(split, a3(res)),
-            opt(f.has_weight, a3(ct.float32)), opt(f.has_bias, a3(ct.float32)), F32,
+            opt(f.has_weight, partial), opt(f.has_bias, partial), F32,
             f.has_residual, split)
     yield ExportJob(f"{plan.direction[:3]} {name}", kernel,
                     KernelSignature(list(args), CallingConvention.cutile_python_v2()))
@@ -163,8 +183,9 @@ def jobs() -> Iterator[ExportJob]:
                                            replace(RMS, per_head_weight=per_head), heads=8))
     plan = _plans("backward")[0]
     for w_name in ("bfloat16", "float16", "float32"):
-        kernel, _, args = norm.reduce_launch(plan, _array(ct.float32, 2),
-                                             _array(DTYPES[w_name], 1))
+        slots, heads, cols = plan.partial_shape
+        kernel, _, args = norm.reduce_launch(plan, _array(ct.float32, (slots, heads * cols)),
+                                             _array(DTYPES[w_name], (heads * cols,)))
         yield ExportJob(f"column_sum -> {w_name}", kernel,
                         KernelSignature(list(args), CallingConvention.cutile_python_v2()))
 

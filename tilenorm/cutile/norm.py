@@ -99,9 +99,8 @@ def _column_mask(chunk, cols, TILE_N):
     return (index < cols).reshape((1, 1, TILE_N))
 
 
-def _load3(a, index, shape, LOAD_TMA):
-    """A (rows, heads, cols) tile; TMA-free loads are a planner choice (plan.load_tma)."""
-    return ct.load(a, index=index, shape=shape, padding_mode=ZERO, allow_tma=LOAD_TMA)
+def _load3(a, index, shape):
+    return ct.load(a, index=index, shape=shape, padding_mode=ZERO)
 
 
 def _row_stat(a, row_tile, head_tile, TILE_A, TILE_H):
@@ -177,7 +176,7 @@ def norm_fwd_single(x, residual, weight, bias, y, residual_out, mean, rstd,
                     TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                     LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
                     HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool, PADDED: ConstBool,
-                    HAS_OFFSET: ConstBool, LOAD_TMA: ConstBool):
+                    HAS_OFFSET: ConstBool):
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(x, axis=1, shape=shape)
     row_tiles = ct.num_tiles(x, axis=0, shape=shape) * head_tiles
@@ -190,10 +189,10 @@ def norm_fwd_single(x, residual, weight, bias, y, residual_out, mean, rstd,
     if HAS_BIAS:
         shift = _param(bias, head_tile_w, 0, TILE_H, TILE_N, PER_HEAD)
     for t in range(program, row_tiles, step):
-        xt = _load3(x, (t // head_tiles, t % head_tiles, 0), shape, LOAD_TMA)
+        xt = _load3(x, (t // head_tiles, t % head_tiles, 0), shape)
         rt = xt
         if HAS_RESIDUAL:
-            rt = _load3(residual, (t // head_tiles, t % head_tiles, 0), shape, LOAD_TMA)
+            rt = _load3(residual, (t // head_tiles, t % head_tiles, 0), shape)
         _fwd_tile(xt, rt, t, head_tiles, scale, shift, y, residual_out, mean, rstd, eps,
                   inv_n, offset, TILE_A, TILE_H, TILE_N, LAYER_NORM, HAS_BIAS, HAS_RESIDUAL,
                   PADDED, HAS_OFFSET)
@@ -204,7 +203,7 @@ def norm_fwd_chunked(x, residual, weight, bias, y, residual_out, mean, rstd,
                      TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                      LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
                      HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool, PADDED: ConstBool,
-                     HAS_OFFSET: ConstBool, LOAD_TMA: ConstBool):
+                     HAS_OFFSET: ConstBool):
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(x, axis=1, shape=shape)
     row_tiles = ct.num_tiles(x, axis=0, shape=shape) * head_tiles
@@ -218,9 +217,9 @@ def norm_fwd_chunked(x, residual, weight, bias, y, residual_out, mean, rstd,
         mu = ct.zeros((TILE_A, TILE_H, 1), dtype=ct.float32)
         m2 = ct.zeros((TILE_A, TILE_H, 1), dtype=ct.float32)
         for c in range(chunks):
-            xt = _load3(x, (row_tile, head_tile, c), shape, LOAD_TMA)
+            xt = _load3(x, (row_tile, head_tile, c), shape)
             if HAS_RESIDUAL:
-                rt = _load3(residual, (row_tile, head_tile, c), shape, LOAD_TMA)
+                rt = _load3(residual, (row_tile, head_tile, c), shape)
                 v = _residual_sum(xt, rt, residual_out, row_tile, head_tile, c)
             else:
                 v = xt.astype(ct.float32)
@@ -246,7 +245,7 @@ def norm_fwd_chunked(x, residual, weight, bias, y, residual_out, mean, rstd,
             r = ct.rsqrt(ct.sum(acc, axis=2, keepdims=True) * inv_n + eps)
         source = residual_out if HAS_RESIDUAL else x
         for c in range(chunks):
-            v = _load3(source, (row_tile, head_tile, c), shape, LOAD_TMA)
+            v = _load3(source, (row_tile, head_tile, c), shape)
             v = v.astype(ct.float32)
             if LAYER_NORM:
                 v = v - mu
@@ -266,11 +265,11 @@ def _x_hat(v, mean, rstd_t, row_tile, head_tile, TILE_A, TILE_H, LAYER_NORM):
     return v * rstd_t
 
 
-def _store_dx(d, dres_in, dx, dres, index, HAS_DRES_IN, STORE_DRES, LOAD_TMA):
+def _store_dx(d, dres_in, dx, dres, index, HAS_DRES_IN, STORE_DRES):
     """Store the input gradient; with a fused residual it also flows to the residual (plus
     the gradient that reached the residual output directly)."""
     if HAS_DRES_IN:
-        d = d + _load3(dres_in, index, d.shape, LOAD_TMA).astype(ct.float32)
+        d = d + _load3(dres_in, index, d.shape).astype(ct.float32)
     ct.store(dx, index=index, tile=d.astype(dx.dtype))
     if STORE_DRES:
         ct.store(dres, index=index, tile=d.astype(dres.dtype))
@@ -281,7 +280,7 @@ def norm_bwd_single(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, par
                     TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                     LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
                     HAS_BIAS: ConstBool, HAS_DRES_IN: ConstBool, STORE_DRES: ConstBool,
-                    HAS_OFFSET: ConstBool, LOAD_TMA: ConstBool):
+                    HAS_OFFSET: ConstBool):
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(h, axis=1, shape=shape)
     row_tiles = ct.num_tiles(h, axis=0, shape=shape) * head_tiles
@@ -292,8 +291,8 @@ def norm_bwd_single(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, par
     db = ct.zeros(shape, dtype=ct.float32)
     for t in range(program, row_tiles, ct.num_blocks(0)):
         row_tile, head_tile = t // head_tiles, t % head_tiles
-        v = _load3(h, (row_tile, head_tile, 0), shape, LOAD_TMA).astype(ct.float32)
-        g = _load3(dy, (row_tile, head_tile, 0), shape, LOAD_TMA).astype(ct.float32)
+        v = _load3(h, (row_tile, head_tile, 0), shape).astype(ct.float32)
+        g = _load3(dy, (row_tile, head_tile, 0), shape).astype(ct.float32)
         # Rows past the end load rstd = 0, which zeroes their x_hat and dx (never stored).
         r = _row_stat(rstd, row_tile, head_tile, TILE_A, TILE_H)
         x_hat = _x_hat(v, mean, r, row_tile, head_tile, TILE_A, TILE_H, LAYER_NORM)
@@ -301,8 +300,8 @@ def norm_bwd_single(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, par
         d = wdy - x_hat * (ct.sum(x_hat * wdy, axis=2, keepdims=True) * inv_n)
         if LAYER_NORM:
             d = d - ct.sum(wdy, axis=2, keepdims=True) * inv_n
-        _store_dx(d * r, dres_in, dx, dres, (row_tile, head_tile, 0), HAS_DRES_IN, STORE_DRES,
-                  LOAD_TMA)
+        _store_dx(d * r, dres_in, dx, dres, (row_tile, head_tile, 0), HAS_DRES_IN,
+                  STORE_DRES)
         if HAS_WEIGHT:
             dw += g * x_hat
         if HAS_BIAS:
@@ -319,7 +318,7 @@ def norm_bwd_chunked(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, pa
                      TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                      LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
                      HAS_BIAS: ConstBool, HAS_DRES_IN: ConstBool, STORE_DRES: ConstBool,
-                     HAS_OFFSET: ConstBool, LOAD_TMA: ConstBool):
+                     HAS_OFFSET: ConstBool):
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(h, axis=1, shape=shape)
     row_tiles = ct.num_tiles(h, axis=0, shape=shape) * head_tiles
@@ -341,8 +340,8 @@ def norm_bwd_chunked(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, pa
         acc_hw = ct.zeros(shape, dtype=ct.float32)
         acc_w = ct.zeros(shape, dtype=ct.float32)
         for c in range(chunks):
-            v = _load3(h, (row_tile, head_tile, c), shape, LOAD_TMA).astype(ct.float32)
-            g = _load3(dy, (row_tile, head_tile, c), shape, LOAD_TMA).astype(ct.float32)
+            v = _load3(h, (row_tile, head_tile, c), shape).astype(ct.float32)
+            g = _load3(dy, (row_tile, head_tile, c), shape).astype(ct.float32)
             wdy = _times_scale(g, _scale(weight, head_tile_w, c, TILE_H, TILE_N, HAS_WEIGHT,
                                          PER_HEAD), offset, HAS_OFFSET)
             acc_hw += v * wdy
@@ -355,8 +354,8 @@ def norm_bwd_chunked(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, pa
             c_row = c_row - mu * mean_wdy
         c_row = c_row * r
         for c in range(chunks):
-            v = _load3(h, (row_tile, head_tile, c), shape, LOAD_TMA).astype(ct.float32)
-            g = _load3(dy, (row_tile, head_tile, c), shape, LOAD_TMA).astype(ct.float32)
+            v = _load3(h, (row_tile, head_tile, c), shape).astype(ct.float32)
+            g = _load3(dy, (row_tile, head_tile, c), shape).astype(ct.float32)
             wdy = _times_scale(g, _scale(weight, head_tile_w, c, TILE_H, TILE_N, HAS_WEIGHT,
                                          PER_HEAD), offset, HAS_OFFSET)
             if LAYER_NORM:
@@ -366,8 +365,8 @@ def norm_bwd_chunked(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, pa
                 x_hat = v * r
                 d = wdy - x_hat * c_row
             d = d * r
-            _store_dx(d, dres_in, dx, dres, (row_tile, head_tile, c), HAS_DRES_IN, STORE_DRES,
-                      LOAD_TMA)
+            _store_dx(d, dres_in, dx, dres, (row_tile, head_tile, c), HAS_DRES_IN,
+                      STORE_DRES)
             if HAS_WEIGHT:
                 _store_partial(partial_w, g * x_hat, slot, head_tile_w, c, PER_HEAD, True)
             if HAS_BIAS:
@@ -419,7 +418,7 @@ def forward_launch(plan: RowNormPlan, features: NormFeatures, x, residual, weigh
     args = (x, residual, weight, bias, y, residual_out, mean, rstd, eps, 1.0 / plan.cols,
             offset, plan.tile_rows, plan.tile_heads, plan.tile_cols, f.layer_norm,
             f.has_weight, f.per_head_weight, f.has_bias, f.has_residual,
-            plan.col_tiles * plan.tile_cols != plan.cols, f.has_offset, plan.load_tma)
+            plan.col_tiles * plan.tile_cols != plan.cols, f.has_offset)
     return _compiled_for(fn, plan), (plan.grid, 1, 1), args
 
 
@@ -432,7 +431,7 @@ def backward_launch(plan: RowNormPlan, features: NormFeatures, dy, h, weight, me
     args = (dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, partial_b,
             1.0 / plan.cols, offset, plan.tile_rows, plan.tile_heads, plan.tile_cols,
             f.layer_norm, f.has_weight, f.per_head_weight, f.has_bias, has_dres_in,
-            store_dres, f.has_offset, plan.load_tma)
+            store_dres, f.has_offset)
     return _compiled_for(fn, plan), (plan.grid, 1, 1), args
 
 
