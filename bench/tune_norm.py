@@ -52,14 +52,22 @@ def with_overrides(overrides: dict) -> dict:
 
 
 def patched(plan: planner.RowNormPlan, patch: dict, sm_count: int) -> planner.RowNormPlan:
-    """``plan`` with the fields of ``patch`` for its direction (and tile width) replaced; a
-    new occupancy resizes the grid and the partial buffer as the planner would."""
+    """``plan`` with the fields of ``patch`` for its direction (and tile width) replaced. A new
+    tile_rows or occupancy resizes the row tiles, grid and partial buffer as the planner
+    would; ``"grid": "all"`` gives every row tile its own program (not persistent)."""
     fields = {**patch.get(plan.direction, {}),
               **patch.get(f"{plan.direction}@{plan.tile_cols}", {})}
-    if "occupancy" in fields and not plan.per_head_weight:
-        grid = min(plan.row_tiles, sm_count * fields["occupancy"])
-        fields |= {"grid": grid, "partial_shape": (grid, *plan.partial_shape[1:])}
-    return replace(plan, **fields)
+    if not fields:
+        return plan
+    p = replace(plan, **{k: v for k, v in fields.items() if k != "grid"})
+    if "tile_rows" in fields:
+        p = replace(p, row_tiles=planner.cdiv(p.rows, p.tile_rows) * p.head_tiles)
+    grid = p.row_tiles if fields.get("grid") == "all" else min(p.row_tiles,
+                                                                 sm_count * p.occupancy)
+    if p.per_head_weight:
+        grid = max(p.head_tiles, grid // p.head_tiles * p.head_tiles)
+    slots = grid // p.head_tiles if p.per_head_weight else grid
+    return replace(p, grid=grid, partial_shape=(slots, *p.partial_shape[1:]))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -122,9 +130,10 @@ def measure_case(info, op: str, n: int, patch: dict) -> dict:
     b_ms = _timed.get((op, n, bwd)) or _timed.setdefault((op, n, bwd), graph_ms(backward))
     forward()
     backward()
-    repeatable = all(torch.equal(a, t) for a, t in zip(first, (y, dx, dw), strict=True))
+    changed = [name for name, a, t in zip(("y", "dx", "dweight"), first, (y, dx, dw),
+                                          strict=True) if not torch.equal(a, t)]
     return {"op": op, "M": m, "N": n, "fwd_gbps": fwd_bytes / f_ms / 1e6,
-            "bwd_gbps": bwd_bytes / b_ms / 1e6, **errors, "repeatable": repeatable,
+            "bwd_gbps": bwd_bytes / b_ms / 1e6, **errors, "changed_on_rerun": changed,
             "fwd_plan": fwd.describe(), "bwd_plan": bwd.describe()}
 
 
@@ -171,10 +180,11 @@ def main() -> None:
     for variant in json.loads(args.variants):
         for row in run_variant(variant, cases):
             results["rows"].append(row)
+            changed = row["changed_on_rerun"]
             print(f"{json.dumps(variant):>60} {row['op']:>10} N={row['N']:>6}: "
                   f"fwd {row['fwd_gbps']:5.0f} bwd {row['bwd_gbps']:5.0f} GB/s  err "
                   f"{row['fwd_err']:.1e} {row['bwd_err']:.1e} {row['dw_err']:.1e}"
-                  f"{'' if row['repeatable'] else '  NOT REPEATABLE'}", flush=True)
+                  f"{'  CHANGED ON RERUN: ' if changed else ''}{','.join(changed)}", flush=True)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 

@@ -5,10 +5,10 @@ import itertools
 import pytest
 
 from tilenorm.planner import (
-    MAX_SINGLE_PASS_COLS,
     SINGLE_PASS_HINTS,
     TILE_ELEMENTS,
     UnsupportedShape,
+    max_single_pass_cols,
     plan_row_norm,
 )
 
@@ -23,10 +23,12 @@ def is_pow2(v: int) -> bool:
 
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 @pytest.mark.parametrize("sm_count", SMS)
-def test_every_row_and_column_covered_exactly_once(direction, sm_count):
+@pytest.mark.parametrize("op,itemsize", [("rms_norm", 2), ("layer_norm", 2), ("rms_norm", 4)])
+def test_every_row_and_column_covered_exactly_once(direction, sm_count, op, itemsize):
+    widest = max_single_pass_cols(direction, op, itemsize)
     for rows, cols in itertools.product(ROWS, COLS):
-        p = plan_row_norm(rows, cols, itemsize=2, sm_count=sm_count, arch=(9, 0),
-                          direction=direction)
+        p = plan_row_norm(rows, cols, itemsize=itemsize, sm_count=sm_count, arch=(9, 0),
+                          direction=direction, op=op)
         assert 1 <= p.grid <= p.row_tiles, "grid never exceeds the number of tiles"
         assert p.grid <= sm_count * p.occupancy
         seen = [t for prog in range(p.grid) for t in p.program_row_tiles(prog)]
@@ -36,9 +38,8 @@ def test_every_row_and_column_covered_exactly_once(direction, sm_count):
             assert covered == list(range(rows)), "each row once"
         assert (p.col_tiles - 1) * p.tile_cols < cols <= p.col_tiles * p.tile_cols
         assert is_pow2(p.tile_rows) and is_pow2(p.tile_cols) and p.tile_heads == 1
-        assert p.tile_rows * p.tile_cols <= max(TILE_ELEMENTS[direction],
-                                                MAX_SINGLE_PASS_COLS[direction])
-        assert p.single_pass == (cols <= MAX_SINGLE_PASS_COLS[direction])
+        assert p.tile_rows * p.tile_cols <= max(TILE_ELEMENTS[direction], widest)
+        assert p.single_pass == (cols <= widest)
         assert p.partial_shape == (p.grid, 1, cols)
         assert p.reduce_grid * p.reduce_tile[1] >= cols > (p.reduce_grid - 1) * p.reduce_tile[1]
         assert p.index_bits == (64 if rows * cols > 2**31 else 32)
@@ -76,8 +77,9 @@ def test_partial_buffer_bytes_stay_small():
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_launch_hints_cover_every_single_pass_width(direction):
     widths = [w for w, _, _ in SINGLE_PASS_HINTS[direction]]
-    assert widths == sorted(widths) and widths[-1] >= MAX_SINGLE_PASS_COLS[direction]
-    for cols in (16, 1024, 4096, 8192, MAX_SINGLE_PASS_COLS[direction]):
+    widest = max_single_pass_cols(direction, "rms_norm", 2)
+    assert widths == sorted(widths) and widths[-1] >= widest
+    for cols in (16, 1024, 4096, 8192, widest):
         p = plan_row_norm(1 << 16, cols, itemsize=2, sm_count=132, arch=(9, 0),
                           direction=direction)
         widest, occupancy, warps = next(h for h in SINGLE_PASS_HINTS[direction]
@@ -91,6 +93,18 @@ def test_widest_backward_tiles_run_one_program_per_sm_with_8_warps():
                       direction="backward")
     assert (p.occupancy, p.worker_warps, p.grid) == (1, 8, 132)
     assert "8 worker warps" in p.describe()
+
+
+def test_layer_norm_and_fp32_rows_go_to_chunks_sooner():
+    def single(cols, op="rms_norm", itemsize=2, direction="backward"):
+        return plan_row_norm(1024, cols, itemsize=itemsize, sm_count=132, arch=(9, 0),
+                             direction=direction, op=op).single_pass
+
+    assert single(16384) and not single(16384, "layer_norm") and single(8192, "layer_norm")
+    assert not single(16384, itemsize=4) and single(8192, itemsize=4)
+    assert single(32768, direction="forward") and not single(32768, "layer_norm", 2, "forward")
+    with pytest.raises(ValueError, match="op must be"):
+        single(128, "group_norm")
 
 
 @pytest.mark.parametrize("rows,cols,itemsize", [(0, 128, 2), (4, 0, 2), (4, 128, 8)])

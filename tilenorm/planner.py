@@ -17,11 +17,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 Direction = Literal["forward", "backward"]
+Op = Literal["rms_norm", "layer_norm"]
 
 # Per-direction settings, measured on an H200 (bench/NOTES.md has the experiments).
-#: The widest row kept whole in one tile (registers); wider rows are walked in chunks.
-MAX_SINGLE_PASS_COLS = {"forward": 16384, "backward": 8192}
-#: (rows, cols) of the tile that walks rows wider than MAX_SINGLE_PASS_COLS. The backward
+#: The widest row, in bytes of x, kept whole in one tile; wider rows are walked in chunks.
+#: LayerNorm holds more per element (the centered row, dbias) and spills sooner.
+MAX_SINGLE_PASS_BYTES = {
+    "forward": {"rms_norm": 65536, "layer_norm": 32768},
+    "backward": {"rms_norm": 32768, "layer_norm": 16384},
+}
+#: (rows, cols) of the tile that walks rows wider than the single-pass limit. The backward
 #: takes several rows per tile so that its read-modify-write of the program's partial row
 #: happens once per tile rows instead of once per row.
 CHUNK_TILE = {"forward": (1, 4096), "backward": (8, 512)}
@@ -35,8 +40,8 @@ TILE_ELEMENTS = {"forward": 8192, "backward": 4096}
 #: Occupancy 1 with 8 warps gives each thread twice the registers: the widest tiles stop
 #: spilling (bench/NOTES.md, #13).
 SINGLE_PASS_HINTS = {
-    "forward": ((1024, 1, 8), (4096, 2, 8), (8192, 2, None), (16384, 1, 8)),
-    "backward": ((4096, 2, None), (8192, 1, 8)),
+    "forward": ((2048, 1, 8), (4096, 2, 8), (8192, 2, None), (32768, 1, 8)),
+    "backward": ((4096, 2, None), (16384, 1, 8)),
 }
 #: (occupancy, worker warps) of the chunked kernels.
 CHUNKED_HINTS = {"forward": (2, None), "backward": (2, None)}
@@ -131,11 +136,17 @@ class RowNormPlan:
         return text
 
 
+def max_single_pass_cols(direction: Direction, op: Op, itemsize: int) -> int:
+    return MAX_SINGLE_PASS_BYTES[direction][op] // itemsize
+
+
 @functools.lru_cache(maxsize=4096)
 def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
                   arch: tuple[int, int], direction: Direction, heads: int = 1,
-                  per_head_weight: bool = False, max_offset: int | None = None) -> RowNormPlan:
-    """Plan a persistent normalization of ``rows x heads`` vectors of ``cols`` elements.
+                  per_head_weight: bool = False, max_offset: int | None = None,
+                  op: Op = "rms_norm") -> RowNormPlan:
+    """Plan a persistent normalization (``op``) of ``rows x heads`` vectors of ``cols``
+    elements.
 
     ``itemsize`` is the input's element size in bytes and ``arch`` the compute capability.
     ``max_offset`` is the largest element offset any operand reaches (default: that of a
@@ -153,7 +164,9 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
     if max_offset is None:
         max_offset = rows * heads * cols - 1
 
-    if cols <= MAX_SINGLE_PASS_COLS[direction]:
+    if op not in MAX_SINGLE_PASS_BYTES[direction]:
+        raise ValueError(f"op must be 'rms_norm' or 'layer_norm', got {op!r}")
+    if cols <= max_single_pass_cols(direction, op, itemsize):
         tile_cols = max(MIN_TILE_COLS, next_pow2(cols))
         vectors = max(1, TILE_ELEMENTS[direction] // tile_cols)
         tile_heads = min(next_pow2(heads), vectors)

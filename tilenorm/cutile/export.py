@@ -28,7 +28,7 @@ from cuda.tile.compilation import (
 
 from tilenorm.cutile import norm
 from tilenorm.cutile.norm import NormFeatures
-from tilenorm.planner import MAX_SINGLE_PASS_COLS, MIN_TILE_COLS, RowNormPlan, plan_row_norm
+from tilenorm.planner import MIN_TILE_COLS, RowNormPlan, max_single_pass_cols, plan_row_norm
 
 DTYPES = {"bfloat16": ct.bfloat16, "float16": ct.float16, "float32": ct.float32}
 #: (x dtype, weight dtype) pairs the ops accept: the weight in x's dtype or in fp32.
@@ -67,7 +67,7 @@ def _array(dtype, shape: tuple[int, ...], index_bits: int = 32) -> ArrayConstrai
     strides = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         strides[i] = strides[i + 1] * shape[i + 1]
-    per_16_bytes = 16 // _ITEMSIZE[dtype]
+    per_16_bytes = 128 // dtype.bitwidth
     return ArrayConstraint(
         dtype, len(shape), index_dtype=ct.int64 if index_bits == 64 else ct.int32,
         stride_lower_bound_incl=[None if s == 1 else 0 for s in strides], alias_groups=[],
@@ -79,20 +79,23 @@ def _array(dtype, shape: tuple[int, ...], index_bits: int = 32) -> ArrayConstrai
         base_addr_divisible_by=16)
 
 
-_ITEMSIZE = {ct.bfloat16: 2, ct.float16: 2, ct.float32: 4}
 PLACEHOLDER = (1,)
 
 
-def _plans(direction, heads: int = 1, per_head: bool = False) -> list[RowNormPlan]:
-    """One plan per tile configuration the planner can choose for ``direction``."""
+def _plans(direction, op: str = "rms_norm", heads: int = 1, per_head: bool = False,
+           itemsize: int = 2) -> list[RowNormPlan]:
+    """One plan per tile configuration the planner can choose for ``direction``, ``op`` and
+    ``itemsize``-byte elements."""
+    widest = max_single_pass_cols(direction, op, itemsize)
     cols = [MIN_TILE_COLS]
-    while cols[-1] < MAX_SINGLE_PASS_COLS[direction]:
+    while cols[-1] < widest:
         cols.append(cols[-1] * 2)
-    cols.append(2 * MAX_SINGLE_PASS_COLS[direction])
+    cols.append(2 * widest)
     plans = {}
     for n in cols:
-        p = plan_row_norm(65536 // heads, n, heads=heads, per_head_weight=per_head, itemsize=2,
-                          sm_count=132, arch=(9, 0), direction=direction)
+        p = plan_row_norm(65536 // heads, n, heads=heads, per_head_weight=per_head,
+                          itemsize=itemsize, sm_count=132, arch=(9, 0), direction=direction,
+                          op=op)
         plans.setdefault(p.config, p)
     return list(plans.values())
 
@@ -165,17 +168,19 @@ def variants() -> list[Variant]:
             for v in out]
 
 
+def _op(v: Variant) -> str:
+    return "layer_norm" if v.features.layer_norm else "rms_norm"
+
+
 def jobs() -> Iterator[ExportJob]:
     for direction in ("forward", "backward"):
-        plans = _plans(direction)
-        for plan in plans:  # every tile configuration
-            for v in (Variant("rms", RMS), Variant("layer_norm", LAYER_NORM)):
+        for v in (Variant("rms", RMS), Variant("layer_norm", LAYER_NORM)):
+            for plan in _plans(direction, _op(v)):  # every tile configuration
                 yield from _jobs(plan, v)
-        for plan in (plans[-2], plans[-1]):  # one single-pass, one chunked
-            for v in variants():
-                if v.index_bits == 64:
-                    plan = replace(plan, index_bits=64)
-                yield from _jobs(plan, v)
+        for v in variants():
+            plans = _plans(direction, _op(v), itemsize=DTYPES[v.x].bitwidth // 8)
+            for plan in (plans[-2], plans[-1]):  # one single-pass, one chunked
+                yield from _jobs(replace(plan, index_bits=v.index_bits), v)
         for per_head in (False, True):  # QK-norm: 8 heads of 128
             plan = _plans(direction, heads=8, per_head=per_head)[3]
             label = "per-head weight" if per_head else "shared weight"

@@ -89,7 +89,7 @@ def route_problem(op: str, family: KernelFamily, kernel_names: tuple[tuple[str, 
     try:
         fwd, bwd = (plan_row_norm(rows, cols, heads=heads, per_head_weight=per_head_weight,
                                   itemsize=dtypes[0].itemsize, sm_count=info.sm_count,
-                                  arch=info.arch, direction=d, max_offset=max_offset)
+                                  arch=info.arch, direction=d, max_offset=max_offset, op=op)
                     for d in ("forward", "backward"))
     except UnsupportedShape as e:
         return _reference(op, str(e))
