@@ -88,9 +88,10 @@ def measure_case(info, op: str, n: int, patch: dict) -> dict:
     b = torch.randn_like(w) if f.has_bias else None
     r = torch.randn_like(x) if f.has_residual else None
     dres_in = torch.randn_like(x) if f.has_residual else None
+    kind = "layer_norm" if f.layer_norm else "rms_norm"
     fwd, bwd = (patched(planner.plan_row_norm(m, cols, heads=heads, itemsize=2,
                                               sm_count=info.sm_count, arch=info.arch,
-                                              direction=d), patch, info.sm_count)
+                                              direction=d, op=kind), patch, info.sm_count)
                 for d in ("forward", "backward"))
     y, dx = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
     h = torch.full_like(x, float("nan")) if f.has_residual else x

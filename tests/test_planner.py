@@ -30,7 +30,8 @@ def test_every_row_and_column_covered_exactly_once(direction, sm_count, op, item
         p = plan_row_norm(rows, cols, itemsize=itemsize, sm_count=sm_count, arch=(9, 0),
                           direction=direction, op=op)
         assert 1 <= p.grid <= p.row_tiles, "grid never exceeds the number of tiles"
-        assert p.grid <= sm_count * p.occupancy
+        assert p.grid <= sm_count * p.occupancy or (
+            direction == "forward" and p.grid == p.row_tiles), "persistent but forward"
         seen = [t for prog in range(p.grid) for t in p.program_row_tiles(prog)]
         assert sorted(seen) == list(range(p.row_tiles)), "each row tile once"
         if rows * cols <= 1 << 24:
@@ -76,16 +77,17 @@ def test_partial_buffer_bytes_stay_small():
 
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_launch_hints_cover_every_single_pass_width(direction):
-    widths = [w for w, _, _ in SINGLE_PASS_HINTS[direction]]
+    widths = [hint[0] for hint in SINGLE_PASS_HINTS[direction]]
     widest = max_single_pass_cols(direction, "rms_norm", 2)
     assert widths == sorted(widths) and widths[-1] >= widest
     for cols in (16, 1024, 4096, 8192, widest):
         p = plan_row_norm(1 << 16, cols, itemsize=2, sm_count=132, arch=(9, 0),
                           direction=direction)
-        widest, occupancy, warps = next(h for h in SINGLE_PASS_HINTS[direction]
-                                        if p.tile_cols <= h[0])
+        _, occupancy, warps, persistent = next(h for h in SINGLE_PASS_HINTS[direction]
+                                               if p.tile_cols <= h[0])
         assert (p.occupancy, p.worker_warps) == (occupancy, warps)
-        assert p.grid == min(p.row_tiles, 132 * occupancy)
+        assert p.grid == (min(p.row_tiles, 132 * occupancy) if persistent else p.row_tiles)
+        assert persistent or direction == "forward", "the backward's partial rows are programs"
 
 
 def test_widest_backward_tiles_run_one_program_per_sm_with_8_warps():

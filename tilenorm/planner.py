@@ -34,14 +34,17 @@ CHUNK_TILE = {"forward": (1, 4096), "backward": (8, 512)}
 MIN_TILE_COLS = 16
 #: Elements per single-pass (rows, heads, cols) tile: narrow rows are packed up to this.
 TILE_ELEMENTS = {"forward": 8192, "backward": 4096}
-#: (widest tile_cols, occupancy, worker warps) for single-pass tiles: the first entry whose
-#: width reaches the tile's applies. Occupancy is the resident programs per SM the kernel is
-#: compiled for; worker warps its num_worker_warps hint (None: the compiler's choice).
-#: Occupancy 1 with 8 warps gives each thread twice the registers: the widest tiles stop
-#: spilling (bench/NOTES.md, #13).
+#: (widest tile_cols, occupancy, worker warps, persistent) for single-pass tiles: the first
+#: entry whose width reaches the tile's applies. Occupancy is the resident programs per SM the
+#: kernel is compiled for; worker warps its num_worker_warps hint (None: the compiler's
+#: choice). Occupancy 1 with 8 warps gives each thread twice the registers: the widest tiles
+#: stop spilling (bench/NOTES.md, #13). A forward that is not persistent gives every row
+#: tile its own program: for narrow rows, four 16 KB tiles in flight per SM beat a loop over
+#: tiles (#15). The backward is always persistent: its partial buffer has a row per program.
 SINGLE_PASS_HINTS = {
-    "forward": ((2048, 1, 8), (4096, 2, 8), (8192, 2, None), (32768, 1, 8)),
-    "backward": ((4096, 2, None), (16384, 1, 8)),
+    "forward": ((2048, 4, None, False), (4096, 2, 8, True), (8192, 2, None, True),
+                (32768, 1, 8, True)),
+    "backward": ((4096, 2, None, True), (16384, 1, 8, True)),
 }
 #: (occupancy, worker warps) of the chunked kernels.
 CHUNKED_HINTS = {"forward": (2, None), "backward": (2, None)}
@@ -122,8 +125,10 @@ class RowNormPlan:
     def describe(self) -> str:
         mode = "single pass" if self.single_pass else f"{self.col_tiles} column chunks, 2 passes"
         heads = f"x{self.tile_heads}" if self.heads > 1 else ""
+        grid = (f"persistent grid {self.grid}" if self.grid < self.row_tiles
+                else f"grid {self.grid}, a program per row tile")
         text = (f"tile {self.tile_rows}{heads}x{self.tile_cols} ({mode}), {self.row_tiles} row "
-                f"tiles, persistent grid {self.grid} (occupancy {self.occupancy})")
+                f"tiles, {grid} (occupancy {self.occupancy})")
         if self.worker_warps:
             text += f", {self.worker_warps} worker warps"
         if self.index_bits == 64:
@@ -174,14 +179,15 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
     else:
         (tile_rows, tile_cols), tile_heads = CHUNK_TILE[direction], 1
     col_tiles = cdiv(cols, tile_cols)
+    persistent = True
     if col_tiles == 1:
-        occupancy, worker_warps = next((occ, warps) for widest, occ, warps
-                                       in SINGLE_PASS_HINTS[direction] if tile_cols <= widest)
+        occupancy, worker_warps, persistent = next(
+            hint[1:] for hint in SINGLE_PASS_HINTS[direction] if tile_cols <= hint[0])
     else:
         occupancy, worker_warps = CHUNKED_HINTS[direction]
     head_tiles = cdiv(heads, tile_heads)
     row_tiles = cdiv(rows, tile_rows) * head_tiles
-    grid = min(row_tiles, sm_count * occupancy)
+    grid = min(row_tiles, sm_count * occupancy) if persistent else row_tiles
     if per_head_weight:
         grid = max(head_tiles, grid // head_tiles * head_tiles)
     partial_rows = grid // head_tiles if per_head_weight else grid

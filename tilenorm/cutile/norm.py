@@ -42,6 +42,12 @@ ConstBool = ct.Constant[bool]
 ZERO = ct.PaddingMode.ZERO
 
 
+def _store(a, index, tile):
+    """Every store goes through registers, not TMA: faster for y (bench/NOTES.md, #10), and
+    with TMA stores of rstd and dx a few rows came out wrong, intermittently (#14)."""
+    ct.store(a, index=index, tile=tile, allow_tma=False)
+
+
 @dataclass(frozen=True)
 class NormFeatures:
     """The compile-time features of one normalization (see the module docstring)."""
@@ -110,14 +116,14 @@ def _row_stat(a, row_tile, head_tile, TILE_A, TILE_H):
 
 
 def _store_stat(a, row_tile, head_tile, value, TILE_A, TILE_H):
-    ct.store(a, index=(row_tile, head_tile), tile=value.reshape((TILE_A, TILE_H)))
+    _store(a, (row_tile, head_tile), value.reshape((TILE_A, TILE_H)))
 
 
 def _residual_sum(xt, rt, residual_out, row_tile, head_tile, chunk):
     """h = x + residual, rounded to the residual stream's dtype (what the norm and the
     backward read), stored, and returned in fp32."""
     h = (xt.astype(ct.float32) + rt.astype(ct.float32)).astype(residual_out.dtype)
-    ct.store(residual_out, index=(row_tile, head_tile, chunk), tile=h, allow_tma=False)
+    _store(residual_out, (row_tile, head_tile, chunk), h)
     return h.astype(ct.float32)
 
 
@@ -131,17 +137,16 @@ def _store_partial(partial, acc, slot, head_tile, chunk, PER_HEAD, ACCUMULATE):
         index = (slot, 0, chunk)
     if ACCUMULATE:
         folded = folded + ct.load(partial, index=index, shape=folded.shape, padding_mode=ZERO)
-    ct.store(partial, index=index, tile=folded)
+    _store(partial, index, folded)
 
 
 def _zero_partial(partial, slot, head_tile, chunks, TILE_H, TILE_N, PER_HEAD):
     for c in range(chunks):
         if PER_HEAD:
-            ct.store(partial, index=(slot, head_tile, c),
-                     tile=ct.zeros((1, TILE_H, TILE_N), dtype=ct.float32))
+            _store(partial, (slot, head_tile, c), ct.zeros((1, TILE_H, TILE_N),
+                                                           dtype=ct.float32))
         else:
-            ct.store(partial, index=(slot, 0, c), tile=ct.zeros((1, 1, TILE_N),
-                                                                dtype=ct.float32))
+            _store(partial, (slot, 0, c), ct.zeros((1, 1, TILE_N), dtype=ct.float32))
 
 
 # --- forward -----------------------------------------------------------------------------
@@ -166,8 +171,7 @@ def _fwd_tile(xt, rt, t, head_tiles, scale, shift, y, residual_out, mean, rstd, 
     out = _times_scale(v * r, scale, offset, HAS_OFFSET)
     if HAS_BIAS:
         out = out + shift
-    # Stores through registers, not TMA: measured faster on H200 (bench/NOTES.md, #8).
-    ct.store(y, index=(row_tile, head_tile, 0), tile=out.astype(y.dtype), allow_tma=False)
+    _store(y, (row_tile, head_tile, 0), out.astype(y.dtype))
     _store_stat(rstd, row_tile, head_tile, r, TILE_A, TILE_H)
 
 
@@ -251,8 +255,7 @@ def norm_fwd_chunked(x, residual, weight, bias, y, residual_out, mean, rstd,
                 v = v - mu
             out = _affine(v * r, weight, bias, offset, head_tile_w, c, TILE_H, TILE_N,
                           HAS_WEIGHT, PER_HEAD, HAS_BIAS, HAS_OFFSET)
-            ct.store(y, index=(row_tile, head_tile, c), tile=out.astype(y.dtype),
-                     allow_tma=False)
+            _store(y, (row_tile, head_tile, c), out.astype(y.dtype))
         _store_stat(rstd, row_tile, head_tile, r, TILE_A, TILE_H)
 
 
@@ -270,9 +273,9 @@ def _store_dx(d, dres_in, dx, dres, index, HAS_DRES_IN, STORE_DRES):
     the gradient that reached the residual output directly)."""
     if HAS_DRES_IN:
         d = d + _load3(dres_in, index, d.shape).astype(ct.float32)
-    ct.store(dx, index=index, tile=d.astype(dx.dtype))
+    _store(dx, index, d.astype(dx.dtype))
     if STORE_DRES:
-        ct.store(dres, index=index, tile=d.astype(dres.dtype))
+        _store(dres, index, d.astype(dres.dtype))
 
 
 def norm_bwd_single(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, partial_b,
