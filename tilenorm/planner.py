@@ -183,6 +183,9 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
     if col_tiles == 1:
         occupancy, worker_warps, persistent = next(
             hint[1:] for hint in SINGLE_PASS_HINTS[direction] if tile_cols <= hint[0])
+        if not persistent and tile_heads > 1:
+            # Tiles of several heads measured slower that way (#15): persistent, 8 warps.
+            occupancy, worker_warps, persistent = 1, 8, True
     else:
         occupancy, worker_warps = CHUNKED_HINTS[direction]
     head_tiles = cdiv(heads, tile_heads)
