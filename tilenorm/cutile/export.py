@@ -82,7 +82,7 @@ def _array(dtype, shape: tuple[int, ...], index_bits: int = 32) -> ArrayConstrai
 PLACEHOLDER = (1,)
 
 
-def _plans(direction, op: str = "rms_norm", heads: int = 1, per_head: bool = False,
+def plans(direction, op: str = "rms_norm", heads: int = 1, per_head: bool = False,
            itemsize: int = 2) -> list[RowNormPlan]:
     """One plan per tile configuration the planner can choose for ``direction``, ``op`` and
     ``itemsize``-byte elements."""
@@ -91,16 +91,16 @@ def _plans(direction, op: str = "rms_norm", heads: int = 1, per_head: bool = Fal
     while cols[-1] < widest:
         cols.append(cols[-1] * 2)
     cols.append(2 * widest)
-    plans = {}
+    by_config = {}
     for n in cols:
         p = plan_row_norm(65536 // heads, n, heads=heads, per_head_weight=per_head,
                           itemsize=itemsize, sm_count=132, arch=(9, 0), direction=direction,
                           op=op)
-        plans.setdefault(p.config, p)
-    return list(plans.values())
+        by_config.setdefault(p.config, p)
+    return list(by_config.values())
 
 
-def _jobs(plan: RowNormPlan, v: Variant) -> Iterator[ExportJob]:
+def plan_jobs(plan: RowNormPlan, v: Variant) -> Iterator[ExportJob]:
     f, bits = v.features, v.index_bits
     x, w = DTYPES[v.x], DTYPES[v.weight]
     res = DTYPES[v.residual] if v.residual else ct.float32
@@ -168,25 +168,26 @@ def variants() -> list[Variant]:
             for v in out]
 
 
-def _op(v: Variant) -> str:
+def op_of(v: Variant) -> str:
     return "layer_norm" if v.features.layer_norm else "rms_norm"
 
 
 def jobs() -> Iterator[ExportJob]:
     for direction in ("forward", "backward"):
         for v in (Variant("rms", RMS), Variant("layer_norm", LAYER_NORM)):
-            for plan in _plans(direction, _op(v)):  # every tile configuration
-                yield from _jobs(plan, v)
+            for plan in plans(direction, op_of(v)):  # every tile configuration
+                yield from plan_jobs(plan, v)
         for v in variants():
-            plans = _plans(direction, _op(v), itemsize=DTYPES[v.x].bitwidth // 8)
-            for plan in (plans[-2], plans[-1]):  # one single-pass, one chunked
-                yield from _jobs(replace(plan, index_bits=v.index_bits), v)
+            chosen = plans(direction, op_of(v), itemsize=DTYPES[v.x].bitwidth // 8)
+            for plan in (chosen[-2], chosen[-1]):  # one single-pass, one chunked
+                yield from plan_jobs(replace(plan, index_bits=v.index_bits), v)
         for per_head in (False, True):  # QK-norm: 8 heads of 128
-            plan = _plans(direction, heads=8, per_head=per_head)[3]
+            plan = plans(direction, heads=8, per_head=per_head)[3]
             label = "per-head weight" if per_head else "shared weight"
-            yield from _jobs(plan, Variant(f"rms 8 heads {label}",
-                                           replace(RMS, per_head_weight=per_head), heads=8))
-    plan = _plans("backward")[0]
+            yield from plan_jobs(plan, Variant(f"rms 8 heads {label}",
+                                               replace(RMS, per_head_weight=per_head),
+                                               heads=8))
+    plan = plans("backward")[0]
     for w_name in ("bfloat16", "float16", "float32"):
         slots, heads, cols = plan.partial_shape
         kernel, _, args = norm.reduce_launch(plan, _array(ct.float32, (slots, heads * cols)),

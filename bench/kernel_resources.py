@@ -1,0 +1,73 @@
+"""Registers, spills and shared memory of every kernel configuration the planner chooses, read
+off the cubins on a machine without a GPU (bench/NOTES.md, #13). The kernels are exported ahead
+of time with the constraints cuTile derives at run time for contiguous tensors, so the code is
+the code that runs; ``cuobjdump`` (pip: nvidia-cuda-cuobjdump) reads the resource usage.
+
+    python bench/kernel_resources.py [--gpu-code sm_90] [--ops rms,layer_norm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tilenorm.cutile import export  # noqa: E402
+
+VARIANTS = {"rms": export.Variant("rms", export.RMS),
+            "layer_norm": export.Variant("layer_norm", export.LAYER_NORM)}
+
+
+def cuobjdump() -> str:
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import nvidia.cu13
+    except ImportError as e:
+        raise SystemExit("cuobjdump not found: pip install nvidia-cuda-cuobjdump") from e
+    return str(Path(nvidia.cu13.__path__[0]) / "bin" / "cuobjdump")
+
+
+def resources(job: export.ExportJob, gpu_code: str, tool: str) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(export.export(job, gpu_code))
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", usage)
+    return {"registers": int(m[1]), "stack": int(m[2]), "shared": int(m[3]),
+            "spill_stores": len(re.findall(r"\bSTL\b", sass)),
+            "spill_loads": len(re.findall(r"\bLDL\b", sass))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpu-code", default="sm_90")
+    parser.add_argument("--ops", default="rms,layer_norm")
+    args = parser.parse_args()
+    tool = cuobjdump()
+    print(f"{'kernel':>44} {'hints':>18} {'regs':>5} {'stack':>6} {'smem':>7} {'STL/LDL':>8}")
+    for direction in ("forward", "backward"):
+        for name in args.ops.split(","):
+            v = VARIANTS[name]
+            for plan in export.plans(direction, export.op_of(v)):
+                for job in export.plan_jobs(plan, v):
+                    r = resources(job, args.gpu_code, tool)
+                    hints = f"occ {plan.occupancy}, warps {plan.worker_warps or '-'}"
+                    flag = "  SPILLS" if r["stack"] else ""
+                    print(f"{job.label:>44} {hints:>18} {r['registers']:>5} {r['stack']:>6} "
+                          f"{r['shared']:>7} {r['spill_stores']:>3}/{r['spill_loads']:<4}{flag}",
+                          flush=True)
+
+
+if __name__ == "__main__":
+    main()
