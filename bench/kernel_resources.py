@@ -20,9 +20,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tilenorm.cutile import export  # noqa: E402
 
-VARIANTS = {"rms": export.Variant("rms", export.RMS),
-            "layer_norm": export.Variant("layer_norm", export.LAYER_NORM)}
-
 
 def cuobjdump() -> str:
     found = shutil.which("cuobjdump")
@@ -58,7 +55,7 @@ def main() -> None:
     print(f"{'kernel':>44} {'hints':>18} {'regs':>5} {'stack':>6} {'smem':>7} {'STL/LDL':>8}")
     for direction in ("forward", "backward"):
         for name in args.ops.split(","):
-            v = VARIANTS[name]
+            v = export.OP_VARIANTS[name]
             for plan in export.plans(direction, export.op_of(v)):
                 for job in export.plan_jobs(plan, v):
                     r = resources(job, args.gpu_code, tool)

@@ -1,16 +1,16 @@
-"""Planner experiments for the norm kernels: GB/s and error of each variant on each case, and
-where the host time of one launch goes. Results feed bench/NOTES.md; the winners become
-planner defaults.
+"""Planner experiments for the norm kernels: GB/s, error and rerun repeatability of each
+variant on each case, and (``--host``) the host time of the launch-level functions. Results
+feed bench/NOTES.md; the winners become planner defaults.
 
-A variant is a JSON object: ``planner`` overrides the planner's module settings, e.g.
-``{"CHUNKED_HINTS": {"forward": [2, null], "backward": [1, 8]}}``; ``patch`` replaces fields
-of the plans it makes, per direction and optionally per tile width, e.g. ``{"backward":
-{"worker_warps": 8, "occupancy": 1}}`` or ``{"backward@8192": {...}}``. A case is ``op:N``
-with op one of rms, layer_norm, offset, residual, per_head (32 heads of N / 32); M makes x
-256 MiB.
+A variant is a JSON object of planner module settings to override (lists for tuples),
+e.g. ``{"SINGLE_PASS_HINTS": {"forward": [[2048, 4, null, false], [32768, 1, 8, true]],
+"backward": [[4096, 2, null, true], [16384, 1, 8, true]]}}`` or ``{"TILE_ELEMENTS":
+{"forward": 16384, "backward": 4096}}``: the planner derives grids and partial buffers as it
+does for users. A case is ``op:N`` with op one of rms, layer_norm, offset, residual, per_head
+(32 heads of N / 32); M makes x 256 MiB.
 
     python bench/tune_norm.py --cases rms:4096,layer_norm:4096 \\
-        --variants '[{}, {"patch": {"backward": {"worker_warps": 8}}}]'
+        --variants '[{}, {"CHUNKED_HINTS": {"forward": [2, null], "backward": [1, 8]}}]'
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -51,30 +50,11 @@ def with_overrides(overrides: dict) -> dict:
     return saved
 
 
-def patched(plan: planner.RowNormPlan, patch: dict, sm_count: int) -> planner.RowNormPlan:
-    """``plan`` with the fields of ``patch`` for its direction (and tile width) replaced. A new
-    tile_rows or occupancy resizes the row tiles, grid and partial buffer as the planner
-    would; ``"grid": "all"`` gives every row tile its own program (not persistent)."""
-    fields = {**patch.get(plan.direction, {}),
-              **patch.get(f"{plan.direction}@{plan.tile_cols}", {})}
-    if not fields:
-        return plan
-    p = replace(plan, **{k: v for k, v in fields.items() if k != "grid"})
-    if "tile_rows" in fields:
-        p = replace(p, row_tiles=planner.cdiv(p.rows, p.tile_rows) * p.head_tiles)
-    grid = p.row_tiles if fields.get("grid") == "all" else min(p.row_tiles,
-                                                                 sm_count * p.occupancy)
-    if p.per_head_weight:
-        grid = max(p.head_tiles, grid // p.head_tiles * p.head_tiles)
-    slots = grid // p.head_tiles if p.per_head_weight else grid
-    return replace(p, grid=grid, partial_shape=(slots, *p.partial_shape[1:]))
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def measure_case(info, op: str, n: int, patch: dict) -> dict:
+def measure_case(info, op: str, n: int) -> dict:
     heads = 32 if op == "per_head" else 1
     cols = n // heads
     m = X_BYTES // (2 * n)
@@ -89,9 +69,9 @@ def measure_case(info, op: str, n: int, patch: dict) -> dict:
     r = torch.randn_like(x) if f.has_residual else None
     dres_in = torch.randn_like(x) if f.has_residual else None
     kind = "layer_norm" if f.layer_norm else "rms_norm"
-    fwd, bwd = (patched(planner.plan_row_norm(m, cols, heads=heads, itemsize=2,
-                                              sm_count=info.sm_count, arch=info.arch,
-                                              direction=d, op=kind), patch, info.sm_count)
+    fwd, bwd = (planner.plan_row_norm(m, cols, heads=heads, itemsize=2,
+                                      sm_count=info.sm_count, arch=info.arch, direction=d,
+                                      op=kind)
                 for d in ("forward", "backward"))
     y, dx = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
     h = torch.full_like(x, float("nan")) if f.has_residual else x
@@ -125,10 +105,8 @@ def measure_case(info, op: str, n: int, patch: dict) -> dict:
     arrays = x.numel() * 2
     fwd_bytes = arrays * (4 if f.has_residual else 2)
     bwd_bytes = arrays * (4 if f.has_residual else 3)
-    # A plan already timed on this case (in an earlier variant) is not timed again.
     first = [t.clone() for t in (y, dx, dw)]
-    f_ms = _timed.get((op, n, fwd)) or _timed.setdefault((op, n, fwd), graph_ms(forward))
-    b_ms = _timed.get((op, n, bwd)) or _timed.setdefault((op, n, bwd), graph_ms(backward))
+    f_ms, b_ms = _time_once((op, n, fwd), forward), _time_once((op, n, bwd), backward)
     forward()
     backward()
     changed = [name for name, a, t in zip(("y", "dx", "dweight"), first, (y, dx, dw),
@@ -141,12 +119,19 @@ def measure_case(info, op: str, n: int, patch: dict) -> dict:
 _timed: dict = {}
 
 
+def _time_once(key, fn) -> float:
+    """Graph-replay ms of ``fn``; a plan already timed on this case (in an earlier variant)
+    is not timed again."""
+    if key not in _timed:
+        _timed[key] = graph_ms(fn)
+    return _timed[key]
+
+
 def run_variant(variant: dict, cases: list[tuple[str, int]]) -> list[dict]:
-    saved = with_overrides(variant.get("planner", {}))
+    saved = with_overrides(variant)
     info = device_info(torch.cuda.current_device())
     try:
-        return [{"variant": variant, **measure_case(info, op, n, variant.get("patch", {}))}
-                for op, n in cases]
+        return [{"variant": variant, **measure_case(info, op, n)} for op, n in cases]
     finally:
         with_overrides(saved)
 

@@ -138,6 +138,8 @@ def plan_jobs(plan: RowNormPlan, v: Variant) -> Iterator[ExportJob]:
 
 RMS = NormFeatures()
 LAYER_NORM = NormFeatures(layer_norm=True, has_bias=True)
+#: Each op's plain variant, built on every tile configuration the planner chooses for it.
+OP_VARIANTS = {"rms": Variant("rms", RMS), "layer_norm": Variant("layer_norm", LAYER_NORM)}
 
 
 def variants() -> list[Variant]:
@@ -174,7 +176,7 @@ def op_of(v: Variant) -> str:
 
 def jobs() -> Iterator[ExportJob]:
     for direction in ("forward", "backward"):
-        for v in (Variant("rms", RMS), Variant("layer_norm", LAYER_NORM)):
+        for v in OP_VARIANTS.values():
             for plan in plans(direction, op_of(v)):  # every tile configuration
                 yield from plan_jobs(plan, v)
         for v in variants():

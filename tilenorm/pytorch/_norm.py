@@ -57,6 +57,10 @@ class Recipe:
     out_dtype: torch.dtype
     residual_dtype: torch.dtype | None
 
+    def features_for(self, offset: float) -> NormFeatures:
+        """The compiled features of a call: the offset is compiled in only where it is not 0."""
+        return self.offset_features if offset else self.features
+
 
 def _meta(t):
     if isinstance(t, torch.Tensor):
@@ -178,8 +182,8 @@ def kernel_forward(rc: Recipe, x, weight, bias, residual, eps: float, offset: fl
         h = torch.empty(x.shape, dtype=rc.residual_dtype, device=dev)
         h3 = h.view(shape3)
     with _on_device(x):
-        features = rc.offset_features if offset else rc.features
-        cutile_norm.forward(rc.route.forward, features, x=x3, weight=_params3(weight),
+        cutile_norm.forward(rc.route.forward, rc.features_for(offset), x=x3,
+                            weight=_params3(weight),
                             bias=_params3(bias), residual=r3, y=y.view(shape3),
                             residual_out=h3, mean=mean, rstd=rstd, eps=eps, offset=offset)
     stat_shape = x.shape[:-1]
@@ -212,8 +216,7 @@ def kernel_backward(rc: Recipe, dy, dres_in, h, weight, bias, mean, rstd, offset
     stat = shape3[:2]
     with _on_device(h):
         cutile_norm.backward(
-            plan, rc.offset_features if offset else rc.features, dy=dy3, h=h3,
-            weight=_params3(weight),
+            plan, rc.features_for(offset), dy=dy3, h=h3, weight=_params3(weight),
             mean=None if mean is None else mean.view(stat), rstd=rstd.view(stat),
             dres_in=dres_in3, dx=dx.view(shape3), dres=None if dres is None else dres.view(
                 shape3), partial_w=partial_w, partial_b=partial_b, dweight=dweight,
