@@ -3,8 +3,8 @@ variant on each case, and (``--host``) the host time of the launch-level functio
 feed bench/NOTES.md; the winners become planner defaults.
 
 A variant is a JSON object of planner module settings to override (lists for tuples),
-e.g. ``{"SINGLE_PASS_HINTS": {"forward": [[2048, 4, null, false], [32768, 1, 8, true]],
-"backward": [[4096, 2, null, true], [16384, 1, 8, true]]}}`` or ``{"TILE_ELEMENTS":
+e.g. ``{"SINGLE_PASS_HINTS": {"forward": {"rms_norm": [[2048, 4, null, false], [32768, 1, 8,
+true]], "layer_norm": [[32768, 1, 8, true]]}, "backward": {...}}}`` or ``{"TILE_ELEMENTS":
 {"forward": 16384, "backward": 4096}}``: the planner derives grids and partial buffers as it
 does for users. A case is ``op:N`` with op one of rms, layer_norm, offset, residual, per_head
 (32 heads of N / 32); M makes x 256 MiB.

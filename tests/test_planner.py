@@ -5,6 +5,7 @@ import itertools
 import pytest
 
 from tilenorm.planner import (
+    MULTI_HEAD_HINTS,
     SINGLE_PASS_HINTS,
     TILE_ELEMENTS,
     UnsupportedShape,
@@ -75,19 +76,30 @@ def test_partial_buffer_bytes_stay_small():
     assert p.partial_shape == (264, 1, 128)
 
 
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
 @pytest.mark.parametrize("direction", ["forward", "backward"])
-def test_launch_hints_cover_every_single_pass_width(direction):
-    widths = [hint[0] for hint in SINGLE_PASS_HINTS[direction]]
-    widest = max_single_pass_cols(direction, "rms_norm", 2)
+def test_launch_hints_cover_every_single_pass_width(direction, op):
+    hints = SINGLE_PASS_HINTS[direction][op]
+    widths = [hint[0] for hint in hints]
+    widest = max_single_pass_cols(direction, op, 2)
     assert widths == sorted(widths) and widths[-1] >= widest
-    for cols in (16, 1024, 4096, 8192, widest):
+    for cols in (16, 1024, 4096, widest):
         p = plan_row_norm(1 << 16, cols, itemsize=2, sm_count=132, arch=(9, 0),
-                          direction=direction)
-        _, occupancy, warps, persistent = next(h for h in SINGLE_PASS_HINTS[direction]
-                                               if p.tile_cols <= h[0])
+                          direction=direction, op=op)
+        _, occupancy, warps, persistent = next(h for h in hints if p.tile_cols <= h[0])
         assert (p.occupancy, p.worker_warps) == (occupancy, warps)
         assert p.grid == (min(p.row_tiles, 132 * occupancy) if persistent else p.row_tiles)
         assert persistent or direction == "forward", "the backward's partial rows are programs"
+
+
+def test_tiles_of_several_heads_stay_persistent():
+    p = plan_row_norm(4096, 128, heads=32, itemsize=2, sm_count=132, arch=(9, 0),
+                      direction="forward")
+    assert p.tile_heads > 1 and p.grid < p.row_tiles
+    assert (p.occupancy, p.worker_warps) == MULTI_HEAD_HINTS["forward"][0][1:3]
+    plain = plan_row_norm(4096 * 32, 128, itemsize=2, sm_count=132, arch=(9, 0),
+                          direction="forward")
+    assert plain.grid == plain.row_tiles, "one head per vector: a program per row tile"
 
 
 def test_widest_backward_tiles_run_one_program_per_sm_with_8_warps():

@@ -34,18 +34,25 @@ CHUNK_TILE = {"forward": (1, 4096), "backward": (8, 512)}
 MIN_TILE_COLS = 16
 #: Elements per single-pass (rows, heads, cols) tile: narrow rows are packed up to this.
 TILE_ELEMENTS = {"forward": 8192, "backward": 4096}
-#: (widest tile_cols, occupancy, worker warps, persistent) for single-pass tiles: the first
-#: entry whose width reaches the tile's applies. Occupancy is the resident programs per SM the
-#: kernel is compiled for; worker warps its num_worker_warps hint (None: the compiler's
-#: choice). Occupancy 1 with 8 warps gives each thread twice the registers: the widest tiles
-#: stop spilling (bench/NOTES.md, #13). A forward that is not persistent gives every row
-#: tile its own program: for narrow rows, four 16 KB tiles in flight per SM beat a loop over
-#: tiles (#15). The backward is always persistent: its partial buffer has a row per program.
+#: (widest tile_cols, occupancy, worker warps, persistent) for single-pass tiles, per
+#: direction and op: the first entry whose width reaches the tile's applies. Occupancy is the
+#: resident programs per SM the kernel is compiled for; worker warps its num_worker_warps hint
+#: (None: the compiler's choice). Occupancy 1 with 8 warps gives each thread twice the
+#: registers: the widest tiles stop spilling (bench/NOTES.md, #13). A forward that is not
+#: persistent gives every row tile its own program: for narrow rows, four 16 KB tiles in
+#: flight per SM beat a loop over tiles (#15). The backward is always persistent: its partial
+#: buffer has a row per program; 8 warps lift its 4096-element tiles, LayerNorm's only at
+#: 4096 columns (#17).
+_FORWARD_HINTS = ((2048, 4, None, False), (4096, 2, 8, True), (8192, 2, None, True),
+                  (32768, 1, 8, True))
 SINGLE_PASS_HINTS = {
-    "forward": ((2048, 4, None, False), (4096, 2, 8, True), (8192, 2, None, True),
-                (32768, 1, 8, True)),
-    "backward": ((4096, 2, None, True), (16384, 1, 8, True)),
+    "forward": {"rms_norm": _FORWARD_HINTS, "layer_norm": _FORWARD_HINTS},
+    "backward": {"rms_norm": ((4096, 2, 8, True), (16384, 1, 8, True)),
+                 "layer_norm": ((2048, 2, None, True), (4096, 2, 8, True),
+                                (16384, 1, 8, True))},
 }
+#: Tiles of several heads look here first: a program per tile measured slower for them (#15).
+MULTI_HEAD_HINTS = {"forward": ((2048, 1, 8, True),), "backward": ()}
 #: (occupancy, worker warps) of the chunked kernels.
 CHUNKED_HINTS = {"forward": (2, None), "backward": (2, None)}
 #: Tile of the fixed-order dgamma reduction over the partial buffer.
@@ -150,8 +157,9 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
                   arch: tuple[int, int], direction: Direction, heads: int = 1,
                   per_head_weight: bool = False, max_offset: int | None = None,
                   op: Op = "rms_norm") -> RowNormPlan:
-    """Plan a persistent normalization (``op``) of ``rows x heads`` vectors of ``cols``
-    elements.
+    """Plan a normalization (``op``) of ``rows x heads`` vectors of ``cols`` elements: its
+    tiles, grid (persistent, or a program per row tile for narrow forwards), occupancy and
+    partial buffer.
 
     ``itemsize`` is the input's element size in bytes and ``arch`` the compute capability.
     ``max_offset`` is the largest element offset any operand reaches (default: that of a
@@ -181,11 +189,11 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
     col_tiles = cdiv(cols, tile_cols)
     persistent = True
     if col_tiles == 1:
+        hints = SINGLE_PASS_HINTS[direction][op]
+        if tile_heads > 1:
+            hints = MULTI_HEAD_HINTS[direction] + hints
         occupancy, worker_warps, persistent = next(
-            hint[1:] for hint in SINGLE_PASS_HINTS[direction] if tile_cols <= hint[0])
-        if not persistent and tile_heads > 1:
-            # Tiles of several heads measured slower that way (#15): persistent, 8 warps.
-            occupancy, worker_warps, persistent = 1, 8, True
+            hint[1:] for hint in hints if tile_cols <= hint[0])
     else:
         occupancy, worker_warps = CHUNKED_HINTS[direction]
     head_tiles = cdiv(heads, tile_heads)

@@ -99,6 +99,16 @@ def _affine(v, weight, bias, offset, head_tile, chunk, TILE_H, TILE_N, HAS_WEIGH
     return out
 
 
+def _add_pairs(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+def _row_sums(a, b):
+    """Row sums of two tiles in one reduction: LayerNorm's backward needs both, and one
+    reduction tree costs one round of shared-memory exchanges instead of two."""
+    return ct.reduce((a, b), axis=2, func=_add_pairs, identity=(0.0, 0.0), keepdims=True)
+
+
 def _column_mask(chunk, cols, TILE_N):
     """(1, 1, TILE_N): True on the columns of chunk ``chunk`` that exist."""
     index = ct.arange(TILE_N, dtype=ct.int32) + chunk * TILE_N
@@ -300,9 +310,11 @@ def norm_bwd_single(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, par
         r = _row_stat(rstd, row_tile, head_tile, TILE_A, TILE_H)
         x_hat = _x_hat(v, mean, r, row_tile, head_tile, TILE_A, TILE_H, LAYER_NORM)
         wdy = _times_scale(g, scale, offset, HAS_OFFSET)
-        d = wdy - x_hat * (ct.sum(x_hat * wdy, axis=2, keepdims=True) * inv_n)
         if LAYER_NORM:
-            d = d - ct.sum(wdy, axis=2, keepdims=True) * inv_n
+            sum_hw, sum_w = _row_sums(x_hat * wdy, wdy)
+            d = wdy - x_hat * (sum_hw * inv_n) - sum_w * inv_n
+        else:
+            d = wdy - x_hat * (ct.sum(x_hat * wdy, axis=2, keepdims=True) * inv_n)
         _store_dx(d * r, dres_in, dx, dres, (row_tile, head_tile, 0), HAS_DRES_IN,
                   STORE_DRES)
         if HAS_WEIGHT:
