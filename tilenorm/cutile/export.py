@@ -5,7 +5,7 @@ on the CPU. CI uses it to prove that each configuration builds for Hopper (sm_90
 Blackwell (sm_100); ``python -m tilenorm`` does the same on a machine without a GPU.
 
 The launch arguments come from the same builders the runtime uses
-(:func:`tilenorm.cutile.norm.forward_launch` and friends), with parameter constraints in place
+(:func:`tilenorm.cutile.norm.bind_forward` and friends), with parameter constraints in place
 of tensors, so the exported variants are the ones that run. The jobs cover every tile
 configuration the planner can choose (for RMSNorm and LayerNorm in bf16), and every feature
 and dtype combination the ops accept on one single-pass and one chunked configuration.
@@ -119,20 +119,18 @@ def plan_jobs(plan: RowNormPlan, v: Variant) -> Iterator[ExportJob]:
     name = (f"{'single' if plan.single_pass else 'chunked'} {plan.tile_rows}x{plan.tile_heads}"
             f"x{plan.tile_cols} {v.label}")
     if plan.direction == "forward":
-        kernel, _, args = norm.forward_launch(
-            plan, f, a3(x), opt(f.has_residual, a3(res)), weight,
-            opt(f.has_bias, a3(w, param3)),
-            a3(DTYPES[v.out or v.x]), opt(f.has_residual, a3(res)),
-            opt(f.layer_norm, stat), stat, F32, F32)
+        bound = norm.bind_forward(plan, f)
+        args = bound.args(a3(x), opt(f.has_residual, a3(res)), weight,
+                          opt(f.has_bias, a3(w, param3)), a3(DTYPES[v.out or v.x]),
+                          opt(f.has_residual, a3(res)), opt(f.layer_norm, stat), stat, F32, F32)
     else:
         h = a3(res) if f.has_residual else a3(x)
         split = f.has_residual and v.residual != v.x
-        kernel, _, args = norm.backward_launch(
-            plan, f, a3(DTYPES[v.out or v.x]), h, weight, opt(f.layer_norm, stat), stat,
-            opt(f.has_residual, a3(res)), a3(x), opt(split, a3(res)),
-            opt(f.has_weight, partial), opt(f.has_bias, partial), F32,
-            f.has_residual, split)
-    yield ExportJob(f"{plan.direction[:3]} {name}", kernel,
+        bound = norm.bind_backward(plan, f, f.has_residual, split)
+        args = bound.args(a3(DTYPES[v.out or v.x]), h, weight, opt(f.layer_norm, stat), stat,
+                          opt(f.has_residual, a3(res)), a3(x), opt(split, a3(res)),
+                          opt(f.has_weight, partial), opt(f.has_bias, partial), F32)
+    yield ExportJob(f"{plan.direction[:3]} {name}", bound.kernel,
                     KernelSignature(list(args), CallingConvention.cutile_python_v2()))
 
 
@@ -192,9 +190,10 @@ def jobs() -> Iterator[ExportJob]:
     plan = plans("backward")[0]
     for w_name in ("bfloat16", "float16", "float32"):
         slots, heads, cols = plan.partial_shape
-        kernel, _, args = norm.reduce_launch(plan, _array(ct.float32, (slots, heads * cols)),
-                                             _array(DTYPES[w_name], (heads * cols,)))
-        yield ExportJob(f"column_sum -> {w_name}", kernel,
+        bound = norm.bind_reduce(plan)
+        args = bound.args(_array(ct.float32, (slots, heads * cols)),
+                          _array(DTYPES[w_name], (heads * cols,)))
+        yield ExportJob(f"column_sum -> {w_name}", bound.kernel,
                         KernelSignature(list(args), CallingConvention.cutile_python_v2()))
 
 

@@ -186,7 +186,7 @@ def _fwd_tile(xt, rt, t, head_tiles, scale, shift, y, residual_out, mean, rstd, 
 
 
 def norm_fwd_single(x, residual, weight, bias, y, residual_out, mean, rstd,
-                    eps: float, inv_n: float, offset: float,
+                    eps: float, offset: float, inv_n: float,
                     TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                     LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
                     HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool, PADDED: ConstBool,
@@ -213,7 +213,7 @@ def norm_fwd_single(x, residual, weight, bias, y, residual_out, mean, rstd,
 
 
 def norm_fwd_chunked(x, residual, weight, bias, y, residual_out, mean, rstd,
-                     eps: float, inv_n: float, offset: float,
+                     eps: float, offset: float, inv_n: float,
                      TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                      LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
                      HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool, PADDED: ConstBool,
@@ -289,7 +289,7 @@ def _store_dx(d, dres_in, dx, dres, index, HAS_DRES_IN, STORE_DRES):
 
 
 def norm_bwd_single(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, partial_b,
-                    inv_n: float, offset: float,
+                    offset: float, inv_n: float,
                     TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                     LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
                     HAS_BIAS: ConstBool, HAS_DRES_IN: ConstBool, STORE_DRES: ConstBool,
@@ -329,7 +329,7 @@ def norm_bwd_single(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, par
 
 
 def norm_bwd_chunked(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, partial_b,
-                     inv_n: float, offset: float,
+                     offset: float, inv_n: float,
                      TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                      LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
                      HAS_BIAS: ConstBool, HAS_DRES_IN: ConstBool, STORE_DRES: ConstBool,
@@ -423,52 +423,64 @@ def _compiled_for(fn, plan: RowNormPlan) -> ct.kernel:
     return compiled(fn, plan.occupancy, plan.index_bits, plan.worker_warps)
 
 
-def forward_launch(plan: RowNormPlan, features: NormFeatures, x, residual, weight, bias, y,
-                   residual_out, mean, rstd, eps, offset):
-    """(kernel, grid, args) of the forward for ``plan``. Shared by the launcher and by
-    ahead-of-time export (which passes parameter constraints in place of tensors and scalars),
-    so both build exactly the same kernel variants."""
+@dataclass(frozen=True)
+class BoundKernel:
+    """A kernel variant with its grid and trailing compile-time arguments resolved once: a
+    launch passes only the operands and the runtime scalars (the per-call host work is a
+    tuple concatenation)."""
+
+    kernel: ct.kernel
+    grid: tuple[int, int, int]
+    constants: tuple
+
+    def args(self, *runtime) -> tuple:
+        return runtime + self.constants
+
+    def launch(self, stream: int, *runtime) -> None:
+        ct.launch(stream, self.grid, self.kernel, runtime + self.constants)
+
+
+def bind_forward(plan: RowNormPlan, features: NormFeatures) -> BoundKernel:
+    """The forward for ``plan``; runtime arguments ``(x, residual, weight, bias, y,
+    residual_out, mean, rstd, eps, offset)``. Shared by the launchers and by ahead-of-time
+    export (which passes parameter constraints as the runtime arguments), so both build
+    exactly the same kernel variants."""
     f = features
     fn = norm_fwd_single if plan.single_pass else norm_fwd_chunked
-    args = (x, residual, weight, bias, y, residual_out, mean, rstd, eps, 1.0 / plan.cols,
-            offset, plan.tile_rows, plan.tile_heads, plan.tile_cols, f.layer_norm,
-            f.has_weight, f.per_head_weight, f.has_bias, f.has_residual,
-            plan.col_tiles * plan.tile_cols != plan.cols, f.has_offset)
-    return _compiled_for(fn, plan), (plan.grid, 1, 1), args
+    constants = (1.0 / plan.cols, plan.tile_rows, plan.tile_heads, plan.tile_cols,
+                 f.layer_norm, f.has_weight, f.per_head_weight, f.has_bias, f.has_residual,
+                 plan.col_tiles * plan.tile_cols != plan.cols, f.has_offset)
+    return BoundKernel(_compiled_for(fn, plan), (plan.grid, 1, 1), constants)
 
 
-def backward_launch(plan: RowNormPlan, features: NormFeatures, dy, h, weight, mean, rstd,
-                    dres_in, dx, dres, partial_w, partial_b, offset, has_dres_in: bool,
-                    store_dres: bool):
-    """(kernel, grid, args) of the backward's first kernel for ``plan`` (see forward_launch)."""
+def bind_backward(plan: RowNormPlan, features: NormFeatures, has_dres_in: bool,
+                  store_dres: bool) -> BoundKernel:
+    """The backward's first kernel for ``plan``; runtime arguments ``(dy, h, weight, mean,
+    rstd, dres_in, dx, dres, partial_w, partial_b, offset)`` (see bind_forward)."""
     f = features
     fn = norm_bwd_single if plan.single_pass else norm_bwd_chunked
-    args = (dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, partial_b,
-            1.0 / plan.cols, offset, plan.tile_rows, plan.tile_heads, plan.tile_cols,
-            f.layer_norm, f.has_weight, f.per_head_weight, f.has_bias, has_dres_in,
-            store_dres, f.has_offset)
-    return _compiled_for(fn, plan), (plan.grid, 1, 1), args
+    constants = (1.0 / plan.cols, plan.tile_rows, plan.tile_heads, plan.tile_cols,
+                 f.layer_norm, f.has_weight, f.per_head_weight, f.has_bias, has_dres_in,
+                 store_dres, f.has_offset)
+    return BoundKernel(_compiled_for(fn, plan), (plan.grid, 1, 1), constants)
 
 
-def reduce_launch(plan: RowNormPlan, partial, out):
-    tile_r, tile_c = plan.reduce_tile
-    return column_sum, (plan.reduce_grid, 1, 1), (partial, out, tile_r, tile_c)
+def bind_reduce(plan: RowNormPlan) -> BoundKernel:
+    """The fixed-order dgamma/dbeta reduction; runtime arguments ``(partial, out)``: the
+    partial buffer as (slots, heads * cols) and the output flat."""
+    return BoundKernel(column_sum, (plan.reduce_grid, 1, 1), plan.reduce_tile)
 
 
 @functools.cache
-def _placeholder(device: torch.device, slot: int) -> torch.Tensor:
-    # Stands in for an operand that the compiled variant never touches (no weight, no
-    # residual, ...); one buffer per slot so that no two kernel arguments alias.
-    return torch.empty(1, dtype=torch.float32, device=device)
+def placeholders(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Stand-ins for the operands a compiled variant never touches (no weight, no residual,
+    ...), indexed by slot: one buffer per slot so that no two kernel arguments alias."""
+    return tuple(torch.empty(1, dtype=torch.float32, device=device) for _ in range(7))
 
 
-def _stream(device: torch.device) -> int:
-    # torch.cuda.current_stream() costs ~4 us per call; the raw handle costs ~0.1 us.
+def stream_handle(device: torch.device) -> int:
+    """The current stream's raw handle (torch.cuda.current_stream() costs ~4 us a call)."""
     return torch._C._cuda_getCurrentRawStream(device.index)
-
-
-def _or_placeholder(t: torch.Tensor | None, device: torch.device, slot: int) -> torch.Tensor:
-    return _placeholder(device, slot) if t is None else t
 
 
 def forward(plan: RowNormPlan, features: NormFeatures, *, x: torch.Tensor,
@@ -479,12 +491,12 @@ def forward(plan: RowNormPlan, features: NormFeatures, *, x: torch.Tensor,
     """Launch the forward. x, residual, y and residual_out are (rows, heads, cols) views;
     weight and bias (1, heads or 1, cols); mean and rstd (rows, heads) fp32. Every element of
     the outputs is written."""
-    dev = x.device
-    kernel, grid, args = forward_launch(
-        plan, features, x, _or_placeholder(residual, dev, 0), _or_placeholder(weight, dev, 1),
-        _or_placeholder(bias, dev, 2), y, _or_placeholder(residual_out, dev, 3),
-        _or_placeholder(mean, dev, 4), rstd, float(eps), float(offset))
-    ct.launch(_stream(dev), grid, kernel, args)
+    ph = placeholders(x.device)
+    bind_forward(plan, features).launch(
+        stream_handle(x.device), x, ph[0] if residual is None else residual,
+        ph[1] if weight is None else weight, ph[2] if bias is None else bias, y,
+        ph[3] if residual_out is None else residual_out, ph[4] if mean is None else mean,
+        rstd, float(eps), float(offset))
 
 
 def backward(plan: RowNormPlan, features: NormFeatures, *, dy: torch.Tensor, h: torch.Tensor,
@@ -498,16 +510,13 @@ def backward(plan: RowNormPlan, features: NormFeatures, *, dy: torch.Tensor, h: 
     the residual output; ``dres`` a second gradient output in the residual's dtype (when it
     differs from x's). partial_w/partial_b are fp32 of ``plan.partial_shape`` (contiguous);
     dweight/dbias have the weight's shape. Nothing needs zeroing."""
-    dev = h.device
-    stream = _stream(dev)
-    kernel, grid, args = backward_launch(
-        plan, features, dy, h, _or_placeholder(weight, dev, 1), _or_placeholder(mean, dev, 4),
-        rstd, _or_placeholder(dres_in, dev, 0), dx, _or_placeholder(dres, dev, 3),
-        _or_placeholder(partial_w, dev, 5), _or_placeholder(partial_b, dev, 6),
-        float(offset), dres_in is not None, dres is not None)
-    ct.launch(stream, grid, kernel, args)
+    ph, stream = placeholders(h.device), stream_handle(h.device)
+    bind_backward(plan, features, dres_in is not None, dres is not None).launch(
+        stream, dy, h, ph[1] if weight is None else weight, ph[4] if mean is None else mean,
+        rstd, ph[0] if dres_in is None else dres_in, dx, ph[3] if dres is None else dres,
+        ph[5] if partial_w is None else partial_w, ph[6] if partial_b is None else partial_b,
+        float(offset))
+    reduce = bind_reduce(plan)
     for partial, out in ((partial_w, dweight), (partial_b, dbias)):
         if partial is not None:
-            kernel, grid, args = reduce_launch(plan, partial.view(partial.shape[0], -1),
-                                               out.view(-1))
-            ct.launch(stream, grid, kernel, args)
+            reduce.launch(stream, partial.view(partial.shape[0], -1), out.view(-1))

@@ -47,19 +47,40 @@ MAX_RECIPES = 4096
 class Recipe:
     """What a call with one layout of operands runs: the route (kernel plans or reference),
     the feature set, and the (rows, heads, cols) view of x (``copy_x``: x's leading dimensions
-    do not fold into two, so the kernels read a contiguous copy)."""
+    do not fold into two, so the kernels read a contiguous copy). ``kernels`` holds the
+    route's kernels bound to their plans, so that a call only passes operands."""
 
     route: Route
     features: NormFeatures
-    offset_features: NormFeatures  # the same with the weight offset compiled in
     shape3: tuple[int, int, int]
     copy_x: bool
     out_dtype: torch.dtype
     residual_dtype: torch.dtype | None
+    kernels: BoundKernels | None
 
-    def features_for(self, offset: float) -> NormFeatures:
-        """The compiled features of a call: the offset is compiled in only where it is not 0."""
-        return self.offset_features if offset else self.features
+
+@dataclass(frozen=True)
+class BoundKernels:
+    """A route's kernels with grids and compile-time arguments resolved, per weight offset
+    (compiled in only where it is not 0) and, for the backward, per residual gradient input
+    and separate residual-dtype gradient output."""
+
+    forward: dict[bool, cutile_norm.BoundKernel]
+    backward: dict[tuple[bool, bool, bool], cutile_norm.BoundKernel]
+    reduce: cutile_norm.BoundKernel
+    placeholders: tuple[torch.Tensor, ...]
+
+    @classmethod
+    def bind(cls, route: Route, features: NormFeatures, device: torch.device) -> BoundKernels:
+        flavours = {False: features, True: dataclasses.replace(features, has_offset=True)}
+        fwd, bwd = route.forward, route.backward
+        return cls(
+            forward={o: cutile_norm.bind_forward(fwd, f) for o, f in flavours.items()},
+            backward={(o, dres_in, dres): cutile_norm.bind_backward(bwd, f, dres_in, dres)
+                      for o, f in flavours.items() for dres_in in (False, True)
+                      for dres in (False, True)},
+            reduce=cutile_norm.bind_reduce(bwd),
+            placeholders=cutile_norm.placeholders(device))
 
 
 def _meta(t):
@@ -132,10 +153,10 @@ def _make_recipe(op, layer_norm, x, weight, bias, residual, out_dtype, residual_
     dtypes += tuple(d for d in (out_dtype, residual_dtype) if d is not None)
     route = route_problem(op, CUTILE_NORM, KERNEL_NAMES, x.device, dtypes, *shape3, per_head,
                           max(offsets), experimental_enabled())
-    return Recipe(route=route, features=features,
-                  offset_features=dataclasses.replace(features, has_offset=True),
-                  shape3=shape3, copy_x=copy_x,
-                  out_dtype=out_dtype or x.dtype, residual_dtype=residual_dtype)
+    kernels = BoundKernels.bind(route, features, x.device) if route.uses_kernel else None
+    return Recipe(route=route, features=features, shape3=shape3, copy_x=copy_x,
+                  out_dtype=out_dtype or x.dtype, residual_dtype=residual_dtype,
+                  kernels=kernels)
 
 
 def backward_recipe(layer_norm: bool, h: torch.Tensor, weight: torch.Tensor | None,
@@ -162,50 +183,53 @@ def _on_device(x: torch.Tensor):
     return torch.cuda.device(x.device)
 
 
-def _params3(t: torch.Tensor | None) -> torch.Tensor | None:
-    # Weights and biases are (N,) or (H, N); the kernels take them as (1, 1 or H, N).
-    return None if t is None else t.view(1, -1, t.shape[-1])
-
-
 def kernel_forward(rc: Recipe, x, weight, bias, residual, eps: float, offset: float):
     """(y, h, mean, rstd) from the kernels; h is x without a residual, mean None for RMSNorm.
     mean and rstd have shape x.shape[:-1]."""
-    shape3, dev = rc.shape3, x.device
+    shape3, dev, ph = rc.shape3, x.device, rc.kernels.placeholders
     x3 = x.reshape(shape3) if rc.copy_x else x.view(shape3)
-    y = torch.empty(x.shape, dtype=rc.out_dtype, device=dev)
+    y = torch.empty(shape3, dtype=rc.out_dtype, device=dev)
     rstd = torch.empty(shape3[:2], dtype=torch.float32, device=dev)
     mean = torch.empty(shape3[:2], dtype=torch.float32, device=dev) \
         if rc.features.layer_norm else None
-    h = h3 = r3 = None
+    h = r3 = None
     if residual is not None:
         r3 = _as_shape3(residual, shape3)
-        h = torch.empty(x.shape, dtype=rc.residual_dtype, device=dev)
-        h3 = h.view(shape3)
+        h = torch.empty(shape3, dtype=rc.residual_dtype, device=dev)
+    # Weights and biases are (N,) or (H, N); the kernels take them as (1, 1 or H, N).
     with _on_device(x):
-        cutile_norm.forward(rc.route.forward, rc.features_for(offset), x=x3,
-                            weight=_params3(weight),
-                            bias=_params3(bias), residual=r3, y=y.view(shape3),
-                            residual_out=h3, mean=mean, rstd=rstd, eps=eps, offset=offset)
+        rc.kernels.forward[offset != 0].launch(
+            cutile_norm.stream_handle(dev), x3, ph[0] if r3 is None else r3,
+            ph[1] if weight is None else weight.view(1, -1, shape3[2]),
+            ph[2] if bias is None else bias.view(1, -1, shape3[2]), y,
+            ph[3] if h is None else h, ph[4] if mean is None else mean, rstd, eps, offset)
     stat_shape = x.shape[:-1]
-    return (y, x if h is None else h, None if mean is None else mean.view(stat_shape),
-            rstd.view(stat_shape))
+    return (y.view(x.shape), x if h is None else h.view(x.shape),
+            None if mean is None else mean.view(stat_shape), rstd.view(stat_shape))
 
 
 def kernel_backward(rc: Recipe, dy, dres_in, h, weight, bias, mean, rstd, offset: float,
                     x_dtype: torch.dtype, residual_in_dtype: torch.dtype | None):
     """(dx, dres, dweight, dbias) from the kernels. dres (the residual input's gradient) is
     dx itself when the residual has x's dtype, None without a residual."""
-    shape3, dev, plan = rc.shape3, h.device, rc.route.backward
+    shape3, dev, ph = rc.shape3, h.device, rc.kernels.placeholders
     h3 = h.reshape(shape3) if rc.copy_x and residual_in_dtype is None else _as_shape3(h, shape3)
     dy3 = _as_shape3(dy, shape3)
     dres_in3 = None if dres_in is None else _as_shape3(dres_in, shape3)
-    widest = max(max_offset(tuple(t.shape), t.stride()) for t in (dy3, h3) +
-                 (() if dres_in3 is None else (dres_in3,)))
-    if widest > MAX_INT32_OFFSET and plan.index_bits == 32:
-        plan = dataclasses.replace(plan, index_bits=64)
-    dx = torch.empty(h.shape, dtype=x_dtype, device=dev)
     split = residual_in_dtype is not None and residual_in_dtype != x_dtype
-    dres = torch.empty(h.shape, dtype=residual_in_dtype, device=dev) if split else None
+    kernel = rc.kernels.backward[offset != 0, dres_in3 is not None, split]
+    plan = rc.route.backward
+    if plan.index_bits == 32 and not (dy3.is_contiguous() and h3.is_contiguous() and (
+            dres_in3 is None or dres_in3.is_contiguous())):
+        widest = max(max_offset(tuple(t.shape), t.stride()) for t in (dy3, h3) +
+                     (() if dres_in3 is None else (dres_in3,)))
+        if widest > MAX_INT32_OFFSET:
+            plan = dataclasses.replace(plan, index_bits=64)
+            kernel = cutile_norm.bind_backward(
+                plan, dataclasses.replace(rc.features, has_offset=offset != 0),
+                dres_in3 is not None, split)
+    dx = torch.empty(shape3, dtype=x_dtype, device=dev)
+    dres = torch.empty(shape3, dtype=residual_in_dtype, device=dev) if split else None
     partial_w = partial_b = dweight = dbias = None
     if weight is not None:
         partial_w = torch.empty(plan.partial_shape, dtype=torch.float32, device=dev)
@@ -214,15 +238,21 @@ def kernel_backward(rc: Recipe, dy, dres_in, h, weight, bias, mean, rstd, offset
         partial_b = torch.empty(plan.partial_shape, dtype=torch.float32, device=dev)
         dbias = torch.empty_like(bias)
     stat = shape3[:2]
+    stream = cutile_norm.stream_handle(dev)
     with _on_device(h):
-        cutile_norm.backward(
-            plan, rc.features_for(offset), dy=dy3, h=h3, weight=_params3(weight),
-            mean=None if mean is None else mean.view(stat), rstd=rstd.view(stat),
-            dres_in=dres_in3, dx=dx.view(shape3), dres=None if dres is None else dres.view(
-                shape3), partial_w=partial_w, partial_b=partial_b, dweight=dweight,
-            dbias=dbias, offset=offset)
-    if residual_in_dtype is not None and not split:
-        dres = dx
+        kernel.launch(
+            stream, dy3, h3, ph[1] if weight is None else weight.view(1, -1, shape3[2]),
+            ph[4] if mean is None else mean.view(stat), rstd.view(stat),
+            ph[0] if dres_in3 is None else dres_in3, dx, ph[3] if dres is None else dres,
+            ph[5] if partial_w is None else partial_w,
+            ph[6] if partial_b is None else partial_b, offset)
+        slots = plan.partial_shape[0]
+        for partial, out in ((partial_w, dweight), (partial_b, dbias)):
+            if partial is not None:
+                rc.kernels.reduce.launch(stream, partial.view(slots, -1), out.view(-1))
+    dx = dx.view(h.shape)
+    if residual_in_dtype is not None:
+        dres = dx if not split else dres.view(h.shape)
     return dx, dres, dweight, dbias
 
 
@@ -376,7 +406,20 @@ def launch_forward(op, layer_norm, per_head_ok, x, weight, bias, residual, eps, 
 def launch_backward(op, layer_norm, dy, dres_in, h, weight, bias, mean, rstd, offset, x_dtype,
                     residual_in_dtype):
     """Launch-level backward: (dx, dres, dweight, dbias) as in kernel_backward, after checking
-    the operands against h (the forward's normalized input)."""
+    the operands against h (the forward's normalized input; once per layout)."""
+    offset = check_offset(op, offset, weight)
+    key = ("launch_backward", layer_norm, _meta(dy), _meta(dres_in), _meta(h), _meta(weight),
+           _meta(bias), _meta(mean), _meta(rstd), x_dtype, residual_in_dtype,
+           experimental_enabled())
+    rc = _cached(key, lambda: _checked_backward_recipe(op, layer_norm, dy, dres_in, h, weight,
+                                                       bias, mean, rstd, x_dtype,
+                                                       residual_in_dtype))
+    return _backward(rc, dy, dres_in, h, weight, bias, mean, rstd, offset, x_dtype or h.dtype,
+                     residual_in_dtype)
+
+
+def _checked_backward_recipe(op, layer_norm, dy, dres_in, h, weight, bias, mean, rstd,
+                             x_dtype, residual_in_dtype) -> Recipe:
     check_x(op, h)
     check_dtype(op, "x_dtype", x_dtype)
     check_dtype(op, "residual_dtype", residual_in_dtype)
@@ -384,7 +427,6 @@ def launch_backward(op, layer_norm, dy, dres_in, h, weight, bias, mean, rstd, of
         if p is not None and (p.device != h.device or p.shape[-1] != h.shape[-1]):
             raise ValueError(f"{op}: {name} of shape {tuple(p.shape)} on {p.device} does not "
                              f"match h of shape {tuple(h.shape)} on {h.device}")
-    offset = check_offset(op, offset, weight)
     for name, t in (("dy", dy), ("dh", dres_in)):
         if t is not None and (not isinstance(t, torch.Tensor) or t.shape != h.shape
                               or t.device != h.device):
@@ -397,5 +439,4 @@ def launch_backward(op, layer_norm, dy, dres_in, h, weight, bias, mean, rstd, of
                 or t.dtype != stat_dtype):
             raise ValueError(f"{op}: {name} must be the forward's, of shape "
                              f"{tuple(h.shape[:-1])} and dtype {stat_dtype}")
-    return _backward(backward_recipe(layer_norm, h, weight, bias), dy, dres_in, h, weight,
-                     bias, mean, rstd, offset, x_dtype or h.dtype, residual_in_dtype)
+    return backward_recipe(layer_norm, h, weight, bias)
