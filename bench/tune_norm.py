@@ -41,11 +41,20 @@ FEATURES = {
 X_BYTES = 256 << 20
 
 
+def _tuples(value):
+    """JSON lists as the tuples the planner's settings are."""
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _tuples(v) for k, v in value.items()}
+    return value
+
+
 def with_overrides(overrides: dict) -> dict:
     """Set planner module settings; returns the previous values."""
     saved = {k: getattr(planner, k) for k in overrides}
     for key, value in overrides.items():
-        setattr(planner, key, value)
+        setattr(planner, key, _tuples(value))
     planner.plan_row_norm.cache_clear()
     return saved
 

@@ -5,6 +5,7 @@ Used by ``python -m tilenorm`` and by the benchmark suite under ``bench/``.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 
@@ -74,15 +75,22 @@ def eager_ms(fn, calls: int = 10, repeats: int = 15) -> float:
     return statistics.median(times)
 
 
-def host_us(fn, calls: int = 3000) -> float:
+def host_us(fn, calls: int = 3000, rounds: int = 5) -> float:
     """Host microseconds per call of ``fn()`` on a shape small enough that the host, not the
-    GPU, is the bottleneck: wall time of ``calls`` calls, then one synchronize."""
+    GPU, is the bottleneck: the median over ``rounds`` rounds of the wall time of
+    ``calls / rounds`` calls followed by one synchronize. Garbage is collected first, so a
+    collection left over from earlier work does not land in one provider's rounds."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    gc.collect()
+    per_round = max(1, calls // rounds)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(per_round):
+            fn()
+        elapsed = time.perf_counter() - start
+        torch.cuda.synchronize()
+        times.append(elapsed / per_round * 1e6)
+    return statistics.median(times)
