@@ -6,8 +6,8 @@ A variant is a JSON object of planner module settings to override (lists for tup
 e.g. ``{"SINGLE_PASS_HINTS": {"forward": {"rms_norm": [[2048, 4, null, false], [32768, 1, 8,
 true]], "layer_norm": [[32768, 1, 8, true]]}, "backward": {...}}}`` or ``{"TILE_ELEMENTS":
 {"forward": 16384, "backward": 4096}}``: the planner derives grids and partial buffers as it
-does for users. A case is ``op:N`` with op one of rms, layer_norm, offset, residual, per_head
-(32 heads of N / 32); M makes x 256 MiB.
+does for users. A case is ``op:N`` or ``op:N:M`` with op one of rms, layer_norm, offset,
+residual, per_head (32 heads of N / 32); M defaults to making x 256 MiB.
 
     python bench/tune_norm.py --cases rms:4096,layer_norm:4096 \\
         --variants '[{}, {"CHUNKED_HINTS": {"forward": [2, null], "backward": [1, 8]}}]'
@@ -63,10 +63,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def measure_case(info, op: str, n: int) -> dict:
+def measure_case(info, op: str, n: int, m: int | None = None) -> dict:
     heads = 32 if op == "per_head" else 1
     cols = n // heads
-    m = X_BYTES // (2 * n)
+    m = m or X_BYTES // (2 * n)
     f = FEATURES[op]
     offset = 1.0 if f.has_offset else 0.0
     x = torch.randn(m, heads, cols, device="cuda", dtype=torch.bfloat16)
@@ -115,7 +115,7 @@ def measure_case(info, op: str, n: int) -> dict:
     fwd_bytes = arrays * (4 if f.has_residual else 2)
     bwd_bytes = arrays * (4 if f.has_residual else 3)
     first = [t.clone() for t in (y, dx, dw)]
-    f_ms, b_ms = _time_once((op, n, fwd), forward), _time_once((op, n, bwd), backward)
+    f_ms, b_ms = _time_once((op, m, n, fwd), forward), _time_once((op, m, n, bwd), backward)
     forward()
     backward()
     changed = [name for name, a, t in zip(("y", "dx", "dweight"), first, (y, dx, dw),
@@ -136,11 +136,11 @@ def _time_once(key, fn) -> float:
     return _timed[key]
 
 
-def run_variant(variant: dict, cases: list[tuple[str, int]]) -> list[dict]:
+def run_variant(variant: dict, cases: list[tuple]) -> list[dict]:
     saved = with_overrides(variant)
     info = device_info(torch.cuda.current_device())
     try:
-        return [{"variant": variant, **measure_case(info, op, n)} for op, n in cases]
+        return [{"variant": variant, **measure_case(info, *case)} for case in cases]
     finally:
         with_overrides(saved)
 
@@ -168,7 +168,7 @@ def main() -> None:
     parser.add_argument("--host", action="store_true", help="also time the host path")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    cases = [(op, int(n)) for op, n in (c.split(":") for c in args.cases.split(","))]
+    cases = [(op, *map(int, sizes)) for op, *sizes in (c.split(":") for c in args.cases.split(","))]
     results = {"host_us": host_breakdown() if args.host else {}, "rows": []}
     for name, us in results["host_us"].items():
         print(f"host {name:>24}: {us:6.2f} us")
@@ -176,7 +176,7 @@ def main() -> None:
         for row in run_variant(variant, cases):
             results["rows"].append(row)
             changed = row["changed_on_rerun"]
-            print(f"{json.dumps(variant):>60} {row['op']:>10} N={row['N']:>6}: "
+            print(f"{json.dumps(variant):>60} {row['op']:>10} {row['M']:>7}x{row['N']:<6}: "
                   f"fwd {row['fwd_gbps']:5.0f} bwd {row['bwd_gbps']:5.0f} GB/s  err "
                   f"{row['fwd_err']:.1e} {row['bwd_err']:.1e} {row['dw_err']:.1e}"
                   f"{'  CHANGED ON RERUN: ' if changed else ''}{','.join(changed)}", flush=True)

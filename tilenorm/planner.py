@@ -41,13 +41,13 @@ TILE_ELEMENTS = {"forward": 8192, "backward": 4096}
 #: registers: the widest tiles stop spilling (bench/NOTES.md, #13). A forward that is not
 #: persistent gives every row tile its own program: for narrow rows, four 16 KB tiles in
 #: flight per SM beat a loop over tiles (#15). The backward is always persistent: its partial
-#: buffer has a row per program; 8 warps lift its 4096-element tiles, LayerNorm's only at
-#: 4096 columns (#17).
+#: buffer has a row per program; 8 warps lift its 4096-element tiles from 512 columns up
+#: (LayerNorm's only at 4096), but slow the narrowest ones where the data sits in L2 (#17).
 _FORWARD_HINTS = ((2048, 4, None, False), (4096, 2, 8, True), (8192, 2, None, True),
                   (32768, 1, 8, True))
 SINGLE_PASS_HINTS = {
     "forward": {"rms_norm": _FORWARD_HINTS, "layer_norm": _FORWARD_HINTS},
-    "backward": {"rms_norm": ((4096, 2, 8, True), (16384, 1, 8, True)),
+    "backward": {"rms_norm": ((256, 2, None, True), (4096, 2, 8, True), (16384, 1, 8, True)),
                  "layer_norm": ((2048, 2, None, True), (4096, 2, 8, True),
                                 (16384, 1, 8, True))},
 }
