@@ -72,7 +72,7 @@ class BoundKernels:
 
     @classmethod
     def bind(cls, route: Route, features: NormFeatures, device: torch.device) -> BoundKernels:
-        flavours = {False: features, True: dataclasses.replace(features, has_offset=True)}
+        flavours = {o: _with_offset(features, o) for o in (False, True)}
         fwd, bwd = route.forward, route.backward
         return cls(
             forward={o: cutile_norm.bind_forward(fwd, f) for o, f in flavours.items()},
@@ -81,6 +81,11 @@ class BoundKernels:
                       for dres in (False, True)},
             reduce=cutile_norm.bind_reduce(bwd),
             placeholders=cutile_norm.placeholders(device))
+
+
+def _with_offset(features: NormFeatures, has_offset: bool) -> NormFeatures:
+    """The features a call compiles: the weight offset only where it is not 0."""
+    return dataclasses.replace(features, has_offset=has_offset)
 
 
 def _meta(t):
@@ -225,9 +230,8 @@ def kernel_backward(rc: Recipe, dy, dres_in, h, weight, bias, mean, rstd, offset
                      (() if dres_in3 is None else (dres_in3,)))
         if widest > MAX_INT32_OFFSET:
             plan = dataclasses.replace(plan, index_bits=64)
-            kernel = cutile_norm.bind_backward(
-                plan, dataclasses.replace(rc.features, has_offset=offset != 0),
-                dres_in3 is not None, split)
+            kernel = cutile_norm.bind_backward(plan, _with_offset(rc.features, offset != 0),
+                                               dres_in3 is not None, split)
     dx = torch.empty(shape3, dtype=x_dtype, device=dev)
     dres = torch.empty(shape3, dtype=residual_in_dtype, device=dev) if split else None
     partial_w = partial_b = dweight = dbias = None
