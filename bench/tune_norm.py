@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -86,8 +87,7 @@ def measure_case(info, op: str, n: int, m: int | None = None) -> dict:
     h = torch.full_like(x, float("nan")) if f.has_residual else x
     mean = torch.empty(m, heads, device="cuda") if f.layer_norm else None
     rstd = torch.empty(m, heads, device="cuda")
-    partial_w = torch.empty(bwd.partial_shape, device="cuda")
-    partial_b = torch.empty(bwd.partial_shape, device="cuda") if f.has_bias else None
+    partial = torch.empty(kernels.partial_shape(bwd, 2 if f.has_bias else 1), device="cuda")
     dw = torch.empty_like(w)
     db = torch.empty_like(w) if f.has_bias else None
 
@@ -98,8 +98,8 @@ def measure_case(info, op: str, n: int, m: int | None = None) -> dict:
 
     def backward():
         kernels.backward(bwd, f, dy=dy, h=h, weight=w, mean=mean, rstd=rstd, dres_in=dres_in,
-                         dx=dx, dres=None, partial_w=partial_w, partial_b=partial_b,
-                         dweight=dw, dbias=db, offset=offset)
+                         dx=dx, dres=None, partial=partial, dweight=dw, dbias=db,
+                         offset=offset)
 
     forward()
     backward()
@@ -136,11 +136,13 @@ def _time_once(key, fn) -> float:
     return _timed[key]
 
 
-def run_variant(variant: dict, cases: list[tuple]) -> list[dict]:
+def run_variant(variant: dict, cases: list[tuple]) -> Iterator[dict]:
+    """Each case's row under ``variant``, as soon as it is measured."""
     saved = with_overrides(variant)
     info = device_info(torch.cuda.current_device())
     try:
-        return [{"variant": variant, **measure_case(info, *case)} for case in cases]
+        for case in cases:
+            yield {"variant": variant, **measure_case(info, *case)}
     finally:
         with_overrides(saved)
 
@@ -180,8 +182,8 @@ def main() -> None:
                   f"fwd {row['fwd_gbps']:5.0f} bwd {row['bwd_gbps']:5.0f} GB/s  err "
                   f"{row['fwd_err']:.1e} {row['bwd_err']:.1e} {row['dw_err']:.1e}"
                   f"{'  CHANGED ON RERUN: ' if changed else ''}{','.join(changed)}", flush=True)
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
+            if args.out:  # after every row: a run cut short keeps what it measured
+                args.out.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -54,13 +54,13 @@ def _run(fwd, bwd, f, x, w, b, r, dy, dh, eps, offset, out_dtype, res_dtype):
     h = x if r is None else h_out
     dx = poisoned(x.shape, x.dtype)
     dres = poisoned(x.shape, res_dtype) if r is not None and res_dtype != x.dtype else None
-    partial_w = poisoned(bwd.partial_shape, torch.float32) if w is not None else None
-    partial_b = poisoned(bwd.partial_shape, torch.float32) if b is not None else None
+    groups = (w is not None) + (b is not None)
+    partial = poisoned(cutile_norm.partial_shape(bwd, groups), torch.float32) if groups else None
     dw = poisoned(w.shape, w.dtype) if w is not None else None
     db = poisoned(b.shape, b.dtype) if b is not None else None
     cutile_norm.backward(bwd, f, dy=dy, h=h, weight=w3, mean=mean, rstd=rstd, dres_in=dh,
-                         dx=dx, dres=dres, partial_w=partial_w, partial_b=partial_b,
-                         dweight=dw, dbias=db, offset=offset)
+                         dx=dx, dres=dres, partial=partial, dweight=dw, dbias=db,
+                         offset=offset)
     outs = {"y": y, "h": h_out, "mean": mean, "rstd": rstd, "dx": dx, "dres": dres,
             "dweight": dw, "dbias": db}
     return {k: v for k, v in outs.items() if v is not None}

@@ -77,7 +77,7 @@ def test_experimental_kernels_run_only_when_allowed(fake_gpu, monkeypatch, stabl
 
 def test_explain_describes_kernel_tile_grid_and_partial_buffer(fake_gpu):
     text = str(route_on_fake_gpu(32768, 4096, allow=True))
-    for words in ("cuTile", "norm_fwd_single", "norm_bwd_single", "column_sum",
+    for words in ("cuTile", "norm_fwd_single", "norm_bwd_single", "column_sums",
                   "tile 1x4096", "persistent grid 264", "partial buffer 264x4096 fp32",
                   "NVIDIA H100", "status:"):
         assert words in text, words

@@ -82,7 +82,7 @@ def test_partial_buffer_fold_equals_direct_sum(rows, heads, cols, sm_count, per_
         "every vector folded exactly once"
     assert not partial.isnan().any(), "every partial-buffer element written"
     folded = torch.zeros(plan.partial_shape[1:], dtype=torch.float64)
-    for slot in range(plan.partial_shape[0]):  # the column_sum kernel's fixed order
+    for slot in range(plan.partial_shape[0]):  # the column_sums kernel's fixed order
         folded += partial[slot]
     expected = contribution.sum(0) if per_head else contribution.sum((0, 1))[None]
     torch.testing.assert_close(folded, expected, msg=str(seed))

@@ -59,14 +59,17 @@ class ExportJob:
     signature: KernelSignature
 
 
-def _array(dtype, shape: tuple[int, ...], index_bits: int = 32) -> ArrayConstraint:
-    """The constraints cuTile's launcher derives from a contiguous tensor of ``shape`` (read
-    off its JIT signatures on the GPU host): unit strides and extents are constants, other
-    strides divide into 16 bytes, extents divisible by 16 are marked, the base is 16-byte
-    aligned. Layouts that differ compile their own variants just in time."""
-    strides = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        strides[i] = strides[i + 1] * shape[i + 1]
+def _array(dtype, shape: tuple[int, ...], index_bits: int = 32,
+           strides: tuple[int, ...] | None = None) -> ArrayConstraint:
+    """The constraints cuTile's launcher derives from a tensor of ``shape`` and ``strides``
+    (default: contiguous; read off its JIT signatures on the GPU host): unit strides and
+    extents are constants, other strides divide into 16 bytes, extents divisible by 16 are
+    marked, the base is 16-byte aligned. Layouts that differ compile their own variants just
+    in time."""
+    if strides is None:
+        strides = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * shape[i + 1]
     per_16_bytes = 128 // dtype.bitwidth
     return ArrayConstraint(
         dtype, len(shape), index_dtype=ct.int64 if index_bits == 64 else ct.int32,
@@ -115,7 +118,10 @@ def plan_jobs(plan: RowNormPlan, v: Variant) -> Iterator[ExportJob]:
         return arr if present else _array(ct.float32, PLACEHOLDER)
 
     stat, weight = _array(ct.float32, rows3[:2], bits), opt(f.has_weight, a3(w, param3))
-    partial = _array(ct.float32, plan.partial_shape, bits)
+    # dgamma's and dbeta's partial sums are the groups of one buffer (norm.partial_shape).
+    slots, groups, heads, cols = norm.partial_shape(plan, max(1, f.has_weight + f.has_bias))
+    partial = _array(ct.float32, plan.partial_shape, bits,
+                     strides=(groups * heads * cols, cols, 1))
     name = (f"{'single' if plan.single_pass else 'chunked'} {plan.tile_rows}x{plan.tile_heads}"
             f"x{plan.tile_cols} {v.label}")
     if plan.direction == "forward":
@@ -188,13 +194,15 @@ def jobs() -> Iterator[ExportJob]:
                                                replace(RMS, per_head_weight=per_head),
                                                heads=8))
     plan = plans("backward")[0]
-    for w_name in ("bfloat16", "float16", "float32"):
-        slots, heads, cols = plan.partial_shape
-        bound = norm.bind_reduce(plan)
-        args = bound.args(_array(ct.float32, (slots, heads * cols)),
-                          _array(DTYPES[w_name], (heads * cols,)))
-        yield ExportJob(f"column_sum -> {w_name}", bound.kernel,
-                        KernelSignature(list(args), CallingConvention.cutile_python_v2()))
+    for groups in (1, 2):
+        slots, groups, heads, cols = norm.partial_shape(plan, groups)
+        for w_name in ("bfloat16", "float16", "float32"):
+            out = _array(DTYPES[w_name], (heads * cols,))
+            bound = norm.bind_reduce(plan, groups)
+            args = bound.args(_array(ct.float32, (slots, groups, heads * cols)), out,
+                              out if groups == 2 else _array(ct.float32, PLACEHOLDER))
+            yield ExportJob(f"column_sums {groups} -> {w_name}", bound.kernel,
+                            KernelSignature(list(args), CallingConvention.cutile_python_v2()))
 
 
 def export(job: ExportJob, gpu_code: str) -> bytes:

@@ -18,7 +18,7 @@ chunks twice, the second pass reading the row back from L2 ("chunked" kernels).
 
 The backward writes dx (and, for a fused residual, the residual's gradient) and folds
 ``sum(dy * x_hat)`` (and ``sum(dy)``) over the program's rows into its slot of a fp32 partial
-buffer; :func:`tilenorm.cutile.reduce.column_sum` adds the slots in a fixed order. No M x N
+buffer; :func:`tilenorm.cutile.reduce.column_sums` adds the slots in a fixed order. No M x N
 temporary, no atomics: results are bit-for-bit repeatable.
 
 Each kernel exists twice: with 32-bit indexing and, for operands whose offsets pass 2^31 - 1,
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import cuda.tile as ct
 import torch
 
-from tilenorm.cutile.reduce import column_sum
+from tilenorm.cutile.reduce import column_sums
 from tilenorm.planner import RowNormPlan
 
 ConstInt = ct.Constant[int]
@@ -465,17 +465,25 @@ def bind_backward(plan: RowNormPlan, features: NormFeatures, has_dres_in: bool,
     return BoundKernel(_compiled_for(fn, plan), (plan.grid, 1, 1), constants)
 
 
-def bind_reduce(plan: RowNormPlan) -> BoundKernel:
-    """The fixed-order dgamma/dbeta reduction; runtime arguments ``(partial, out)``: the
-    partial buffer as (slots, heads * cols) and the output flat."""
-    return BoundKernel(column_sum, (plan.reduce_grid, 1, 1), plan.reduce_tile)
+def bind_reduce(plan: RowNormPlan, groups: int) -> BoundKernel:
+    """The fixed-order reduction of ``groups`` (1: dgamma or dbeta, 2: both) partial sums;
+    runtime arguments ``(partial, out_a, out_b)``: the partial buffer as (slots, groups,
+    heads * cols), the outputs flat."""
+    return BoundKernel(column_sums, (plan.reduce_grid, groups, 1), plan.reduce_tile)
+
+
+def partial_shape(plan: RowNormPlan, groups: int) -> tuple[int, int, int, int]:
+    """(slots, groups, heads, cols): group g of the buffer is the g-th present of dgamma and
+    dbeta, as the backward kernel's (slots, heads, cols) partial operand."""
+    slots, heads, cols = plan.partial_shape
+    return slots, groups, heads, cols
 
 
 @functools.cache
 def placeholders(device: torch.device) -> tuple[torch.Tensor, ...]:
     """Stand-ins for the operands a compiled variant never touches (no weight, no residual,
     ...), indexed by slot: one buffer per slot so that no two kernel arguments alias."""
-    return tuple(torch.empty(1, dtype=torch.float32, device=device) for _ in range(7))
+    return tuple(torch.empty(1, dtype=torch.float32, device=device) for _ in range(8))
 
 
 def stream_handle(device: torch.device) -> int:
@@ -483,40 +491,61 @@ def stream_handle(device: torch.device) -> int:
     return torch._C._cuda_getCurrentRawStream(device.index)
 
 
+def run_forward(kernel: BoundKernel, stream: int, ph: tuple, x, residual, weight, bias, y,
+                residual_out, mean, rstd, eps: float, offset: float) -> None:
+    """Launch a bound forward; absent operands (None) become placeholders. x, residual, y and
+    residual_out are (rows, heads, cols) views; weight and bias (1, heads or 1, cols); mean
+    and rstd (rows, heads) fp32. Every element of the outputs is written."""
+    kernel.launch(stream, x, ph[0] if residual is None else residual,
+                  ph[1] if weight is None else weight, ph[2] if bias is None else bias, y,
+                  ph[3] if residual_out is None else residual_out,
+                  ph[4] if mean is None else mean, rstd, eps, offset)
+
+
+def run_backward(kernel: BoundKernel, reduce: BoundKernel | None, stream: int, ph: tuple, dy,
+                 h, weight, mean, rstd, dres_in, dx, dres, partial, dweight, dbias,
+                 offset: float) -> None:
+    """Launch a bound backward and its dgamma/dbeta reduction (``reduce``, bound for as many
+    groups as there are of dweight and dbias). ``h`` is the normalized input (x, or the
+    residual output of a fused residual add); ``dres_in`` the gradient that reached the
+    residual output; ``dres`` a second gradient output in the residual's dtype (when it
+    differs from x's). ``partial`` is fp32 of :func:`partial_shape` (None without dweight and
+    dbias); dweight and dbias have the weight's shape. Nothing needs zeroing."""
+    partial_w = partial_b = None
+    if dweight is not None:
+        partial_w = partial[:, 0]
+    if dbias is not None:
+        partial_b = partial[:, -1]
+    kernel.launch(stream, dy, h, ph[1] if weight is None else weight,
+                  ph[4] if mean is None else mean, rstd, ph[0] if dres_in is None else dres_in,
+                  dx, ph[3] if dres is None else dres, ph[5] if partial_w is None else partial_w,
+                  ph[6] if partial_b is None else partial_b, offset)
+    if partial is not None:
+        outs = [t.view(-1) for t in (dweight, dbias) if t is not None] + [ph[7]]
+        slots, groups, heads, cols = partial.shape
+        reduce.launch(stream, partial.view(slots, groups, heads * cols), outs[0], outs[1])
+
+
 def forward(plan: RowNormPlan, features: NormFeatures, *, x: torch.Tensor,
             weight: torch.Tensor | None, bias: torch.Tensor | None,
             residual: torch.Tensor | None, y: torch.Tensor, residual_out: torch.Tensor | None,
             mean: torch.Tensor | None, rstd: torch.Tensor, eps: float,
             offset: float = 0.0) -> None:
-    """Launch the forward. x, residual, y and residual_out are (rows, heads, cols) views;
-    weight and bias (1, heads or 1, cols); mean and rstd (rows, heads) fp32. Every element of
-    the outputs is written."""
-    ph = placeholders(x.device)
-    bind_forward(plan, features).launch(
-        stream_handle(x.device), x, ph[0] if residual is None else residual,
-        ph[1] if weight is None else weight, ph[2] if bias is None else bias, y,
-        ph[3] if residual_out is None else residual_out, ph[4] if mean is None else mean,
-        rstd, float(eps), float(offset))
+    """Bind and launch the forward for ``plan`` (see :func:`run_forward`)."""
+    run_forward(bind_forward(plan, features), stream_handle(x.device), placeholders(x.device),
+                x, residual, weight, bias, y, residual_out, mean, rstd, float(eps),
+                float(offset))
 
 
 def backward(plan: RowNormPlan, features: NormFeatures, *, dy: torch.Tensor, h: torch.Tensor,
              weight: torch.Tensor | None, mean: torch.Tensor | None, rstd: torch.Tensor,
              dres_in: torch.Tensor | None, dx: torch.Tensor, dres: torch.Tensor | None,
-             partial_w: torch.Tensor | None, partial_b: torch.Tensor | None,
-             dweight: torch.Tensor | None, dbias: torch.Tensor | None,
-             offset: float = 0.0) -> None:
-    """Launch the backward and the dgamma/dbeta reductions. ``h`` is the normalized input
-    (x, or the residual output of a fused residual add); ``dres_in`` the gradient that reached
-    the residual output; ``dres`` a second gradient output in the residual's dtype (when it
-    differs from x's). partial_w/partial_b are fp32 of ``plan.partial_shape`` (contiguous);
-    dweight/dbias have the weight's shape. Nothing needs zeroing."""
-    ph, stream = placeholders(h.device), stream_handle(h.device)
-    bind_backward(plan, features, dres_in is not None, dres is not None).launch(
-        stream, dy, h, ph[1] if weight is None else weight, ph[4] if mean is None else mean,
-        rstd, ph[0] if dres_in is None else dres_in, dx, ph[3] if dres is None else dres,
-        ph[5] if partial_w is None else partial_w, ph[6] if partial_b is None else partial_b,
-        float(offset))
-    reduce = bind_reduce(plan)
-    for partial, out in ((partial_w, dweight), (partial_b, dbias)):
-        if partial is not None:
-            reduce.launch(stream, partial.view(partial.shape[0], -1), out.view(-1))
+             partial: torch.Tensor | None, dweight: torch.Tensor | None,
+             dbias: torch.Tensor | None, offset: float = 0.0) -> None:
+    """Bind and launch the backward and its reduction for ``plan`` (see
+    :func:`run_backward`)."""
+    groups = (dweight is not None) + (dbias is not None)
+    run_backward(bind_backward(plan, features, dres_in is not None, dres is not None),
+                 bind_reduce(plan, groups) if groups else None, stream_handle(h.device),
+                 placeholders(h.device), dy, h, weight, mean, rstd, dres_in, dx, dres, partial,
+                 dweight, dbias, float(offset))

@@ -1,8 +1,9 @@
 """Fixed-order column reduction of a partial buffer: the second step of every backward.
 
-A persistent backward leaves one fp32 row of per-program sums in a ``(grid, cols)`` partial
-buffer. This kernel adds those rows in the same order on every run, so dgamma (and dbeta) are
-bit-for-bit reproducible; there are no atomics anywhere.
+A persistent backward leaves one fp32 row of per-program sums per group (dgamma, and dbeta for
+LayerNorm) in a ``(grid, groups, cols)`` partial buffer. This kernel adds those rows in the
+same order on every run, so dgamma and dbeta are bit-for-bit reproducible; there are no
+atomics anywhere.
 """
 
 from __future__ import annotations
@@ -13,18 +14,25 @@ ConstInt = ct.Constant[int]
 
 
 @ct.kernel
-def column_sum(partial, out, TILE_R: ConstInt, TILE_C: ConstInt):
-    """``out[c] = sum_r partial[r, c]`` for the ``TILE_C`` columns of this program.
+def column_sums(partial, out_a, out_b, TILE_R: ConstInt, TILE_C: ConstInt):
+    """``out[c] = sum_r partial[r, g, c]`` for the ``TILE_C`` columns of this program, where
+    group ``g`` (the grid's second axis: dgamma, dbeta) writes ``out_a`` or ``out_b``. One
+    launch serves both groups: a second launch costs ~3 us, 1.4% of a LayerNorm backward at
+    32768 x 4096 (bench/NOTES.md, #23).
 
     Rows are visited in increasing tiles of ``TILE_R`` and the tile is collapsed once at the
     end, so the summation tree depends only on the compiled kernel and ``partial.shape[0]``.
     """
-    col_tile = ct.bid(0)
-    row_tiles = ct.num_tiles(partial, axis=0, shape=(TILE_R, TILE_C))
-    acc = ct.zeros((TILE_R, TILE_C), dtype=ct.float32)
+    col_tile, group = ct.bid(0), ct.bid(1)
+    shape = (TILE_R, 1, TILE_C)
+    row_tiles = ct.num_tiles(partial, axis=0, shape=shape)
+    acc = ct.zeros(shape, dtype=ct.float32)
     for i in range(row_tiles):
-        acc += ct.load(partial, index=(i, col_tile), shape=(TILE_R, TILE_C),
+        acc += ct.load(partial, index=(i, group, col_tile), shape=shape,
                        padding_mode=ct.PaddingMode.ZERO)
+    total = ct.sum(acc, axis=0).reshape((TILE_C,))
     # Through registers, as every store in norm.py (bench/NOTES.md, #14).
-    ct.store(out, index=(col_tile,), tile=ct.sum(acc, axis=0).astype(out.dtype),
-             allow_tma=False)
+    if group == 0:
+        ct.store(out_a, index=(col_tile,), tile=total.astype(out_a.dtype), allow_tma=False)
+    else:
+        ct.store(out_b, index=(col_tile,), tile=total.astype(out_b.dtype), allow_tma=False)

@@ -35,8 +35,8 @@ from tilenorm.pytorch.routing import Route, route_problem
 from tilenorm.validation import CUTILE_NORM
 
 KERNEL_NAMES = (
-    ("norm_fwd_single", "norm_bwd_single", "column_sum"),
-    ("norm_fwd_chunked", "norm_bwd_chunked", "column_sum"),
+    ("norm_fwd_single", "norm_bwd_single", "column_sums"),
+    ("norm_fwd_chunked", "norm_bwd_chunked", "column_sums"),
 )
 #: Layouts remembered; past this the cache starts over (a long-running job with ever new
 #: shapes must not grow without bound).
@@ -63,11 +63,12 @@ class Recipe:
 class BoundKernels:
     """A route's kernels with grids and compile-time arguments resolved, per weight offset
     (compiled in only where it is not 0) and, for the backward, per residual gradient input
-    and separate residual-dtype gradient output."""
+    and separate residual-dtype gradient output; the reduction per count of dweight and
+    dbias."""
 
     forward: dict[bool, cutile_norm.BoundKernel]
     backward: dict[tuple[bool, bool, bool], cutile_norm.BoundKernel]
-    reduce: cutile_norm.BoundKernel
+    reduce: dict[int, cutile_norm.BoundKernel]
     placeholders: tuple[torch.Tensor, ...]
 
     @classmethod
@@ -79,7 +80,7 @@ class BoundKernels:
             backward={(o, dres_in, dres): cutile_norm.bind_backward(bwd, f, dres_in, dres)
                       for o, f in flavours.items() for dres_in in (False, True)
                       for dres in (False, True)},
-            reduce=cutile_norm.bind_reduce(bwd),
+            reduce={groups: cutile_norm.bind_reduce(bwd, groups) for groups in (1, 2)},
             placeholders=cutile_norm.placeholders(device))
 
 
@@ -203,11 +204,11 @@ def kernel_forward(rc: Recipe, x, weight, bias, residual, eps: float, offset: fl
         h = torch.empty(shape3, dtype=rc.residual_dtype, device=dev)
     # Weights and biases are (N,) or (H, N); the kernels take them as (1, 1 or H, N).
     with _on_device(x):
-        rc.kernels.forward[offset != 0].launch(
-            cutile_norm.stream_handle(dev), x3, ph[0] if r3 is None else r3,
-            ph[1] if weight is None else weight.view(1, -1, shape3[2]),
-            ph[2] if bias is None else bias.view(1, -1, shape3[2]), y,
-            ph[3] if h is None else h, ph[4] if mean is None else mean, rstd, eps, offset)
+        cutile_norm.run_forward(
+            rc.kernels.forward[offset != 0], cutile_norm.stream_handle(dev), ph, x3, r3,
+            None if weight is None else weight.view(1, -1, shape3[2]),
+            None if bias is None else bias.view(1, -1, shape3[2]), y, h, mean, rstd, eps,
+            offset)
     stat_shape = x.shape[:-1]
     return (y.view(x.shape), x if h is None else h.view(x.shape),
             None if mean is None else mean.view(stat_shape), rstd.view(stat_shape))
@@ -234,26 +235,18 @@ def kernel_backward(rc: Recipe, dy, dres_in, h, weight, bias, mean, rstd, offset
                                                dres_in3 is not None, split)
     dx = torch.empty(shape3, dtype=x_dtype, device=dev)
     dres = torch.empty(shape3, dtype=residual_in_dtype, device=dev) if split else None
-    partial_w = partial_b = dweight = dbias = None
-    if weight is not None:
-        partial_w = torch.empty(plan.partial_shape, dtype=torch.float32, device=dev)
-        dweight = torch.empty_like(weight)
-    if bias is not None:
-        partial_b = torch.empty(plan.partial_shape, dtype=torch.float32, device=dev)
-        dbias = torch.empty_like(bias)
+    dweight = None if weight is None else torch.empty_like(weight)
+    dbias = None if bias is None else torch.empty_like(bias)
+    groups = (weight is not None) + (bias is not None)
+    partial = torch.empty(cutile_norm.partial_shape(plan, groups), dtype=torch.float32,
+                          device=dev) if groups else None
     stat = shape3[:2]
-    stream = cutile_norm.stream_handle(dev)
     with _on_device(h):
-        kernel.launch(
-            stream, dy3, h3, ph[1] if weight is None else weight.view(1, -1, shape3[2]),
-            ph[4] if mean is None else mean.view(stat), rstd.view(stat),
-            ph[0] if dres_in3 is None else dres_in3, dx, ph[3] if dres is None else dres,
-            ph[5] if partial_w is None else partial_w,
-            ph[6] if partial_b is None else partial_b, offset)
-        slots = plan.partial_shape[0]
-        for partial, out in ((partial_w, dweight), (partial_b, dbias)):
-            if partial is not None:
-                rc.kernels.reduce.launch(stream, partial.view(slots, -1), out.view(-1))
+        cutile_norm.run_backward(
+            kernel, rc.kernels.reduce.get(groups), cutile_norm.stream_handle(dev), ph, dy3, h3,
+            None if weight is None else weight.view(1, -1, shape3[2]),
+            None if mean is None else mean.view(stat), rstd.view(stat), dres_in3, dx, dres,
+            partial, dweight, dbias, offset)
     dx = dx.view(h.shape)
     if residual_in_dtype is not None:
         dres = dx if not split else dres.view(h.shape)
