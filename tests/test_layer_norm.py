@@ -126,12 +126,14 @@ def test_kernels_match_float64(n, x_dtype, w_dtype):
 
 @gpu
 @pytest.mark.parametrize("n", [128, 1000, 4096, 20000])
-@pytest.mark.parametrize("case", ["no affine", "weight only", "residual", "residual fp32",
-                                  "fp32 in bf16 out"])
+@pytest.mark.parametrize("case", ["no affine", "weight only", "bias only", "residual",
+                                  "residual fp32", "fp32 in bf16 out"])
 def test_feature_kernels_match_float64(case, n):
     kw = {
         "no affine": dict(has_weight=False, has_bias=False),
         "weight only": dict(has_bias=False),
+        # dbias alone is the partial buffer's first group (norm.partial_shape)
+        "bias only": dict(has_weight=False),
         "residual": dict(res_dtype=torch.bfloat16),
         "residual fp32": dict(res_dtype=torch.float32),
         "fp32 in bf16 out": dict(x_dtype=torch.float32, out_dtype=torch.bfloat16),
