@@ -64,7 +64,7 @@ class Tilenorm(Provider):
             return dx, dw
 
         return common.Prepared(lambda: self.fwd(x, w, EPS), bwd,
-                        lambda: (self.fwd(x, w, EPS)[0], *bwd()))
+                               lambda: (self.fwd(x, w, EPS)[0], *bwd()))
 
 
 class TorchCompile(Provider):
@@ -92,7 +92,7 @@ class TorchCompile(Provider):
     def prepare(self, x, w, dy):
         _, rstd = self.fwd(x, w)
         return common.Prepared(lambda: self.fwd(x, w), lambda: self.bwd(dy, x, w, rstd),
-                        lambda: (self.fwd(x, w)[0], *self.bwd(dy, x, w, rstd)))
+                               lambda: (self.fwd(x, w)[0], *self.bwd(dy, x, w, rstd)))
 
 
 class TorchEager(Provider):
@@ -109,7 +109,7 @@ class TorchEager(Provider):
             return torch.autograd.grad(y, (xg, wg), dy, retain_graph=True)
 
         return common.Prepared(lambda: torch.nn.functional.rms_norm(xg, (n,), wg, EPS), bwd,
-                        lambda: (torch.nn.functional.rms_norm(xg, (n,), wg, EPS), *bwd()))
+                               lambda: (torch.nn.functional.rms_norm(xg, (n,), wg, EPS), *bwd()))
 
 
 class Quack(Provider):

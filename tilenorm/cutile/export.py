@@ -119,7 +119,7 @@ def plan_jobs(plan: RowNormPlan, v: Variant) -> Iterator[ExportJob]:
 
     stat, weight = _array(ct.float32, rows3[:2], bits), opt(f.has_weight, a3(w, param3))
     # dgamma's and dbeta's partial sums are the groups of one buffer (norm.partial_shape).
-    slots, groups, heads, cols = norm.partial_shape(plan, max(1, f.has_weight + f.has_bias))
+    _, groups, heads, cols = norm.partial_shape(plan, max(1, f.has_weight + f.has_bias))
     partial = _array(ct.float32, plan.partial_shape, bits,
                      strides=(groups * heads * cols, cols, 1))
     name = (f"{'single' if plan.single_pass else 'chunked'} {plan.tile_rows}x{plan.tile_heads}"
@@ -194,8 +194,8 @@ def jobs() -> Iterator[ExportJob]:
                                                replace(RMS, per_head_weight=per_head),
                                                heads=8))
     plan = plans("backward")[0]
+    slots, heads, cols = plan.partial_shape
     for groups in (1, 2):
-        slots, groups, heads, cols = norm.partial_shape(plan, groups)
         for w_name in ("bfloat16", "float16", "float32"):
             out = _array(DTYPES[w_name], (heads * cols,))
             bound = norm.bind_reduce(plan, groups)
