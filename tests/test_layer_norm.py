@@ -107,6 +107,64 @@ def test_residual_prenorm_returns_the_sum():
     torch.testing.assert_close(y, F.layer_norm(x + r, (64,)))
 
 
+class _RecordingKernel:
+    """Stands in for a bound kernel on the CPU: ``effect`` plays the kernel's part on its
+    arguments."""
+
+    def __init__(self, effect):
+        self.effect = effect
+
+    def launch(self, stream, *args):
+        self.effect(*args)
+
+
+@pytest.mark.parametrize("heads,has_weight,has_bias", [
+    (1, True, True), (1, True, False), (1, False, True), (4, True, False), (4, True, True)])
+def test_backward_hands_each_partial_group_to_its_output(heads, has_weight, has_bias):
+    """The launch path (no GPU): the backward kernel's dgamma and dbeta partial operands and
+    the reduction's groups and outputs line up, so each output gets its own column sums."""
+    from tilenorm.cutile import norm as cutile_norm
+    from tilenorm.planner import plan_row_norm
+
+    g, seed = fresh_generator()
+    cols = 48
+    plan = plan_row_norm(1000, cols, heads=heads, per_head_weight=heads > 1, itemsize=2,
+                         sm_count=4, arch=(9, 0), direction="backward", op="layer_norm")
+    slots = plan.partial_shape[0]
+    param_shape = (heads, cols) if heads > 1 else (cols,)
+    dweight = torch.full(param_shape, float("nan")) if has_weight else None
+    dbias = torch.full(param_shape, float("nan")) if has_bias else None
+    groups = has_weight + has_bias
+    partial = torch.full(cutile_norm.partial_shape(plan, groups), float("nan"))
+    sums = {name: torch.randn(slots, heads, cols, generator=g, dtype=torch.float64).float()
+            for name in ("w", "b")}
+    ph = cutile_norm.placeholders(torch.device("cpu"))
+
+    def backward_kernel(*args):
+        partial_w, partial_b = args[8], args[9]
+        for name, present, operand, placeholder in (("w", has_weight, partial_w, ph[5]),
+                                                    ("b", has_bias, partial_b, ph[6])):
+            assert (operand is not placeholder) == present, seed
+            if present:
+                assert operand.shape == plan.partial_shape, seed
+                operand.copy_(sums[name])
+
+    def reduce_kernel(flat, out_a, out_b):
+        assert flat.shape == (slots, groups, heads * cols), seed
+        out_a.copy_(flat[:, 0].sum(0))
+        if groups == 2:
+            out_b.copy_(flat[:, 1].sum(0))
+        else:
+            assert out_b is ph[7], seed
+
+    cutile_norm.run_backward(_RecordingKernel(backward_kernel), _RecordingKernel(reduce_kernel),
+                             0, ph, *[None] * 8, partial, dweight, dbias, 0.0)
+    for name, out in (("w", dweight), ("b", dbias)):
+        if out is not None:
+            torch.testing.assert_close(out, sums[name].sum(0).view(param_shape), msg=str(seed))
+    assert not partial.isnan().any(), "every group of the partial buffer written"
+
+
 # --- cuTile kernels (GPU) ----------------------------------------------------------------
 
 DTYPE_CASES = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
