@@ -36,8 +36,8 @@ def run_mode(plans, f, x, dy, w, b, ref_dx, dependent: bool) -> tuple[dict, list
     dx = torch.full_like(x, float("nan"))
     mean = torch.empty(m, 1, device="cuda") if ln else None
     rstd = torch.empty(m, 1, device="cuda")
-    partial = torch.empty(kernels.partial_shape(bwd, 2 if ln else 1), device="cuda")
     dw, db = torch.empty_like(w), (torch.empty_like(w) if ln else None)
+    partial = kernels.partial_buffer(bwd, dw, db)
 
     def forward():
         kernels.forward(fwd, f, x=x, weight=w, bias=b, residual=None, y=y, residual_out=None,

@@ -492,6 +492,25 @@ def partial_shape(plan: RowNormPlan, groups: int) -> tuple[int, int, int]:
     return slots, groups * heads, cols
 
 
+def gradient_groups(dweight: torch.Tensor | None, dbias: torch.Tensor | None) -> int:
+    """The partial buffer's groups: one for each of dweight and dbias that is computed."""
+    return (dweight is not None) + (dbias is not None)
+
+
+def partial_buffer(plan: RowNormPlan, dweight: torch.Tensor | None,
+                   dbias: torch.Tensor | None, fill: float | None = None) -> torch.Tensor | None:
+    """The fp32 partial buffer of a backward that writes ``dweight`` and/or ``dbias`` (None
+    when it writes neither), on their device; ``fill`` poisons it for tests."""
+    groups = gradient_groups(dweight, dbias)
+    if not groups:
+        return None
+    device = (dweight if dweight is not None else dbias).device
+    shape = partial_shape(plan, groups)
+    if fill is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    return torch.full(shape, fill, dtype=torch.float32, device=device)
+
+
 @functools.cache
 def placeholders(device: torch.device) -> tuple[torch.Tensor, ...]:
     """Stand-ins for the operands a compiled variant never touches (no weight, no residual,
@@ -561,7 +580,7 @@ def backward(plan: RowNormPlan, features: NormFeatures, *, dy: torch.Tensor, h: 
              dbias: torch.Tensor | None, offset: float = 0.0) -> None:
     """Bind and launch the backward and its reduction for ``plan`` (see
     :func:`run_backward`)."""
-    groups = (dweight is not None) + (dbias is not None)
+    groups = gradient_groups(dweight, dbias)
     run_backward(bind_backward(plan, features, dres_in is not None, dres is not None),
                  bind_reduce(plan, groups) if groups else None, stream_handle(h.device),
                  placeholders(h.device), dy, h, weight, mean, rstd, dres_in, dx, dres, partial,
