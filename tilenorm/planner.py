@@ -57,9 +57,6 @@ MULTI_HEAD_HINTS = {"forward": ((2048, 1, 8, True),), "backward": ()}
 CHUNKED_HINTS = {"forward": (2, None), "backward": (2, None)}
 #: Tile of the fixed-order dgamma reduction over the partial buffer.
 REDUCE_TILE = (64, 64)
-#: From this compute capability on, kernels are launched as programmatic dependents: a launch
-#: overlaps the drain of the kernel before it (the kernels wait for it before touching memory).
-DEPENDENT_LAUNCH_ARCH = (9, 0)
 #: Largest element offset 32-bit indexing reaches; beyond it the kernels index with 64 bits.
 MAX_INT32_OFFSET = 2**31 - 1
 
@@ -103,7 +100,6 @@ class RowNormPlan:
     occupancy: int
     worker_warps: int | None
     index_bits: int
-    dependent_launch: bool
     partial_shape: tuple[int, int, int]
     reduce_tile: tuple[int, int]
     reduce_grid: int
@@ -144,8 +140,6 @@ class RowNormPlan:
             text += f", {self.worker_warps} worker warps"
         if self.index_bits == 64:
             text += ", 64-bit offsets"
-        if self.dependent_launch:
-            text += ", programmatic dependent launch"
         if self.direction == "backward":
             p = self.partial_shape
             shape = f"{p[0]}x{p[2]}" if p[1] == 1 else f"{p[0]}x{p[1]}x{p[2]}"
@@ -216,7 +210,6 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
         tile_cols=tile_cols, col_tiles=col_tiles, head_tiles=head_tiles, row_tiles=row_tiles,
         grid=grid, occupancy=occupancy, worker_warps=worker_warps,
         index_bits=64 if max_offset > MAX_INT32_OFFSET else 32,
-        dependent_launch=tuple(arch) >= DEPENDENT_LAUNCH_ARCH,
         partial_shape=partial_shape, reduce_tile=REDUCE_TILE,
         reduce_grid=cdiv(reduce_cols, REDUCE_TILE[1]),
     )

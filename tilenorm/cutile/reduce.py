@@ -13,16 +13,6 @@ import cuda.tile as ct
 ConstInt = ct.Constant[int]
 
 
-def start_after_predecessor():
-    """Every kernel's first step. A grid launched as a programmatic dependent (Hopper and
-    later, ``RowNormPlan.dependent_launch``) may start while the kernel before it in the
-    stream drains: it waits for that kernel to finish and its writes to be visible before it
-    touches memory, then lets its own successor begin launching (which in turn waits for this
-    grid to finish). In an ordinary launch both steps return at once."""
-    ct.grid_dependency_control_wait()
-    ct.grid_dependency_control_launch_dependents()
-
-
 @ct.kernel
 def column_sums(partial, out_a, out_b, TILE_R: ConstInt, TILE_C: ConstInt):
     """``out[c] = sum_r partial[r, g, c]`` for the ``TILE_C`` columns of this program, where
@@ -33,7 +23,6 @@ def column_sums(partial, out_a, out_b, TILE_R: ConstInt, TILE_C: ConstInt):
     Rows are visited in increasing tiles of ``TILE_R`` and the tile is collapsed once at the
     end, so the summation tree depends only on the compiled kernel and ``partial.shape[0]``.
     """
-    start_after_predecessor()
     col_tile, group = ct.bid(0), ct.bid(1)
     shape = (TILE_R, 1, TILE_C)
     row_tiles = ct.num_tiles(partial, axis=0, shape=shape)
