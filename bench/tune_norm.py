@@ -87,9 +87,9 @@ def measure_case(info, op: str, n: int, m: int | None = None) -> dict:
     h = torch.full_like(x, float("nan")) if f.has_residual else x
     mean = torch.empty(m, heads, device="cuda") if f.layer_norm else None
     rstd = torch.empty(m, heads, device="cuda")
-    partial = torch.empty(kernels.partial_shape(bwd, 2 if f.has_bias else 1), device="cuda")
     dw = torch.empty_like(w)
     db = torch.empty_like(w) if f.has_bias else None
+    partial = kernels.partial_buffer(bwd, dw, db)
 
     def forward():
         kernels.forward(fwd, f, x=x, weight=w, bias=b, residual=r, y=y,

@@ -54,10 +54,9 @@ def _run(fwd, bwd, f, x, w, b, r, dy, dh, eps, offset, out_dtype, res_dtype):
     h = x if r is None else h_out
     dx = poisoned(x.shape, x.dtype)
     dres = poisoned(x.shape, res_dtype) if r is not None and res_dtype != x.dtype else None
-    groups = (w is not None) + (b is not None)
-    partial = poisoned(cutile_norm.partial_shape(bwd, groups), torch.float32) if groups else None
     dw = poisoned(w.shape, w.dtype) if w is not None else None
     db = poisoned(b.shape, b.dtype) if b is not None else None
+    partial = cutile_norm.partial_buffer(bwd, dw, db, fill=float("nan"))
     cutile_norm.backward(bwd, f, dy=dy, h=h, weight=w3, mean=mean, rstd=rstd, dres_in=dh,
                          dx=dx, dres=dres, partial=partial, dweight=dw, dbias=db,
                          offset=offset)

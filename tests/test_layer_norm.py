@@ -134,8 +134,8 @@ def test_backward_hands_each_partial_group_to_its_output(heads, has_weight, has_
     param_shape = (heads, cols) if heads > 1 else (cols,)
     dweight = torch.full(param_shape, float("nan")) if has_weight else None
     dbias = torch.full(param_shape, float("nan")) if has_bias else None
-    groups = has_weight + has_bias
-    partial = torch.full(cutile_norm.partial_shape(plan, groups), float("nan"))
+    groups = cutile_norm.gradient_groups(dweight, dbias)
+    partial = cutile_norm.partial_buffer(plan, dweight, dbias, fill=float("nan"))
     sums = {name: torch.randn(slots, heads, cols, generator=g, dtype=torch.float64).float()
             for name in ("w", "b")}
     ph = cutile_norm.placeholders(torch.device("cpu"))

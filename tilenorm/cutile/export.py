@@ -118,10 +118,9 @@ def plan_jobs(plan: RowNormPlan, v: Variant) -> Iterator[ExportJob]:
         return arr if present else _array(ct.float32, PLACEHOLDER)
 
     stat, weight = _array(ct.float32, rows3[:2], bits), opt(f.has_weight, a3(w, param3))
-    # dgamma's and dbeta's partial sums are the groups of one buffer (norm.partial_shape).
-    _, groups, heads, cols = norm.partial_shape(plan, max(1, f.has_weight + f.has_bias))
-    partial = _array(ct.float32, plan.partial_shape, bits,
-                     strides=(groups * heads * cols, cols, 1))
+    # dgamma's and dbeta's partial sums lie side by side in one buffer (norm.partial_shape).
+    _, rows, cols = norm.partial_shape(plan, max(1, f.has_weight + f.has_bias))
+    partial = _array(ct.float32, plan.partial_shape, bits, strides=(rows * cols, cols, 1))
     name = (f"{'single' if plan.single_pass else 'chunked'} {plan.tile_rows}x{plan.tile_heads}"
             f"x{plan.tile_cols} {v.label}")
     if plan.direction == "forward":

@@ -467,16 +467,36 @@ def bind_backward(plan: RowNormPlan, features: NormFeatures, has_dres_in: bool,
 
 def bind_reduce(plan: RowNormPlan, groups: int) -> BoundKernel:
     """The fixed-order reduction of ``groups`` (1: dgamma or dbeta, 2: both) partial sums;
-    runtime arguments ``(partial, out_a, out_b)``: the partial buffer as (slots, groups,
-    heads * cols), the outputs flat."""
+    runtime arguments ``(partial, out_a, out_b)``: the partial buffer (:func:`partial_shape`)
+    as (slots, groups, heads * cols), the outputs flat."""
     return BoundKernel(column_sums, (plan.reduce_grid, groups, 1), plan.reduce_tile)
 
 
-def partial_shape(plan: RowNormPlan, groups: int) -> tuple[int, int, int, int]:
-    """(slots, groups, heads, cols): group g of the buffer is the g-th present of dgamma and
-    dbeta, as the backward kernel's (slots, heads, cols) partial operand."""
+def partial_shape(plan: RowNormPlan, groups: int) -> tuple[int, int, int]:
+    """(slots, groups * heads, cols): dgamma's and dbeta's partial sums side by side, each the
+    backward kernel's (slots, heads, cols) partial operand (with one group, the buffer
+    itself: no view to take per call)."""
     slots, heads, cols = plan.partial_shape
-    return slots, groups, heads, cols
+    return slots, groups * heads, cols
+
+
+def gradient_groups(dweight: torch.Tensor | None, dbias: torch.Tensor | None) -> int:
+    """The partial buffer's groups: one for each of dweight and dbias that is computed."""
+    return (dweight is not None) + (dbias is not None)
+
+
+def partial_buffer(plan: RowNormPlan, dweight: torch.Tensor | None,
+                   dbias: torch.Tensor | None, fill: float | None = None) -> torch.Tensor | None:
+    """The fp32 partial buffer of a backward that writes ``dweight`` and/or ``dbias`` (None
+    when it writes neither), on their device; ``fill`` poisons it for tests."""
+    groups = gradient_groups(dweight, dbias)
+    if not groups:
+        return None
+    device = (dweight if dweight is not None else dbias).device
+    shape = partial_shape(plan, groups)
+    if fill is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    return torch.full(shape, fill, dtype=torch.float32, device=device)
 
 
 @functools.cache
@@ -510,20 +530,24 @@ def run_backward(kernel: BoundKernel, reduce: BoundKernel | None, stream: int, p
     residual output of a fused residual add); ``dres_in`` the gradient that reached the
     residual output; ``dres`` a second gradient output in the residual's dtype (when it
     differs from x's). ``partial`` is fp32 of :func:`partial_shape` (None without dweight and
-    dbias); dweight and dbias have the weight's shape. Nothing needs zeroing."""
-    partial_w = partial_b = None
-    if dweight is not None:
-        partial_w = partial[:, 0]
-    if dbias is not None:
-        partial_b = partial[:, -1]
+    dbias), dgamma's group first; dweight and dbias have the weight's shape. Nothing needs
+    zeroing."""
+    partial_w = partial_b = partial
+    if partial is not None and dweight is not None and dbias is not None:
+        heads = partial.shape[1] // 2
+        partial_w, partial_b = partial[:, :heads], partial[:, heads:]
     kernel.launch(stream, dy, h, ph[1] if weight is None else weight,
                   ph[4] if mean is None else mean, rstd, ph[0] if dres_in is None else dres_in,
-                  dx, ph[3] if dres is None else dres, ph[5] if partial_w is None else partial_w,
-                  ph[6] if partial_b is None else partial_b, offset)
+                  dx, ph[3] if dres is None else dres,
+                  ph[5] if dweight is None else partial_w, ph[6] if dbias is None else partial_b,
+                  offset)
     if partial is not None:
-        outs = [t.view(-1) for t in (dweight, dbias) if t is not None] + [ph[7]]
-        slots, groups, heads, cols = partial.shape
-        reduce.launch(stream, partial.view(slots, groups, heads * cols), outs[0], outs[1])
+        outs = [t if t.dim() == 1 else t.view(-1) for t in (dweight, dbias) if t is not None]
+        groups = len(outs)
+        slots, rows, cols = partial.shape
+        if rows != groups:  # per-head weights: each group's (heads, cols) flattened
+            partial = partial.view(slots, groups, rows // groups * cols)
+        reduce.launch(stream, partial, outs[0], outs[-1] if groups == 2 else ph[7])
 
 
 def forward(plan: RowNormPlan, features: NormFeatures, *, x: torch.Tensor,
@@ -544,7 +568,7 @@ def backward(plan: RowNormPlan, features: NormFeatures, *, dy: torch.Tensor, h: 
              dbias: torch.Tensor | None, offset: float = 0.0) -> None:
     """Bind and launch the backward and its reduction for ``plan`` (see
     :func:`run_backward`)."""
-    groups = (dweight is not None) + (dbias is not None)
+    groups = gradient_groups(dweight, dbias)
     run_backward(bind_backward(plan, features, dres_in is not None, dres is not None),
                  bind_reduce(plan, groups) if groups else None, stream_handle(h.device),
                  placeholders(h.device), dy, h, weight, mean, rstd, dres_in, dx, dres, partial,

@@ -237,13 +237,12 @@ def kernel_backward(rc: Recipe, dy, dres_in, h, weight, bias, mean, rstd, offset
     dres = torch.empty(shape3, dtype=residual_in_dtype, device=dev) if split else None
     dweight = None if weight is None else torch.empty_like(weight)
     dbias = None if bias is None else torch.empty_like(bias)
-    groups = (weight is not None) + (bias is not None)
-    partial = torch.empty(cutile_norm.partial_shape(plan, groups), dtype=torch.float32,
-                          device=dev) if groups else None
+    partial = cutile_norm.partial_buffer(plan, dweight, dbias)
+    reduce = rc.kernels.reduce.get(cutile_norm.gradient_groups(dweight, dbias))
     stat = shape3[:2]
     with _on_device(h):
         cutile_norm.run_backward(
-            kernel, rc.kernels.reduce.get(groups), cutile_norm.stream_handle(dev), ph, dy3, h3,
+            kernel, reduce, cutile_norm.stream_handle(dev), ph, dy3, h3,
             None if weight is None else weight.view(1, -1, shape3[2]),
             None if mean is None else mean.view(stat), rstd.view(stat), dres_in3, dx, dres,
             partial, dweight, dbias, offset)
