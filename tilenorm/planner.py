@@ -57,6 +57,13 @@ MULTI_HEAD_HINTS = {"forward": ((2048, 1, 8, True),), "backward": ()}
 CHUNKED_HINTS = {"forward": (2, None), "backward": (2, None)}
 #: Tile of the fixed-order dgamma reduction over the partial buffer.
 REDUCE_TILE = (64, 64)
+#: From this compute capability on, the dgamma/dbeta reduction is launched as a programmatic
+#: dependent of the backward kernel (it waits for it before reading the partial buffer), and so
+#: are the row kernels whose rows are a whole number of 16-element groups: with a ragged row
+#: tileiras 13.4 builds a different pipeline around the grid-dependency instructions, and the
+#: backward at N = 1000 never finished on an H200 (bench/NOTES.md, #25).
+DEPENDENT_LAUNCH_ARCH = (9, 0)
+DEPENDENT_LAUNCH_COLS_MULTIPLE = 16
 #: Largest element offset 32-bit indexing reaches; beyond it the kernels index with 64 bits.
 MAX_INT32_OFFSET = 2**31 - 1
 
@@ -100,6 +107,8 @@ class RowNormPlan:
     occupancy: int
     worker_warps: int | None
     index_bits: int
+    dependent_launch: bool
+    dependent_reduce: bool
     partial_shape: tuple[int, int, int]
     reduce_tile: tuple[int, int]
     reduce_grid: int
@@ -140,6 +149,8 @@ class RowNormPlan:
             text += f", {self.worker_warps} worker warps"
         if self.index_bits == 64:
             text += ", 64-bit offsets"
+        if self.dependent_launch:
+            text += ", programmatic dependent launch"
         if self.direction == "backward":
             p = self.partial_shape
             shape = f"{p[0]}x{p[2]}" if p[1] == 1 else f"{p[0]}x{p[1]}x{p[2]}"
@@ -204,12 +215,15 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
     partial_rows = grid // head_tiles if per_head_weight else grid
     partial_shape = (partial_rows, heads if per_head_weight else 1, cols)
     reduce_cols = partial_shape[1] * cols
+    dependent = tuple(arch) >= DEPENDENT_LAUNCH_ARCH
     return RowNormPlan(
         rows=rows, heads=heads, cols=cols, direction=direction,
         per_head_weight=per_head_weight, tile_rows=tile_rows, tile_heads=tile_heads,
         tile_cols=tile_cols, col_tiles=col_tiles, head_tiles=head_tiles, row_tiles=row_tiles,
         grid=grid, occupancy=occupancy, worker_warps=worker_warps,
         index_bits=64 if max_offset > MAX_INT32_OFFSET else 32,
+        dependent_launch=dependent and cols % DEPENDENT_LAUNCH_COLS_MULTIPLE == 0,
+        dependent_reduce=dependent and direction == "backward",
         partial_shape=partial_shape, reduce_tile=REDUCE_TILE,
         reduce_grid=cdiv(reduce_cols, REDUCE_TILE[1]),
     )

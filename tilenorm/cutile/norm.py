@@ -22,7 +22,9 @@ buffer; :func:`tilenorm.cutile.reduce.column_sums` adds the slots in a fixed ord
 temporary, no atomics: results are bit-for-bit repeatable.
 
 Each kernel exists twice: with 32-bit indexing and, for operands whose offsets pass 2^31 - 1,
-with 64-bit indexing (``plan.index_bits``).
+with 64-bit indexing (``plan.index_bits``). On Hopper and later most launches are programmatic
+dependents (``plan.dependent_launch``, ``plan.dependent_reduce``): a kernel may start while the
+one before it drains, and waits for it before touching memory.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 import cuda.tile as ct
 import torch
 
-from tilenorm.cutile.reduce import column_sums
+from tilenorm.cutile.reduce import column_sums, start_after_predecessor
 from tilenorm.planner import RowNormPlan
 
 ConstInt = ct.Constant[int]
@@ -190,7 +192,8 @@ def norm_fwd_single(x, residual, weight, bias, y, residual_out, mean, rstd,
                     TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                     LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
                     HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool, PADDED: ConstBool,
-                    HAS_OFFSET: ConstBool):
+                    HAS_OFFSET: ConstBool, DEPENDENT: ConstBool):
+    start_after_predecessor(DEPENDENT)
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(x, axis=1, shape=shape)
     row_tiles = ct.num_tiles(x, axis=0, shape=shape) * head_tiles
@@ -217,7 +220,8 @@ def norm_fwd_chunked(x, residual, weight, bias, y, residual_out, mean, rstd,
                      TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                      LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
                      HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool, PADDED: ConstBool,
-                     HAS_OFFSET: ConstBool):
+                     HAS_OFFSET: ConstBool, DEPENDENT: ConstBool):
+    start_after_predecessor(DEPENDENT)
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(x, axis=1, shape=shape)
     row_tiles = ct.num_tiles(x, axis=0, shape=shape) * head_tiles
@@ -293,7 +297,8 @@ def norm_bwd_single(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, par
                     TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                     LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
                     HAS_BIAS: ConstBool, HAS_DRES_IN: ConstBool, STORE_DRES: ConstBool,
-                    HAS_OFFSET: ConstBool):
+                    HAS_OFFSET: ConstBool, DEPENDENT: ConstBool):
+    start_after_predecessor(DEPENDENT)
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(h, axis=1, shape=shape)
     row_tiles = ct.num_tiles(h, axis=0, shape=shape) * head_tiles
@@ -333,7 +338,8 @@ def norm_bwd_chunked(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, pa
                      TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                      LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
                      HAS_BIAS: ConstBool, HAS_DRES_IN: ConstBool, STORE_DRES: ConstBool,
-                     HAS_OFFSET: ConstBool):
+                     HAS_OFFSET: ConstBool, DEPENDENT: ConstBool):
+    start_after_predecessor(DEPENDENT)
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(h, axis=1, shape=shape)
     row_tiles = ct.num_tiles(h, axis=0, shape=shape) * head_tiles
@@ -432,12 +438,14 @@ class BoundKernel:
     kernel: ct.kernel
     grid: tuple[int, int, int]
     constants: tuple
+    dependent_launch: bool
 
     def args(self, *runtime) -> tuple:
         return runtime + self.constants
 
     def launch(self, stream: int, *runtime) -> None:
-        ct.launch(stream, self.grid, self.kernel, runtime + self.constants)
+        ct.launch(stream, self.grid, self.kernel, runtime + self.constants,
+                  programmatic_dependent_launch=self.dependent_launch)
 
 
 def bind_forward(plan: RowNormPlan, features: NormFeatures) -> BoundKernel:
@@ -449,8 +457,10 @@ def bind_forward(plan: RowNormPlan, features: NormFeatures) -> BoundKernel:
     fn = norm_fwd_single if plan.single_pass else norm_fwd_chunked
     constants = (1.0 / plan.cols, plan.tile_rows, plan.tile_heads, plan.tile_cols,
                  f.layer_norm, f.has_weight, f.per_head_weight, f.has_bias, f.has_residual,
-                 plan.col_tiles * plan.tile_cols != plan.cols, f.has_offset)
-    return BoundKernel(_compiled_for(fn, plan), (plan.grid, 1, 1), constants)
+                 plan.col_tiles * plan.tile_cols != plan.cols, f.has_offset,
+                 plan.dependent_launch)
+    return BoundKernel(_compiled_for(fn, plan), (plan.grid, 1, 1), constants,
+                       plan.dependent_launch)
 
 
 def bind_backward(plan: RowNormPlan, features: NormFeatures, has_dres_in: bool,
@@ -461,15 +471,17 @@ def bind_backward(plan: RowNormPlan, features: NormFeatures, has_dres_in: bool,
     fn = norm_bwd_single if plan.single_pass else norm_bwd_chunked
     constants = (1.0 / plan.cols, plan.tile_rows, plan.tile_heads, plan.tile_cols,
                  f.layer_norm, f.has_weight, f.per_head_weight, f.has_bias, has_dres_in,
-                 store_dres, f.has_offset)
-    return BoundKernel(_compiled_for(fn, plan), (plan.grid, 1, 1), constants)
+                 store_dres, f.has_offset, plan.dependent_launch)
+    return BoundKernel(_compiled_for(fn, plan), (plan.grid, 1, 1), constants,
+                       plan.dependent_launch)
 
 
 def bind_reduce(plan: RowNormPlan, groups: int) -> BoundKernel:
     """The fixed-order reduction of ``groups`` (1: dgamma or dbeta, 2: both) partial sums;
     runtime arguments ``(partial, out_a, out_b)``: the partial buffer (:func:`partial_shape`)
     as (slots, groups, heads * cols), the outputs flat."""
-    return BoundKernel(column_sums, (plan.reduce_grid, groups, 1), plan.reduce_tile)
+    return BoundKernel(column_sums, (plan.reduce_grid, groups, 1),
+                       plan.reduce_tile + (plan.dependent_reduce,), plan.dependent_reduce)
 
 
 def partial_shape(plan: RowNormPlan, groups: int) -> tuple[int, int, int]:
