@@ -175,7 +175,7 @@ def test_backward_hands_each_partial_group_to_its_output(heads, has_weight, has_
 
 DTYPE_CASES = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
                (torch.float16, torch.float16), (torch.float32, torch.float32)]
-NS = [1, 7, 64, 128, 1000, 4096, 5120, 8192, 16384, 20000, 65536]
+NS = [1, 7, 64, 128, 1000, 3000, 4096, 5120, 8192, 16384, 20000, 65536]
 
 
 @gpu
@@ -189,7 +189,7 @@ def test_kernels_match_float64(n, x_dtype, w_dtype):
 
 
 @gpu
-@pytest.mark.parametrize("n", [128, 1000, 4096, 20000])
+@pytest.mark.parametrize("n", [128, 1000, 4096, 5120, 20000])
 @pytest.mark.parametrize("case", ["no affine", "weight only", "bias only", "residual",
                                   "residual fp32", "fp32 in bf16 out"])
 def test_feature_kernels_match_float64(case, n):

@@ -38,9 +38,11 @@ def test_every_row_and_column_covered_exactly_once(direction, sm_count, op, item
         if rows * cols <= 1 << 24:
             covered = [r for t in range(p.row_tiles) for r, _ in p.tile_vectors(t)]
             assert covered == list(range(rows)), "each row once"
-        assert (p.col_tiles - 1) * p.tile_cols < cols <= p.col_tiles * p.tile_cols
+        assert p.span_cols - min(p.tile_cols, p.split_cols or p.tile_cols) < cols <= p.span_cols
         assert is_pow2(p.tile_rows) and is_pow2(p.tile_cols) and p.tile_heads == 1
-        assert p.tile_rows * p.tile_cols <= max(TILE_ELEMENTS[direction], widest)
+        assert p.split_cols == 0 or (is_pow2(p.split_cols) and p.split_cols <= p.tile_cols // 2
+                                     and p.single_pass), "a second piece only in one pass"
+        assert p.tile_rows * (p.tile_cols + p.split_cols) <= max(TILE_ELEMENTS[direction], widest)
         assert p.single_pass == (cols <= widest)
         assert p.partial_shape == (p.grid, 1, cols)
         assert p.reduce_grid * p.reduce_tile[1] >= cols > (p.reduce_grid - 1) * p.reduce_tile[1]
@@ -162,3 +164,22 @@ def test_dependent_launch_from_hopper_on_and_only_for_whole_16_element_rows(dire
         assert p.dependent_launch == (hopper and cols % 16 == 0), (arch, cols)
         assert p.dependent_reduce == (hopper and direction == "backward"), (arch, cols)
         assert ("programmatic dependent launch" in p.describe()) == p.dependent_launch
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_rows_far_from_a_power_of_two_split_into_two_pieces(direction):
+    """5120 is 4096 + 1024 rather than 8192 with 3072 padding columns; a row within a quarter
+    of its power of two, several heads, or narrow rows keep the one padded tile."""
+    def plan(cols, heads=1):
+        return plan_row_norm(4096, cols, heads=heads, itemsize=2, sm_count=132, arch=(9, 0),
+                             direction=direction)
+
+    assert (plan(5120).tile_cols, plan(5120).split_cols) == (4096, 1024)
+    assert (plan(6144).tile_cols, plan(6144).split_cols) == (4096, 2048)
+    assert (plan(3000).tile_cols, plan(3000).split_cols) == (2048, 1024), "second piece padded"
+    for cols, heads in ((7168, 1), (8192, 1), (4096, 1), (1280, 4), (5120, 2), (1000, 1)):
+        assert plan(cols, heads).split_cols == 0, (cols, heads)
+    padded = plan(5120)
+    assert (padded.occupancy, padded.worker_warps) == (plan(8192).occupancy,
+                                                      plan(8192).worker_warps)
+    assert "x4096+1024" in padded.describe()

@@ -305,7 +305,7 @@ def test_per_head_weight_strided_qkv_needs_no_copy():
 
 DTYPE_CASES = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
                (torch.float16, torch.float16), (torch.float32, torch.float32)]
-NS = [1, 7, 64, 127, 128, 1000, 1024, 4096, 5120, 8192, 16384, 65536]
+NS = [1, 7, 64, 127, 128, 1000, 1024, 3000, 4096, 5120, 8192, 16384, 65536]
 MS = [1, 3, 1000, 32768]
 EPS = 1e-6
 
@@ -326,7 +326,7 @@ def test_kernels_match_float64(m, n, x_dtype, w_dtype):
     check_kernels(m, 1, n, x_dtype=x_dtype, w_dtype=w_dtype, eps=EPS, repeats=2)
 
 
-FEATURE_NS = [128, 1000, 4096, 20000]
+FEATURE_NS = [128, 1000, 4096, 5120, 20000]
 
 
 @gpu

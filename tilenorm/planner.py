@@ -55,6 +55,9 @@ SINGLE_PASS_HINTS = {
 MULTI_HEAD_HINTS = {"forward": ((2048, 1, 8, True),), "backward": ()}
 #: (occupancy, worker warps) of the chunked kernels.
 CHUNKED_HINTS = {"forward": (2, None), "backward": (2, None)}
+#: Single-pass rows at most 3/4 of their power-of-two tile (5120 of 8192) are split into two
+#: power-of-two pieces (4096 + 1024) instead of padded, from this padded width on.
+MIN_SPLIT_TILE_COLS = 2048
 #: Tile of the fixed-order dgamma reduction over the partial buffer.
 REDUCE_TILE = (64, 64)
 #: From this compute capability on, the dgamma/dbeta reduction is launched as a programmatic
@@ -85,11 +88,12 @@ class RowNormPlan:
     """How one normalization launch covers a (rows, heads, cols) problem.
 
     Row tile ``t`` is ``tile_rows x tile_heads`` vectors by ``col_tiles`` column tiles of
-    ``tile_cols`` columns, at row-tile index ``t // head_tiles`` and head-tile index
-    ``t % head_tiles``. Program ``p`` of ``grid`` handles row tiles ``p, p + grid, ...`` (see
-    :meth:`program_row_tiles`). With a per-head weight the grid is a multiple of
-    ``head_tiles``, so each program stays on one head tile and owns one slot of the
-    ``(grid // head_tiles, heads, cols)`` partial buffer.
+    ``tile_cols`` columns (a split single-pass tile adds a second piece of ``split_cols``
+    columns after the first: 4096 + 1024 for rows of 5120), at row-tile index
+    ``t // head_tiles`` and head-tile index ``t % head_tiles``. Program ``p`` of ``grid``
+    handles row tiles ``p, p + grid, ...`` (see :meth:`program_row_tiles`). With a per-head
+    weight the grid is a multiple of ``head_tiles``, so each program stays on one head tile
+    and owns one slot of the ``(grid // head_tiles, heads, cols)`` partial buffer.
     """
 
     rows: int
@@ -100,6 +104,7 @@ class RowNormPlan:
     tile_rows: int
     tile_heads: int
     tile_cols: int
+    split_cols: int
     col_tiles: int
     head_tiles: int
     row_tiles: int
@@ -118,10 +123,15 @@ class RowNormPlan:
         return self.col_tiles == 1
 
     @property
+    def span_cols(self) -> int:
+        """Columns a row tile's column tiles cover, padding included."""
+        return self.col_tiles * self.tile_cols + self.split_cols
+
+    @property
     def config(self) -> tuple:
         """What selects a compiled kernel variant (besides dtypes and feature flags)."""
         return (self.single_pass, self.tile_rows, self.tile_heads, self.tile_cols,
-                self.occupancy, self.worker_warps, self.index_bits)
+                self.split_cols, self.occupancy, self.worker_warps, self.index_bits)
 
     def program_row_tiles(self, program: int) -> range:
         """Row tiles of ``program``, in the order it visits them."""
@@ -143,7 +153,9 @@ class RowNormPlan:
         heads = f"x{self.tile_heads}" if self.heads > 1 else ""
         grid = (f"persistent grid {self.grid}" if self.grid < self.row_tiles
                 else f"grid {self.grid}, a program per row tile")
-        text = (f"tile {self.tile_rows}{heads}x{self.tile_cols} ({mode}), {self.row_tiles} row "
+        split = f"+{self.split_cols}" if self.split_cols else ""
+        text = (f"tile {self.tile_rows}{heads}x{self.tile_cols}{split} ({mode}), "
+                f"{self.row_tiles} row "
                 f"tiles, {grid} (occupancy {self.occupancy})")
         if self.worker_warps:
             text += f", {self.worker_warps} worker warps"
@@ -190,21 +202,27 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
 
     if op not in MAX_SINGLE_PASS_BYTES[direction]:
         raise ValueError(f"op must be 'rms_norm' or 'layer_norm', got {op!r}")
+    split_cols = 0
     if cols <= max_single_pass_cols(direction, op, itemsize):
         tile_cols = max(MIN_TILE_COLS, next_pow2(cols))
         vectors = max(1, TILE_ELEMENTS[direction] // tile_cols)
         tile_heads = min(next_pow2(heads), vectors)
         tile_rows = max(1, vectors // tile_heads)
+        hint_cols = tile_cols
+        if heads == 1 and tile_cols >= MIN_SPLIT_TILE_COLS and 4 * cols <= 3 * tile_cols:
+            # Launch hints stay those of the padded width: the tile's registers scale with it.
+            tile_cols //= 2
+            split_cols = next_pow2(cols - tile_cols)
     else:
         (tile_rows, tile_cols), tile_heads = CHUNK_TILE[direction], 1
-    col_tiles = cdiv(cols, tile_cols)
+    col_tiles = cdiv(cols, tile_cols) if not split_cols else 1
     persistent = True
     if col_tiles == 1:
         hints = SINGLE_PASS_HINTS[direction][op]
         if tile_heads > 1:
             hints = MULTI_HEAD_HINTS[direction] + hints
         occupancy, worker_warps, persistent = next(
-            hint[1:] for hint in hints if tile_cols <= hint[0])
+            hint[1:] for hint in hints if hint_cols <= hint[0])
     else:
         occupancy, worker_warps = CHUNKED_HINTS[direction]
     head_tiles = cdiv(heads, tile_heads)
@@ -219,7 +237,8 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
     return RowNormPlan(
         rows=rows, heads=heads, cols=cols, direction=direction,
         per_head_weight=per_head_weight, tile_rows=tile_rows, tile_heads=tile_heads,
-        tile_cols=tile_cols, col_tiles=col_tiles, head_tiles=head_tiles, row_tiles=row_tiles,
+        tile_cols=tile_cols, split_cols=split_cols, col_tiles=col_tiles,
+        head_tiles=head_tiles, row_tiles=row_tiles,
         grid=grid, occupancy=occupancy, worker_warps=worker_warps,
         index_bits=64 if max_offset > MAX_INT32_OFFSET else 32,
         dependent_launch=dependent and cols % DEPENDENT_LAUNCH_COLS_MULTIPLE == 0,
