@@ -175,7 +175,7 @@ def test_backward_hands_each_partial_group_to_its_output(heads, has_weight, has_
 
 DTYPE_CASES = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
                (torch.float16, torch.float16), (torch.float32, torch.float32)]
-NS = [1, 7, 64, 128, 1000, 3000, 4096, 5120, 8192, 16384, 20000, 65536]
+NS = [1, 7, 64, 128, 1000, 3000, 4096, 5120, 6144, 8192, 16384, 20000, 65536]
 
 
 @gpu

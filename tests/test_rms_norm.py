@@ -305,7 +305,7 @@ def test_per_head_weight_strided_qkv_needs_no_copy():
 
 DTYPE_CASES = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
                (torch.float16, torch.float16), (torch.float32, torch.float32)]
-NS = [1, 7, 64, 127, 128, 1000, 1024, 3000, 4096, 5120, 8192, 16384, 65536]
+NS = [1, 7, 64, 127, 128, 1000, 1024, 3000, 4096, 4100, 5120, 8192, 12288, 16384, 65536]
 MS = [1, 3, 1000, 32768]
 EPS = 1e-6
 

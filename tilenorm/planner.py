@@ -43,21 +43,28 @@ TILE_ELEMENTS = {"forward": 8192, "backward": 4096}
 #: flight per SM beat a loop over tiles (#15). The backward is always persistent: its partial
 #: buffer has a row per program; 8 warps lift its 4096-element tiles from 512 columns up
 #: (LayerNorm's only at 4096), but slow the narrowest ones where the data sits in L2 (#17).
+#: Split rows (below) look up their span, the sum of their two pieces: 5120 and 6144 have
+#: entries of their own (#29).
 _FORWARD_HINTS = ((2048, 4, None, False), (4096, 2, 8, True), (8192, 2, None, True),
                   (32768, 1, 8, True))
 SINGLE_PASS_HINTS = {
-    "forward": {"rms_norm": _FORWARD_HINTS, "layer_norm": _FORWARD_HINTS},
-    "backward": {"rms_norm": ((256, 2, None, True), (4096, 2, 8, True), (16384, 1, 8, True)),
+    "forward": {"rms_norm": _FORWARD_HINTS[:2] + ((6144, 4, 4, True),) + _FORWARD_HINTS[2:],
+                "layer_norm": _FORWARD_HINTS},
+    "backward": {"rms_norm": ((256, 2, None, True), (4096, 2, 8, True), (5120, 2, None, True),
+                              (6144, 2, 8, True), (16384, 1, 8, True)),
                  "layer_norm": ((2048, 2, None, True), (4096, 2, 8, True),
-                                (16384, 1, 8, True))},
+                                (6144, 2, None, True), (16384, 1, 8, True))},
 }
 #: Tiles of several heads look here first: a program per tile measured slower for them (#15).
 MULTI_HEAD_HINTS = {"forward": ((2048, 1, 8, True),), "backward": ()}
 #: (occupancy, worker warps) of the chunked kernels.
 CHUNKED_HINTS = {"forward": (2, None), "backward": (2, None)}
 #: Single-pass rows at most 3/4 of their power-of-two tile (5120 of 8192) are split into two
-#: power-of-two pieces (4096 + 1024) instead of padded, from this padded width on.
-MIN_SPLIT_TILE_COLS = 2048
+#: power-of-two pieces (4096 + 1024) instead of padded, from this padded width on, per
+#: direction and op. An op absent is never split: the split LayerNorm forward lost to the
+#: padded one at 3000, 5120 and 6144, and so did the RMSNorm forward at 3000 (#29).
+MIN_SPLIT_TILE_COLS = {"forward": {"rms_norm": 8192},
+                       "backward": {"rms_norm": 2048, "layer_norm": 2048}}
 #: Tile of the fixed-order dgamma reduction over the partial buffer.
 REDUCE_TILE = (64, 64)
 #: From this compute capability on, the dgamma/dbeta reduction is launched as a programmatic
@@ -209,10 +216,12 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
         tile_heads = min(next_pow2(heads), vectors)
         tile_rows = max(1, vectors // tile_heads)
         hint_cols = tile_cols
-        if heads == 1 and tile_cols >= MIN_SPLIT_TILE_COLS and 4 * cols <= 3 * tile_cols:
-            # Launch hints stay those of the padded width: the tile's registers scale with it.
+        min_split = MIN_SPLIT_TILE_COLS[direction].get(op)
+        if (heads == 1 and min_split is not None and tile_cols >= min_split
+                and 4 * cols <= 3 * tile_cols):
             tile_cols //= 2
-            split_cols = next_pow2(cols - tile_cols)
+            split_cols = max(MIN_TILE_COLS, next_pow2(cols - tile_cols))
+            hint_cols = tile_cols + split_cols
     else:
         (tile_rows, tile_cols), tile_heads = CHUNK_TILE[direction], 1
     col_tiles = cdiv(cols, tile_cols) if not split_cols else 1

@@ -94,8 +94,9 @@ def plans(direction, op: str = "rms_norm", heads: int = 1, per_head: bool = Fals
     while cols[-1] < widest:
         cols.append(cols[-1] * 2)
     cols.append(2 * widest)
-    # Widths of 5/8 of a power of two take the split single-pass tiles (4096 + 1024 for 5120).
-    cols += [5 * n // 8 for n in cols if n <= widest]
+    # Rows just over, 5/8 and 3/4 of a power of two take split single-pass tiles: the narrowest
+    # second piece (4096 + 16 for 4097), 4096 + 1024 for 5120, the widest (4096 + 2048).
+    cols += [w for n in cols if n <= widest for w in (n // 2 + 1, 5 * n // 8, 3 * n // 4)]
     by_config = {}
     for n in cols:
         p = plan_row_norm(65536 // heads, n, heads=heads, per_head_weight=per_head,
@@ -189,7 +190,7 @@ def jobs() -> Iterator[ExportJob]:
             single = [p for p in chosen if p.single_pass and not p.split_cols]
             split = [p for p in chosen if p.split_cols]
             chunked = [p for p in chosen if not p.single_pass]
-            for plan in (single[-1], split[-1], chunked[0]):  # widest of each kernel kind
+            for plan in (single[-1], *split[-1:], chunked[0]):  # widest of each kernel kind
                 yield from plan_jobs(replace(plan, index_bits=v.index_bits), v)
         for per_head in (False, True):  # QK-norm: 8 heads of 128
             plan = plans(direction, heads=8, per_head=per_head)[3]
