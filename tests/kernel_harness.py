@@ -3,6 +3,7 @@ output against float64: the shared body of the op tests' GPU kernel cases."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -141,4 +142,47 @@ def check_kernels(m, heads, n, *, x_dtype=torch.bfloat16, w_dtype=None, layer_no
     torch.cuda.empty_cache()  # large cases share the GPU with other test workers
     assert not failed, f"relative errors {failed} over {limits}; seed {seed}; plans " \
                        f"{fwd.describe()} / {bwd.describe()}"
+    return fwd, bwd
+
+
+def _ordinary(plan):
+    return dataclasses.replace(plan, dependent_launch=False, dependent_reduce=False)
+
+
+def check_launch_modes_agree(m, heads, n, *, layer_norm=False, per_head=False, chain=3):
+    """The planned launches (programmatic dependents on Hopper) give bit for bit what ordinary
+    launches give on the same inputs: run once, ``chain`` times back to back without a sync,
+    and replayed from a CUDA graph. Returns the plans."""
+    g, seed = fresh_generator("cuda")
+    f = NormFeatures(layer_norm=layer_norm, has_weight=True, per_head_weight=per_head,
+                     has_bias=layer_norm, has_residual=False, has_offset=False)
+    x = torch.randn(m, heads, n, generator=g, device="cuda", dtype=torch.bfloat16)
+    pshape = (heads, n) if per_head else (n,)
+    w = (1 + 0.5 * torch.randn(pshape, generator=g, device="cuda")).to(torch.bfloat16)
+    b = (0.5 * torch.randn(pshape, generator=g, device="cuda")).to(torch.bfloat16) \
+        if layer_norm else None
+    dy = torch.randn(x.shape, generator=g, device="cuda", dtype=torch.bfloat16)
+    fwd, bwd = plans(m, heads, n, 2, per_head)
+
+    def run(fwd_plan, bwd_plan):
+        return _run(fwd_plan, bwd_plan, f, x, w, b, None, dy, None, 1e-6, 0.0, x.dtype, None)
+
+    expected = run(_ordinary(fwd), _ordinary(bwd))
+    results = [run(fwd, bwd) for _ in range(chain)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run(fwd, bwd)  # compiles and loads every kernel outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(fwd, bwd)
+    for _ in range(2):
+        graph.replay()
+        results.append({k: v.clone() for k, v in captured.items()})
+    for i, outs in enumerate(results):
+        for name, t in expected.items():
+            assert torch.equal(t.view(torch.uint8), outs[name].view(torch.uint8)), \
+                f"{name} of run {i} differs from the ordinary launch; seed {seed}; plans " \
+                f"{fwd.describe()} / {bwd.describe()}"
     return fwd, bwd

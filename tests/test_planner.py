@@ -10,6 +10,7 @@ from tilenorm.planner import (
     TILE_ELEMENTS,
     UnsupportedShape,
     max_single_pass_cols,
+    next_pow2,
     plan_row_norm,
 )
 
@@ -38,9 +39,11 @@ def test_every_row_and_column_covered_exactly_once(direction, sm_count, op, item
         if rows * cols <= 1 << 24:
             covered = [r for t in range(p.row_tiles) for r, _ in p.tile_vectors(t)]
             assert covered == list(range(rows)), "each row once"
-        assert (p.col_tiles - 1) * p.tile_cols < cols <= p.col_tiles * p.tile_cols
+        assert p.span_cols - min(p.tile_cols, p.split_cols or p.tile_cols) < cols <= p.span_cols
         assert is_pow2(p.tile_rows) and is_pow2(p.tile_cols) and p.tile_heads == 1
-        assert p.tile_rows * p.tile_cols <= max(TILE_ELEMENTS[direction], widest)
+        assert p.split_cols == 0 or (is_pow2(p.split_cols) and p.split_cols <= p.tile_cols // 2
+                                     and p.single_pass), "a second piece only in one pass"
+        assert p.tile_rows * (p.tile_cols + p.split_cols) <= max(TILE_ELEMENTS[direction], widest)
         assert p.single_pass == (cols <= widest)
         assert p.partial_shape == (p.grid, 1, cols)
         assert p.reduce_grid * p.reduce_tile[1] >= cols > (p.reduce_grid - 1) * p.reduce_tile[1]
@@ -150,3 +153,40 @@ def test_describe_names_tile_grid_and_partial_buffer():
                          direction="backward").describe()
     assert "tile 1x4096" in text and "persistent grid 264" in text, text
     assert "partial buffer 264x4096 fp32" in text
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_dependent_launch_from_hopper_on_and_only_for_whole_16_element_rows(direction):
+    """Programmatic dependent launch needs sm_90; a row kernel takes it only when its rows are
+    whole 16-element groups (a ragged row hung the backward, NOTES #25), the reduction always."""
+    for arch, cols in itertools.product([(8, 0), (8, 9), (9, 0), (10, 0), (12, 0)], COLS):
+        p = plan_row_norm(1000, cols, itemsize=2, sm_count=132, arch=arch, direction=direction)
+        hopper = arch >= (9, 0)
+        assert p.dependent_launch == (hopper and cols % 16 == 0), (arch, cols)
+        assert p.dependent_reduce == (hopper and direction == "backward"), (arch, cols)
+        assert ("programmatic dependent launch" in p.describe()) == p.dependent_launch
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_rows_far_from_a_power_of_two_split_into_two_pieces(direction, op):
+    """5120 is 4096 + 1024 rather than 8192 with 3072 padding columns where the split measured
+    faster: every backward from 2048-wide tiles, the RMSNorm forward from 8192. A row within a
+    quarter of its power of two, several heads, or narrow rows keep the one padded tile."""
+    def plan(cols, heads=1):
+        return plan_row_norm(4096, cols, heads=heads, itemsize=2, sm_count=132, arch=(9, 0),
+                             direction=direction, op=op)
+
+    split_widths = {5120: (4096, 1024), 6144: (4096, 2048), 3000: (2048, 1024)}
+    if direction == "forward":
+        split_widths = {5120: (4096, 1024), 6144: (4096, 2048)} if op == "rms_norm" else {}
+    for cols in (5120, 6144, 3000):
+        pieces = (plan(cols).tile_cols, plan(cols).split_cols)
+        assert pieces == split_widths.get(cols, (next_pow2(cols), 0)), (cols, pieces)
+    for cols, heads in ((7168, 1), (8192, 1), (4096, 1), (1280, 4), (5120, 2), (1000, 1)):
+        assert plan(cols, heads).split_cols == 0, (cols, heads)
+    if 5120 in split_widths:
+        assert "x4096+1024" in plan(5120).describe()
+        hints = SINGLE_PASS_HINTS[direction][op]
+        assert (plan(5120).occupancy, plan(5120).worker_warps) == next(
+            h[1:3] for h in hints if h[0] >= 5120), "split rows take the hints of their span"

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 import tilenorm
-from tests.kernel_harness import DGAMMA_TOL_FP32, check_kernels, fresh_generator, rel
+from tests.kernel_harness import (
+    DGAMMA_TOL_FP32,
+    check_kernels,
+    check_launch_modes_agree,
+    fresh_generator,
+    rel,
+)
 from tilenorm import reference
 from tilenorm.planner import plan_row_norm
 from tilenorm.validation import CUTILE_NORM, is_stable
@@ -299,7 +305,7 @@ def test_per_head_weight_strided_qkv_needs_no_copy():
 
 DTYPE_CASES = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
                (torch.float16, torch.float16), (torch.float32, torch.float32)]
-NS = [1, 7, 64, 127, 128, 1000, 1024, 4096, 5120, 8192, 16384, 65536]
+NS = [1, 7, 64, 127, 128, 1000, 1024, 3000, 4096, 4100, 5120, 8192, 12288, 16384, 65536]
 MS = [1, 3, 1000, 32768]
 EPS = 1e-6
 
@@ -320,7 +326,7 @@ def test_kernels_match_float64(m, n, x_dtype, w_dtype):
     check_kernels(m, 1, n, x_dtype=x_dtype, w_dtype=w_dtype, eps=EPS, repeats=2)
 
 
-FEATURE_NS = [128, 1000, 4096, 20000]
+FEATURE_NS = [128, 1000, 4096, 5120, 20000]
 
 
 @gpu
@@ -351,6 +357,15 @@ def test_per_head_kernels_match_float64(rows, heads, d, per_head):
     fwd, bwd = check_kernels(rows, heads, d, per_head=per_head, eps=EPS, repeats=1)
     if per_head:
         assert bwd.grid % bwd.head_tiles == 0
+
+
+@gpu
+@pytest.mark.parametrize("m,heads,n,per_head", [
+    (32768, 1, 128, False), (4096, 1, 4096, False), (1000, 1, 1000, False),
+    (64, 1, 65536, False), (4096, 8, 128, True)])
+def test_dependent_launches_match_ordinary_launches(m, heads, n, per_head):
+    """Back to back and from a CUDA graph, as planned (programmatic dependents on Hopper)."""
+    check_launch_modes_agree(m, heads, n, per_head=per_head)
 
 
 @gpu

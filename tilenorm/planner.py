@@ -43,20 +43,37 @@ TILE_ELEMENTS = {"forward": 8192, "backward": 4096}
 #: flight per SM beat a loop over tiles (#15). The backward is always persistent: its partial
 #: buffer has a row per program; 8 warps lift its 4096-element tiles from 512 columns up
 #: (LayerNorm's only at 4096), but slow the narrowest ones where the data sits in L2 (#17).
+#: Split rows (below) look up their span, the sum of their two pieces: 5120 and 6144 have
+#: entries of their own (#29).
 _FORWARD_HINTS = ((2048, 4, None, False), (4096, 2, 8, True), (8192, 2, None, True),
                   (32768, 1, 8, True))
 SINGLE_PASS_HINTS = {
-    "forward": {"rms_norm": _FORWARD_HINTS, "layer_norm": _FORWARD_HINTS},
-    "backward": {"rms_norm": ((256, 2, None, True), (4096, 2, 8, True), (16384, 1, 8, True)),
+    "forward": {"rms_norm": _FORWARD_HINTS[:2] + ((6144, 4, 4, True),) + _FORWARD_HINTS[2:],
+                "layer_norm": _FORWARD_HINTS},
+    "backward": {"rms_norm": ((256, 2, None, True), (4096, 2, 8, True), (5120, 2, None, True),
+                              (6144, 2, 8, True), (16384, 1, 8, True)),
                  "layer_norm": ((2048, 2, None, True), (4096, 2, 8, True),
-                                (16384, 1, 8, True))},
+                                (6144, 2, None, True), (16384, 1, 8, True))},
 }
 #: Tiles of several heads look here first: a program per tile measured slower for them (#15).
 MULTI_HEAD_HINTS = {"forward": ((2048, 1, 8, True),), "backward": ()}
 #: (occupancy, worker warps) of the chunked kernels.
 CHUNKED_HINTS = {"forward": (2, None), "backward": (2, None)}
+#: Single-pass rows at most 3/4 of their power-of-two tile (5120 of 8192) are split into two
+#: power-of-two pieces (4096 + 1024) instead of padded, from this padded width on, per
+#: direction and op. An op absent is never split: the split LayerNorm forward lost to the
+#: padded one at 3000, 5120 and 6144, and so did the RMSNorm forward at 3000 (#29).
+MIN_SPLIT_TILE_COLS = {"forward": {"rms_norm": 8192},
+                       "backward": {"rms_norm": 2048, "layer_norm": 2048}}
 #: Tile of the fixed-order dgamma reduction over the partial buffer.
 REDUCE_TILE = (64, 64)
+#: From this compute capability on, the dgamma/dbeta reduction is launched as a programmatic
+#: dependent of the backward kernel (it waits for it before reading the partial buffer), and so
+#: are the row kernels whose rows are a whole number of 16-element groups: with a ragged row
+#: tileiras 13.4 builds a different pipeline around the grid-dependency instructions, and the
+#: backward at N = 1000 never finished on an H200 (bench/NOTES.md, #25).
+DEPENDENT_LAUNCH_ARCH = (9, 0)
+DEPENDENT_LAUNCH_COLS_MULTIPLE = 16
 #: Largest element offset 32-bit indexing reaches; beyond it the kernels index with 64 bits.
 MAX_INT32_OFFSET = 2**31 - 1
 
@@ -78,11 +95,12 @@ class RowNormPlan:
     """How one normalization launch covers a (rows, heads, cols) problem.
 
     Row tile ``t`` is ``tile_rows x tile_heads`` vectors by ``col_tiles`` column tiles of
-    ``tile_cols`` columns, at row-tile index ``t // head_tiles`` and head-tile index
-    ``t % head_tiles``. Program ``p`` of ``grid`` handles row tiles ``p, p + grid, ...`` (see
-    :meth:`program_row_tiles`). With a per-head weight the grid is a multiple of
-    ``head_tiles``, so each program stays on one head tile and owns one slot of the
-    ``(grid // head_tiles, heads, cols)`` partial buffer.
+    ``tile_cols`` columns (a split single-pass tile adds a second piece of ``split_cols``
+    columns after the first: 4096 + 1024 for rows of 5120), at row-tile index
+    ``t // head_tiles`` and head-tile index ``t % head_tiles``. Program ``p`` of ``grid``
+    handles row tiles ``p, p + grid, ...`` (see :meth:`program_row_tiles`). With a per-head
+    weight the grid is a multiple of ``head_tiles``, so each program stays on one head tile
+    and owns one slot of the ``(grid // head_tiles, heads, cols)`` partial buffer.
     """
 
     rows: int
@@ -93,6 +111,7 @@ class RowNormPlan:
     tile_rows: int
     tile_heads: int
     tile_cols: int
+    split_cols: int
     col_tiles: int
     head_tiles: int
     row_tiles: int
@@ -100,6 +119,8 @@ class RowNormPlan:
     occupancy: int
     worker_warps: int | None
     index_bits: int
+    dependent_launch: bool
+    dependent_reduce: bool
     partial_shape: tuple[int, int, int]
     reduce_tile: tuple[int, int]
     reduce_grid: int
@@ -109,10 +130,15 @@ class RowNormPlan:
         return self.col_tiles == 1
 
     @property
+    def span_cols(self) -> int:
+        """Columns a row tile's column tiles cover, padding included."""
+        return self.col_tiles * self.tile_cols + self.split_cols
+
+    @property
     def config(self) -> tuple:
         """What selects a compiled kernel variant (besides dtypes and feature flags)."""
         return (self.single_pass, self.tile_rows, self.tile_heads, self.tile_cols,
-                self.occupancy, self.worker_warps, self.index_bits)
+                self.split_cols, self.occupancy, self.worker_warps, self.index_bits)
 
     def program_row_tiles(self, program: int) -> range:
         """Row tiles of ``program``, in the order it visits them."""
@@ -134,12 +160,16 @@ class RowNormPlan:
         heads = f"x{self.tile_heads}" if self.heads > 1 else ""
         grid = (f"persistent grid {self.grid}" if self.grid < self.row_tiles
                 else f"grid {self.grid}, a program per row tile")
-        text = (f"tile {self.tile_rows}{heads}x{self.tile_cols} ({mode}), {self.row_tiles} row "
+        split = f"+{self.split_cols}" if self.split_cols else ""
+        text = (f"tile {self.tile_rows}{heads}x{self.tile_cols}{split} ({mode}), "
+                f"{self.row_tiles} row "
                 f"tiles, {grid} (occupancy {self.occupancy})")
         if self.worker_warps:
             text += f", {self.worker_warps} worker warps"
         if self.index_bits == 64:
             text += ", 64-bit offsets"
+        if self.dependent_launch:
+            text += ", programmatic dependent launch"
         if self.direction == "backward":
             p = self.partial_shape
             shape = f"{p[0]}x{p[2]}" if p[1] == 1 else f"{p[0]}x{p[1]}x{p[2]}"
@@ -179,21 +209,29 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
 
     if op not in MAX_SINGLE_PASS_BYTES[direction]:
         raise ValueError(f"op must be 'rms_norm' or 'layer_norm', got {op!r}")
+    split_cols = 0
     if cols <= max_single_pass_cols(direction, op, itemsize):
         tile_cols = max(MIN_TILE_COLS, next_pow2(cols))
         vectors = max(1, TILE_ELEMENTS[direction] // tile_cols)
         tile_heads = min(next_pow2(heads), vectors)
         tile_rows = max(1, vectors // tile_heads)
+        hint_cols = tile_cols
+        min_split = MIN_SPLIT_TILE_COLS[direction].get(op)
+        if (heads == 1 and min_split is not None and tile_cols >= min_split
+                and 4 * cols <= 3 * tile_cols):
+            tile_cols //= 2
+            split_cols = max(MIN_TILE_COLS, next_pow2(cols - tile_cols))
+            hint_cols = tile_cols + split_cols
     else:
         (tile_rows, tile_cols), tile_heads = CHUNK_TILE[direction], 1
-    col_tiles = cdiv(cols, tile_cols)
+    col_tiles = cdiv(cols, tile_cols) if not split_cols else 1
     persistent = True
     if col_tiles == 1:
         hints = SINGLE_PASS_HINTS[direction][op]
         if tile_heads > 1:
             hints = MULTI_HEAD_HINTS[direction] + hints
         occupancy, worker_warps, persistent = next(
-            hint[1:] for hint in hints if tile_cols <= hint[0])
+            hint[1:] for hint in hints if hint_cols <= hint[0])
     else:
         occupancy, worker_warps = CHUNKED_HINTS[direction]
     head_tiles = cdiv(heads, tile_heads)
@@ -204,12 +242,16 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
     partial_rows = grid // head_tiles if per_head_weight else grid
     partial_shape = (partial_rows, heads if per_head_weight else 1, cols)
     reduce_cols = partial_shape[1] * cols
+    dependent = tuple(arch) >= DEPENDENT_LAUNCH_ARCH
     return RowNormPlan(
         rows=rows, heads=heads, cols=cols, direction=direction,
         per_head_weight=per_head_weight, tile_rows=tile_rows, tile_heads=tile_heads,
-        tile_cols=tile_cols, col_tiles=col_tiles, head_tiles=head_tiles, row_tiles=row_tiles,
+        tile_cols=tile_cols, split_cols=split_cols, col_tiles=col_tiles,
+        head_tiles=head_tiles, row_tiles=row_tiles,
         grid=grid, occupancy=occupancy, worker_warps=worker_warps,
         index_bits=64 if max_offset > MAX_INT32_OFFSET else 32,
+        dependent_launch=dependent and cols % DEPENDENT_LAUNCH_COLS_MULTIPLE == 0,
+        dependent_reduce=dependent and direction == "backward",
         partial_shape=partial_shape, reduce_tile=REDUCE_TILE,
         reduce_grid=cdiv(reduce_cols, REDUCE_TILE[1]),
     )

@@ -94,6 +94,9 @@ def plans(direction, op: str = "rms_norm", heads: int = 1, per_head: bool = Fals
     while cols[-1] < widest:
         cols.append(cols[-1] * 2)
     cols.append(2 * widest)
+    # Rows just over, 5/8 and 3/4 of a power of two take split single-pass tiles: the narrowest
+    # second piece (4096 + 16 for 4097), 4096 + 1024 for 5120, the widest (4096 + 2048).
+    cols += [w for n in cols if n <= widest for w in (n // 2 + 1, 5 * n // 8, 3 * n // 4)]
     by_config = {}
     for n in cols:
         p = plan_row_norm(65536 // heads, n, heads=heads, per_head_weight=per_head,
@@ -122,7 +125,7 @@ def plan_jobs(plan: RowNormPlan, v: Variant) -> Iterator[ExportJob]:
     _, rows, cols = norm.partial_shape(plan, max(1, f.has_weight + f.has_bias))
     partial = _array(ct.float32, plan.partial_shape, bits, strides=(rows * cols, cols, 1))
     name = (f"{'single' if plan.single_pass else 'chunked'} {plan.tile_rows}x{plan.tile_heads}"
-            f"x{plan.tile_cols} {v.label}")
+            f"x{plan.tile_cols}{f'+{plan.split_cols}' if plan.split_cols else ''} {v.label}")
     if plan.direction == "forward":
         bound = norm.bind_forward(plan, f)
         args = bound.args(a3(x), opt(f.has_residual, a3(res)), weight,
@@ -184,7 +187,10 @@ def jobs() -> Iterator[ExportJob]:
                 yield from plan_jobs(plan, v)
         for v in variants():
             chosen = plans(direction, op_of(v), itemsize=DTYPES[v.x].bitwidth // 8)
-            for plan in (chosen[-2], chosen[-1]):  # one single-pass, one chunked
+            single = [p for p in chosen if p.single_pass and not p.split_cols]
+            split = [p for p in chosen if p.split_cols]
+            chunked = [p for p in chosen if not p.single_pass]
+            for plan in (single[-1], *split[-1:], chunked[0]):  # widest of each kernel kind
                 yield from plan_jobs(replace(plan, index_bits=v.index_bits), v)
         for per_head in (False, True):  # QK-norm: 8 heads of 128
             plan = plans(direction, heads=8, per_head=per_head)[3]

@@ -13,8 +13,10 @@ All arithmetic is fp32; y takes y's dtype (the output dtype may differ from x's)
 Operands are viewed as (rows, heads, cols): plain norms have one head; per-head (QK) norms keep
 the head axis so strided (..., H, D) inputs need no copy. Every kernel runs on a persistent
 grid from :mod:`tilenorm.planner`; program ``p`` handles row tiles ``p, p + grid, ...``. Rows
-that fit in one tile are done in one pass ("single" kernels); wider rows are walked in column
-chunks twice, the second pass reading the row back from L2 ("chunked" kernels).
+that fit in one tile are done in one pass ("single" kernels; rows of one head that would pad
+a power-of-two tile by a third or more are held as two pieces instead, "split" kernels); wider
+rows are walked in column chunks twice, the second pass reading the row back from L2
+("chunked" kernels).
 
 The backward writes dx (and, for a fused residual, the residual's gradient) and folds
 ``sum(dy * x_hat)`` (and ``sum(dy)``) over the program's rows into its slot of a fp32 partial
@@ -22,7 +24,9 @@ buffer; :func:`tilenorm.cutile.reduce.column_sums` adds the slots in a fixed ord
 temporary, no atomics: results are bit-for-bit repeatable.
 
 Each kernel exists twice: with 32-bit indexing and, for operands whose offsets pass 2^31 - 1,
-with 64-bit indexing (``plan.index_bits``).
+with 64-bit indexing (``plan.index_bits``). On Hopper and later most launches are programmatic
+dependents (``plan.dependent_launch``, ``plan.dependent_reduce``): a kernel may start while the
+one before it drains, and waits for it before touching memory.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from dataclasses import dataclass
 import cuda.tile as ct
 import torch
 
-from tilenorm.cutile.reduce import column_sums
+from tilenorm.cutile.reduce import column_sums, start_after_predecessor
 from tilenorm.planner import RowNormPlan
 
 ConstInt = ct.Constant[int]
@@ -162,6 +166,13 @@ def _zero_partial(partial, slot, head_tile, chunks, TILE_H, TILE_N, PER_HEAD):
 # --- forward -----------------------------------------------------------------------------
 
 
+def _store_y(y, normed, scale, shift, offset, index, HAS_BIAS, HAS_OFFSET):
+    out = _times_scale(normed, scale, offset, HAS_OFFSET)
+    if HAS_BIAS:
+        out = out + shift
+    _store(y, index, out.astype(y.dtype))
+
+
 def _fwd_tile(xt, rt, t, head_tiles, scale, shift, y, residual_out, mean, rstd, eps, inv_n,
               offset, TILE_A, TILE_H, TILE_N, LAYER_NORM, HAS_BIAS, HAS_RESIDUAL, PADDED,
               HAS_OFFSET):
@@ -178,10 +189,7 @@ def _fwd_tile(xt, rt, t, head_tiles, scale, shift, y, residual_out, mean, rstd, 
             v = ct.where(_column_mask(0, y.shape[2], TILE_N), v, 0.0)
         _store_stat(mean, row_tile, head_tile, mu, TILE_A, TILE_H)
     r = ct.rsqrt(ct.sum(v * v, axis=2, keepdims=True) * inv_n + eps)
-    out = _times_scale(v * r, scale, offset, HAS_OFFSET)
-    if HAS_BIAS:
-        out = out + shift
-    _store(y, (row_tile, head_tile, 0), out.astype(y.dtype))
+    _store_y(y, v * r, scale, shift, offset, (row_tile, head_tile, 0), HAS_BIAS, HAS_OFFSET)
     _store_stat(rstd, row_tile, head_tile, r, TILE_A, TILE_H)
 
 
@@ -190,7 +198,8 @@ def norm_fwd_single(x, residual, weight, bias, y, residual_out, mean, rstd,
                     TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                     LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
                     HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool, PADDED: ConstBool,
-                    HAS_OFFSET: ConstBool):
+                    HAS_OFFSET: ConstBool, DEPENDENT: ConstBool):
+    start_after_predecessor(DEPENDENT)
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(x, axis=1, shape=shape)
     row_tiles = ct.num_tiles(x, axis=0, shape=shape) * head_tiles
@@ -212,12 +221,59 @@ def norm_fwd_single(x, residual, weight, bias, y, residual_out, mean, rstd,
                   PADDED, HAS_OFFSET)
 
 
+def _piece(x, residual, residual_out, row_tile, chunk, shape, HAS_RESIDUAL):
+    """One piece of a split row in fp32 (with a fused residual, h = x + residual, stored)."""
+    xt = _load3(x, (row_tile, 0, chunk), shape)
+    if HAS_RESIDUAL:
+        rt = _load3(residual, (row_tile, 0, chunk), shape)
+        return _residual_sum(xt, rt, residual_out, row_tile, 0, chunk)
+    return xt.astype(ct.float32)
+
+
+def norm_fwd_split(x, residual, weight, bias, y, residual_out, mean, rstd,
+                   eps: float, offset: float, inv_n: float,
+                   TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
+                   LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
+                   HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool, PADDED: ConstBool,
+                   HAS_OFFSET: ConstBool, DEPENDENT: ConstBool, SPLIT_N: ConstInt):
+    """The single-pass forward for rows of one head held as two power-of-two pieces,
+    ``TILE_N`` columns and then ``SPLIT_N`` (5120 = 4096 + 1024) instead of one tile padded to
+    ``2 * TILE_N``; only the second piece may be padded. ``TILE_H`` and ``PER_HEAD`` are
+    those of the single-pass signature (one head: a per-head weight is the shared one)."""
+    start_after_predecessor(DEPENDENT)
+    first, second = (TILE_A, 1, TILE_N), (TILE_A, 1, SPLIT_N)
+    at = TILE_N // SPLIT_N  # the second piece's index in tiles of its own width
+    row_tiles = ct.num_tiles(x, axis=0, shape=first)
+    scale = _scale(weight, 0, 0, 1, TILE_N, HAS_WEIGHT, False)
+    scale2 = _scale(weight, 0, at, 1, SPLIT_N, HAS_WEIGHT, False)
+    shift, shift2 = scale, scale2
+    if HAS_BIAS:
+        shift = _param(bias, 0, 0, 1, TILE_N, False)
+        shift2 = _param(bias, 0, at, 1, SPLIT_N, False)
+    for t in range(ct.bid(0), row_tiles, ct.num_blocks(0)):
+        v = _piece(x, residual, residual_out, t, 0, first, HAS_RESIDUAL)
+        v2 = _piece(x, residual, residual_out, t, at, second, HAS_RESIDUAL)
+        if LAYER_NORM:
+            mu = (ct.sum(v, axis=2, keepdims=True) + ct.sum(v2, axis=2, keepdims=True)) * inv_n
+            v = v - mu
+            v2 = v2 - mu
+            if PADDED:  # as in _fwd_tile: centered padding would be -mu
+                v2 = ct.where(_column_mask(at, y.shape[2], SPLIT_N), v2, 0.0)
+            _store_stat(mean, t, 0, mu, TILE_A, 1)
+        r = ct.rsqrt((ct.sum(v * v, axis=2, keepdims=True) +
+                      ct.sum(v2 * v2, axis=2, keepdims=True)) * inv_n + eps)
+        _store_y(y, v * r, scale, shift, offset, (t, 0, 0), HAS_BIAS, HAS_OFFSET)
+        _store_y(y, v2 * r, scale2, shift2, offset, (t, 0, at), HAS_BIAS, HAS_OFFSET)
+        _store_stat(rstd, t, 0, r, TILE_A, 1)
+
+
 def norm_fwd_chunked(x, residual, weight, bias, y, residual_out, mean, rstd,
                      eps: float, offset: float, inv_n: float,
                      TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                      LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
                      HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool, PADDED: ConstBool,
-                     HAS_OFFSET: ConstBool):
+                     HAS_OFFSET: ConstBool, DEPENDENT: ConstBool):
+    start_after_predecessor(DEPENDENT)
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(x, axis=1, shape=shape)
     row_tiles = ct.num_tiles(x, axis=0, shape=shape) * head_tiles
@@ -293,7 +349,8 @@ def norm_bwd_single(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, par
                     TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                     LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
                     HAS_BIAS: ConstBool, HAS_DRES_IN: ConstBool, STORE_DRES: ConstBool,
-                    HAS_OFFSET: ConstBool):
+                    HAS_OFFSET: ConstBool, DEPENDENT: ConstBool):
+    start_after_predecessor(DEPENDENT)
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(h, axis=1, shape=shape)
     row_tiles = ct.num_tiles(h, axis=0, shape=shape) * head_tiles
@@ -328,12 +385,67 @@ def norm_bwd_single(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, par
         _store_partial(partial_b, db, slot, head_tile_w, 0, PER_HEAD, False)
 
 
+def norm_bwd_split(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, partial_b,
+                   offset: float, inv_n: float,
+                   TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
+                   LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
+                   HAS_BIAS: ConstBool, HAS_DRES_IN: ConstBool, STORE_DRES: ConstBool,
+                   HAS_OFFSET: ConstBool, DEPENDENT: ConstBool, SPLIT_N: ConstInt):
+    """The single-pass backward over the two pieces of :func:`norm_fwd_split`."""
+    start_after_predecessor(DEPENDENT)
+    first, second = (TILE_A, 1, TILE_N), (TILE_A, 1, SPLIT_N)
+    at = TILE_N // SPLIT_N
+    row_tiles = ct.num_tiles(h, axis=0, shape=first)
+    program = ct.bid(0)
+    scale = _scale(weight, 0, 0, 1, TILE_N, HAS_WEIGHT, False)
+    scale2 = _scale(weight, 0, at, 1, SPLIT_N, HAS_WEIGHT, False)
+    dw, db = ct.zeros(first, dtype=ct.float32), ct.zeros(first, dtype=ct.float32)
+    dw2, db2 = ct.zeros(second, dtype=ct.float32), ct.zeros(second, dtype=ct.float32)
+    for t in range(program, row_tiles, ct.num_blocks(0)):
+        v = _load3(h, (t, 0, 0), first).astype(ct.float32)
+        v2 = _load3(h, (t, 0, at), second).astype(ct.float32)
+        g = _load3(dy, (t, 0, 0), first).astype(ct.float32)
+        g2 = _load3(dy, (t, 0, at), second).astype(ct.float32)
+        # Padding columns load dy = 0: they add nothing to the sums and are never stored.
+        r = _row_stat(rstd, t, 0, TILE_A, 1)
+        x_hat = _x_hat(v, mean, r, t, 0, TILE_A, 1, LAYER_NORM)
+        x_hat2 = _x_hat(v2, mean, r, t, 0, TILE_A, 1, LAYER_NORM)
+        wdy = _times_scale(g, scale, offset, HAS_OFFSET)
+        wdy2 = _times_scale(g2, scale2, offset, HAS_OFFSET)
+        if LAYER_NORM:
+            sum_hw, sum_w = _row_sums(x_hat * wdy, wdy)
+            sum_hw2, sum_w2 = _row_sums(x_hat2 * wdy2, wdy2)
+            c_hw, c_w = (sum_hw + sum_hw2) * inv_n, (sum_w + sum_w2) * inv_n
+            d = wdy - x_hat * c_hw - c_w
+            d2 = wdy2 - x_hat2 * c_hw - c_w
+        else:
+            c_hw = (ct.sum(x_hat * wdy, axis=2, keepdims=True) +
+                    ct.sum(x_hat2 * wdy2, axis=2, keepdims=True)) * inv_n
+            d = wdy - x_hat * c_hw
+            d2 = wdy2 - x_hat2 * c_hw
+        _store_dx(d * r, dres_in, dx, dres, (t, 0, 0), HAS_DRES_IN, STORE_DRES)
+        _store_dx(d2 * r, dres_in, dx, dres, (t, 0, at), HAS_DRES_IN, STORE_DRES)
+        if HAS_WEIGHT:
+            dw += g * x_hat
+            dw2 += g2 * x_hat2
+        if HAS_BIAS:
+            db += g
+            db2 += g2
+    if HAS_WEIGHT:
+        _store_partial(partial_w, dw, program, 0, 0, False, False)
+        _store_partial(partial_w, dw2, program, 0, at, False, False)
+    if HAS_BIAS:
+        _store_partial(partial_b, db, program, 0, 0, False, False)
+        _store_partial(partial_b, db2, program, 0, at, False, False)
+
+
 def norm_bwd_chunked(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, partial_b,
                      offset: float, inv_n: float,
                      TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                      LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
                      HAS_BIAS: ConstBool, HAS_DRES_IN: ConstBool, STORE_DRES: ConstBool,
-                     HAS_OFFSET: ConstBool):
+                     HAS_OFFSET: ConstBool, DEPENDENT: ConstBool):
+    start_after_predecessor(DEPENDENT)
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(h, axis=1, shape=shape)
     row_tiles = ct.num_tiles(h, axis=0, shape=shape) * head_tiles
@@ -395,8 +507,8 @@ _ARRAYS = {
     norm_bwd_single: ("dy", "h", "weight", "mean", "rstd", "dres_in", "dx", "dres",
                       "partial_w", "partial_b"),
 }
-_ARRAYS[norm_fwd_chunked] = _ARRAYS[norm_fwd_single]
-_ARRAYS[norm_bwd_chunked] = _ARRAYS[norm_bwd_single]
+_ARRAYS[norm_fwd_chunked] = _ARRAYS[norm_fwd_split] = _ARRAYS[norm_fwd_single]
+_ARRAYS[norm_bwd_chunked] = _ARRAYS[norm_bwd_split] = _ARRAYS[norm_bwd_single]
 
 
 def _indexed_with_int64(fn):
@@ -432,12 +544,24 @@ class BoundKernel:
     kernel: ct.kernel
     grid: tuple[int, int, int]
     constants: tuple
+    dependent_launch: bool
 
     def args(self, *runtime) -> tuple:
         return runtime + self.constants
 
     def launch(self, stream: int, *runtime) -> None:
-        ct.launch(stream, self.grid, self.kernel, runtime + self.constants)
+        ct.launch(stream, self.grid, self.kernel, runtime + self.constants,
+                  programmatic_dependent_launch=self.dependent_launch)
+
+
+def _variant(plan: RowNormPlan, single, split, chunked):
+    if not plan.single_pass:
+        return chunked
+    return split if plan.split_cols else single
+
+
+def _split_constant(plan: RowNormPlan) -> tuple:
+    return (plan.split_cols,) if plan.split_cols else ()
 
 
 def bind_forward(plan: RowNormPlan, features: NormFeatures) -> BoundKernel:
@@ -446,11 +570,13 @@ def bind_forward(plan: RowNormPlan, features: NormFeatures) -> BoundKernel:
     export (which passes parameter constraints as the runtime arguments), so both build
     exactly the same kernel variants."""
     f = features
-    fn = norm_fwd_single if plan.single_pass else norm_fwd_chunked
+    fn = _variant(plan, norm_fwd_single, norm_fwd_split, norm_fwd_chunked)
     constants = (1.0 / plan.cols, plan.tile_rows, plan.tile_heads, plan.tile_cols,
                  f.layer_norm, f.has_weight, f.per_head_weight, f.has_bias, f.has_residual,
-                 plan.col_tiles * plan.tile_cols != plan.cols, f.has_offset)
-    return BoundKernel(_compiled_for(fn, plan), (plan.grid, 1, 1), constants)
+                 plan.span_cols != plan.cols, f.has_offset,
+                 plan.dependent_launch) + _split_constant(plan)
+    return BoundKernel(_compiled_for(fn, plan), (plan.grid, 1, 1), constants,
+                       plan.dependent_launch)
 
 
 def bind_backward(plan: RowNormPlan, features: NormFeatures, has_dres_in: bool,
@@ -458,18 +584,20 @@ def bind_backward(plan: RowNormPlan, features: NormFeatures, has_dres_in: bool,
     """The backward's first kernel for ``plan``; runtime arguments ``(dy, h, weight, mean,
     rstd, dres_in, dx, dres, partial_w, partial_b, offset)`` (see bind_forward)."""
     f = features
-    fn = norm_bwd_single if plan.single_pass else norm_bwd_chunked
+    fn = _variant(plan, norm_bwd_single, norm_bwd_split, norm_bwd_chunked)
     constants = (1.0 / plan.cols, plan.tile_rows, plan.tile_heads, plan.tile_cols,
                  f.layer_norm, f.has_weight, f.per_head_weight, f.has_bias, has_dres_in,
-                 store_dres, f.has_offset)
-    return BoundKernel(_compiled_for(fn, plan), (plan.grid, 1, 1), constants)
+                 store_dres, f.has_offset, plan.dependent_launch) + _split_constant(plan)
+    return BoundKernel(_compiled_for(fn, plan), (plan.grid, 1, 1), constants,
+                       plan.dependent_launch)
 
 
 def bind_reduce(plan: RowNormPlan, groups: int) -> BoundKernel:
     """The fixed-order reduction of ``groups`` (1: dgamma or dbeta, 2: both) partial sums;
     runtime arguments ``(partial, out_a, out_b)``: the partial buffer (:func:`partial_shape`)
     as (slots, groups, heads * cols), the outputs flat."""
-    return BoundKernel(column_sums, (plan.reduce_grid, groups, 1), plan.reduce_tile)
+    return BoundKernel(column_sums, (plan.reduce_grid, groups, 1),
+                       plan.reduce_tile + (plan.dependent_reduce,), plan.dependent_reduce)
 
 
 def partial_shape(plan: RowNormPlan, groups: int) -> tuple[int, int, int]:

@@ -1,0 +1,113 @@
+"""Programmatic dependent launch as planned against ordinary launches, on the same inputs in
+one process: CUDA-graph kernel time of the forward, the backward (with its dgamma/dbeta
+reduction) and the two back to back, and whether every mode gives bit-identical outputs.
+Modes: ``ordinary`` (no kernel waits on its predecessor; the grid-dependency instructions are
+compiled out), ``reduce`` (only the reduction is a dependent launch), ``planned`` (what the
+planner chooses: the row kernels too where their rows are whole 16-element groups).
+
+    python bench/dependent_launch_ab.py [--cases rms:32768:128,layer_norm:32768:4096] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tilenorm import planner, reference  # noqa: E402
+from tilenorm.benchmark import graph_ms  # noqa: E402
+from tilenorm.cutile import norm as kernels  # noqa: E402
+from tilenorm.cutile.norm import NormFeatures  # noqa: E402
+from tilenorm.device import device_info  # noqa: E402
+
+DEFAULT_CASES = "rms:32768:128,rms:32768:4096,layer_norm:32768:4096,layer_norm:131072:1024"
+
+
+MODES = ("ordinary", "reduce", "planned")
+
+
+def with_mode(plan: planner.RowNormPlan, mode: str) -> planner.RowNormPlan:
+    return dataclasses.replace(plan, dependent_launch=plan.dependent_launch and mode == "planned",
+                               dependent_reduce=plan.dependent_reduce and mode != "ordinary")
+
+
+def run_mode(plans, f, x, dy, w, b, ref_dx, mode: str) -> tuple[dict, list]:
+    """Times and outputs of one launch mode."""
+    fwd, bwd = (with_mode(p, mode) for p in plans)
+    m, ln = x.shape[0], f.layer_norm
+    y = torch.full_like(x, float("nan"))
+    dx = torch.full_like(x, float("nan"))
+    mean = torch.empty(m, 1, device="cuda") if ln else None
+    rstd = torch.empty(m, 1, device="cuda")
+    dw, db = torch.empty_like(w), (torch.empty_like(w) if ln else None)
+    partial = kernels.partial_buffer(bwd, dw, db)
+
+    def forward():
+        kernels.forward(fwd, f, x=x, weight=w, bias=b, residual=None, y=y, residual_out=None,
+                        mean=mean, rstd=rstd, eps=1e-5)
+
+    def backward():
+        kernels.backward(bwd, f, dy=dy, h=x, weight=w, mean=mean, rstd=rstd, dres_in=None,
+                         dx=dx, dres=None, partial=partial, dweight=dw, dbias=db)
+
+    def both():
+        forward()
+        backward()
+
+    both()
+    torch.cuda.synchronize()
+    err = ((dx.double() - ref_dx).norm() / ref_dx.norm()).item()
+    times = {name: graph_ms(fn) * 1e3 for name, fn in
+             (("fwd_us", forward), ("bwd_us", backward), ("fwd_bwd_us", both))}
+    outputs = [t.clone() for t in (y, dx, dw) + (() if db is None else (db,))]
+    return {"mode": mode, **times, "dx_err": err}, outputs
+
+
+def measure(op: str, m: int, n: int) -> list[dict]:
+    ln = op == "layer_norm"
+    f = NormFeatures(layer_norm=ln, has_bias=ln)
+    info = device_info(torch.cuda.current_device())
+    x = torch.randn(m, 1, n, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    w = torch.randn(1, 1, n, device="cuda", dtype=torch.float32 if ln else torch.bfloat16)
+    b = torch.randn_like(w) if ln else None
+    kind = "layer_norm" if ln else "rms_norm"
+    plans = [planner.plan_row_norm(m, n, itemsize=2, sm_count=info.sm_count, arch=info.arch,
+                                   direction=d, op=kind) for d in ("forward", "backward")]
+    _, _, ref_mean, ref_rstd = reference.norm_forward(
+        x, w.view(-1), None if b is None else b.view(-1), 1e-5, layer_norm=ln)
+    ref_dx, _, _, _ = reference.norm_backward(
+        dy, None, x, w.view(-1), None if b is None else b.view(-1), ref_mean, ref_rstd)
+    runs = [run_mode(plans, f, x, dy, w, b, ref_dx, mode) for mode in MODES]
+    base = runs[0][1]
+    return [{"op": op, "M": m, "N": n, **row, "bit_identical_to_ordinary":
+             all(torch.equal(a, c) for a, c in zip(base, out, strict=True))}
+            for row, out in runs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default=DEFAULT_CASES)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    result = {"device": torch.cuda.get_device_name(), "rows": []}
+    for case in args.cases.split(","):
+        op, m, n = case.split(":")
+        for row in measure(op, int(m), int(n)):
+            result["rows"].append(row)
+            print(f"{op:>10} {row['M']:>7}x{row['N']:<6} {row['mode']:>8}"
+                  f" fwd {row['fwd_us']:8.2f} us  bwd {row['bwd_us']:8.2f} us  fwd+bwd "
+                  f"{row['fwd_bwd_us']:8.2f} us  dx err {row['dx_err']:.1e}  identical "
+                  f"{row['bit_identical_to_ordinary']}", flush=True)
+            if args.out:
+                args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
