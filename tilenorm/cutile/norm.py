@@ -38,6 +38,10 @@ from dataclasses import dataclass
 import cuda.tile as ct
 import torch
 
+# The native launch, not the ``ct.launch`` attribute: TileGym replaces that attribute with a
+# positional-only wrapper that rejects ``programmatic_dependent_launch`` once it is imported.
+from cuda.tile._cext import launch as native_launch
+
 from tilenorm.cutile.reduce import column_sums, start_after_predecessor
 from tilenorm.planner import RowNormPlan
 
@@ -550,8 +554,8 @@ class BoundKernel:
         return runtime + self.constants
 
     def launch(self, stream: int, *runtime) -> None:
-        ct.launch(stream, self.grid, self.kernel, runtime + self.constants,
-                  programmatic_dependent_launch=self.dependent_launch)
+        native_launch(stream, self.grid, self.kernel, runtime + self.constants,
+                      programmatic_dependent_launch=self.dependent_launch)
 
 
 def _variant(plan: RowNormPlan, single, split, chunked):
