@@ -69,11 +69,13 @@ MIN_SPLIT_TILE_COLS = {"forward": {"rms_norm": 8192},
 REDUCE_TILE = (64, 64)
 #: From this compute capability on, the dgamma/dbeta reduction is launched as a programmatic
 #: dependent of the backward kernel (it waits for it before reading the partial buffer), and so
-#: are the row kernels whose rows are a whole number of 16-element groups: with a ragged row
-#: tileiras 13.4 builds a different pipeline around the grid-dependency instructions, and the
-#: backward at N = 1000 never finished on an H200 (bench/NOTES.md, #25).
+#: are the row kernels whose rows are a whole number of 16-element groups, up to a width: with a
+#: ragged row tileiras 13.4 builds a different pipeline around the grid-dependency
+#: instructions, and the backward at N = 1000 never finished on an H200 (bench/NOTES.md, #25,
+#: #27); wider rows gain nothing and the backward loses 5% at 16384, 27% at 131072 (#30).
 DEPENDENT_LAUNCH_ARCH = (9, 0)
 DEPENDENT_LAUNCH_COLS_MULTIPLE = 16
+DEPENDENT_LAUNCH_MAX_COLS = 8192
 #: Largest element offset 32-bit indexing reaches; beyond it the kernels index with 64 bits.
 MAX_INT32_OFFSET = 2**31 - 1
 
@@ -250,7 +252,8 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
         head_tiles=head_tiles, row_tiles=row_tiles,
         grid=grid, occupancy=occupancy, worker_warps=worker_warps,
         index_bits=64 if max_offset > MAX_INT32_OFFSET else 32,
-        dependent_launch=dependent and cols % DEPENDENT_LAUNCH_COLS_MULTIPLE == 0,
+        dependent_launch=(dependent and cols % DEPENDENT_LAUNCH_COLS_MULTIPLE == 0
+                          and cols <= DEPENDENT_LAUNCH_MAX_COLS),
         dependent_reduce=dependent and direction == "backward",
         partial_shape=partial_shape, reduce_tile=REDUCE_TILE,
         reduce_grid=cdiv(reduce_cols, REDUCE_TILE[1]),
