@@ -7,7 +7,7 @@ import tilenorm
 from tilenorm import _experimental, validation
 from tilenorm.device import DeviceInfo
 from tilenorm.pytorch import routing
-from tilenorm.pytorch._norm import KERNEL_NAMES
+from tilenorm.pytorch._norm import kernel_names
 
 FAKE_H100 = DeviceInfo(index=0, name="NVIDIA H100 80GB HBM3", sm_count=132, arch=(9, 0),
                        l2_bytes=50 << 20)
@@ -59,7 +59,7 @@ def fake_gpu(monkeypatch):
 
 
 def route_on_fake_gpu(rows, cols, dtype=torch.bfloat16, allow=False):
-    return routing.route_problem("rms_norm", validation.CUTILE_NORM, KERNEL_NAMES,
+    return routing.route_problem("rms_norm", validation.CUTILE_NORM, kernel_names,
                                  torch.device("cuda", 0), (dtype,), rows, 1, cols, False,
                                  rows * cols - 1, allow)
 
@@ -83,6 +83,21 @@ def test_explain_describes_kernel_tile_grid_and_partial_buffer(fake_gpu):
         assert words in text, words
     wide = str(route_on_fake_gpu(1024, 65536, allow=True))
     assert "norm_fwd_chunked" in wide and "16 column chunks" in wide, wide
+
+
+@pytest.mark.parametrize("cols,names", [
+    (4096, ("norm_fwd_single", "norm_bwd_single")),
+    (5120, ("norm_fwd_split", "norm_bwd_split")),
+    (3000, ("norm_fwd_single", "norm_bwd_split")),
+    (20000, ("norm_fwd_split", "norm_bwd_chunked")),
+    (30000, ("norm_fwd_single", "norm_bwd_chunked")),
+    (65536, ("norm_fwd_chunked", "norm_bwd_chunked")),
+])
+def test_explain_names_the_kernels_each_direction_runs(fake_gpu, cols, names):
+    """Each direction's plan picks its kernel: a row may be single-pass forward and chunked
+    backward, or split in one direction only."""
+    route = route_on_fake_gpu(1024, cols, allow=True)
+    assert route.kernels == (*names, "column_sums"), route
 
 
 def test_reference_for_unsupported_dtype_and_size(fake_gpu):

@@ -558,7 +558,16 @@ class BoundKernel:
                       programmatic_dependent_launch=self.dependent_launch)
 
 
-def _variant(plan: RowNormPlan, single, split, chunked):
+_KERNELS = {"forward": (norm_fwd_single, norm_fwd_split, norm_fwd_chunked),
+            "backward": (norm_bwd_single, norm_bwd_split, norm_bwd_chunked)}
+#: The kernel that adds up the backward's partial buffer (``column_sums`` is compiled: its
+#: object carries no name).
+REDUCE_KERNEL_NAME = "column_sums"
+
+
+def kernel_source(plan: RowNormPlan):
+    """The kernel function (before compilation) that runs ``plan``."""
+    single, split, chunked = _KERNELS[plan.direction]
     if not plan.single_pass:
         return chunked
     return split if plan.split_cols else single
@@ -574,7 +583,7 @@ def bind_forward(plan: RowNormPlan, features: NormFeatures) -> BoundKernel:
     export (which passes parameter constraints as the runtime arguments), so both build
     exactly the same kernel variants."""
     f = features
-    fn = _variant(plan, norm_fwd_single, norm_fwd_split, norm_fwd_chunked)
+    fn = kernel_source(plan)
     constants = (1.0 / plan.cols, plan.tile_rows, plan.tile_heads, plan.tile_cols,
                  f.layer_norm, f.has_weight, f.per_head_weight, f.has_bias, f.has_residual,
                  plan.span_cols != plan.cols, f.has_offset,
@@ -588,7 +597,7 @@ def bind_backward(plan: RowNormPlan, features: NormFeatures, has_dres_in: bool,
     """The backward's first kernel for ``plan``; runtime arguments ``(dy, h, weight, mean,
     rstd, dres_in, dx, dres, partial_w, partial_b, offset)`` (see bind_forward)."""
     f = features
-    fn = _variant(plan, norm_bwd_single, norm_bwd_split, norm_bwd_chunked)
+    fn = kernel_source(plan)
     constants = (1.0 / plan.cols, plan.tile_rows, plan.tile_heads, plan.tile_cols,
                  f.layer_norm, f.has_weight, f.per_head_weight, f.has_bias, has_dres_in,
                  store_dres, f.has_offset, plan.dependent_launch) + _split_constant(plan)

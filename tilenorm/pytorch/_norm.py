@@ -21,7 +21,7 @@ from tilenorm import reference
 from tilenorm._experimental import experimental_enabled
 from tilenorm.cutile import norm as cutile_norm
 from tilenorm.cutile.norm import NormFeatures
-from tilenorm.planner import MAX_INT32_OFFSET
+from tilenorm.planner import MAX_INT32_OFFSET, RowNormPlan
 from tilenorm.pytorch._checks import (
     check_dtype,
     check_offset,
@@ -34,10 +34,13 @@ from tilenorm.pytorch._checks import (
 from tilenorm.pytorch.routing import Route, route_problem
 from tilenorm.validation import CUTILE_NORM
 
-KERNEL_NAMES = (
-    ("norm_fwd_single", "norm_bwd_single", "column_sums"),
-    ("norm_fwd_chunked", "norm_bwd_chunked", "column_sums"),
-)
+
+def kernel_names(forward: RowNormPlan, backward: RowNormPlan) -> tuple[str, ...]:
+    """The kernels that run a route's forward and backward plans, in launch order."""
+    return (cutile_norm.kernel_source(forward).__name__,
+            cutile_norm.kernel_source(backward).__name__, cutile_norm.REDUCE_KERNEL_NAME)
+
+
 #: Layouts remembered; past this the cache starts over (a long-running job with ever new
 #: shapes must not grow without bound).
 MAX_RECIPES = 4096
@@ -157,7 +160,7 @@ def _make_recipe(op, layer_norm, x, weight, bias, residual, out_dtype, residual_
         offsets.append(max_offset(tuple(residual.shape), residual.stride()))
     dtypes = tuple(t.dtype for t in (x, weight, bias, residual) if t is not None)
     dtypes += tuple(d for d in (out_dtype, residual_dtype) if d is not None)
-    route = route_problem(op, CUTILE_NORM, KERNEL_NAMES, x.device, dtypes, *shape3, per_head,
+    route = route_problem(op, CUTILE_NORM, kernel_names, x.device, dtypes, *shape3, per_head,
                           max(offsets), experimental_enabled())
     kernels = BoundKernels.bind(route, features, x.device) if route.uses_kernel else None
     return Recipe(route=route, features=features, shape3=shape3, copy_x=copy_x,

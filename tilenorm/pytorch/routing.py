@@ -4,6 +4,7 @@ and why. :func:`tilenorm.explain` shows the same decision the ops act on."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,14 +63,15 @@ def _reference(op: str, reason: str) -> Route:
 
 
 @functools.lru_cache(maxsize=1024)
-def route_problem(op: str, family: KernelFamily, kernel_names: tuple[tuple[str, ...], ...],
+def route_problem(op: str, family: KernelFamily,
+                  kernel_names: Callable[[RowNormPlan, RowNormPlan], tuple[str, ...]],
                   device: torch.device, dtypes: tuple[torch.dtype, ...], rows: int, heads: int,
                   cols: int, per_head_weight: bool, max_offset: int,
                   allow_experimental: bool) -> Route:
     """The route for normalizing ``rows x heads`` vectors of ``cols`` elements on ``device``.
     ``dtypes`` lists every operand's dtype (x first); ``max_offset`` is the largest element
-    offset any operand reaches; ``kernel_names`` lists the kernels used for single-pass rows
-    and for chunked rows."""
+    offset any operand reaches; ``kernel_names`` names the kernels that run the forward and
+    backward plans."""
     if device.type != "cuda":
         return _reference(op, f"x is on {device}; the kernels run on CUDA devices")
     odd = [d for d in dtypes if d not in KERNEL_DTYPES]
@@ -93,8 +95,7 @@ def route_problem(op: str, family: KernelFamily, kernel_names: tuple[tuple[str, 
                     for d in ("forward", "backward"))
     except UnsupportedShape as e:
         return _reference(op, str(e))
-    names = kernel_names[0 if fwd.single_pass else 1]
     reason = ("validated kernels cover this case" if stable
               else "experimental kernels are enabled")
-    return Route(op=op, reason=reason, family=family, kernels=names, forward=fwd, backward=bwd,
-                 device=info)
+    return Route(op=op, reason=reason, family=family, kernels=kernel_names(fwd, bwd),
+                 forward=fwd, backward=bwd, device=info)
