@@ -89,13 +89,13 @@ def test_explain_describes_kernel_tile_grid_and_partial_buffer(fake_gpu):
     (4096, ("norm_fwd_single", "norm_bwd_single")),
     (5120, ("norm_fwd_split", "norm_bwd_split")),
     (3000, ("norm_fwd_single", "norm_bwd_split")),
-    (20000, ("norm_fwd_split", "norm_bwd_chunked")),
-    (30000, ("norm_fwd_single", "norm_bwd_chunked")),
-    (65536, ("norm_fwd_chunked", "norm_bwd_chunked")),
+    (20000, ("norm_fwd_split", "norm_bwd_row_sums", "norm_bwd_columns")),
+    (30000, ("norm_fwd_single", "norm_bwd_row_sums", "norm_bwd_columns")),
+    (65536, ("norm_fwd_chunked", "norm_bwd_row_sums", "norm_bwd_columns")),
 ])
 def test_explain_names_the_kernels_each_direction_runs(fake_gpu, cols, names):
-    """Each direction's plan picks its kernel: a row may be single-pass forward and chunked
-    backward, or split in one direction only."""
+    """Each direction's plan picks its kernels: a row may be single-pass forward and column
+    split backward, or split in one direction only."""
     route = route_on_fake_gpu(1024, cols, allow=True)
     assert route.kernels == (*names, "column_sums"), route
 

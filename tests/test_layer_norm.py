@@ -117,6 +117,8 @@ class _RecordingKernel:
     """Stands in for a bound kernel on the CPU: ``effect`` plays the kernel's part on its
     arguments."""
 
+    first = None  # a single-kernel backward (not column split)
+
     def __init__(self, effect):
         self.effect = effect
 

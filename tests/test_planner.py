@@ -31,11 +31,28 @@ def test_every_row_and_column_covered_exactly_once(direction, sm_count, op, item
     for rows, cols in itertools.product(ROWS, COLS):
         p = plan_row_norm(rows, cols, itemsize=itemsize, sm_count=sm_count, arch=(9, 0),
                           direction=direction, op=op)
-        assert 1 <= p.grid <= p.row_tiles, "grid never exceeds the number of tiles"
-        assert p.grid <= sm_count * p.occupancy or (
-            direction == "forward" and p.grid == p.row_tiles), "persistent but forward"
-        seen = [t for prog in range(p.grid) for t in p.program_row_tiles(prog)]
-        assert sorted(seen) == list(range(p.row_tiles)), "each row tile once"
+        assert p.column_split == (direction == "backward" and not p.single_pass)
+        if p.column_split:  # a program per column tile at least, persistent over rows
+            assert p.grid == p.row_groups * p.col_tiles and 1 <= p.row_groups <= p.row_tiles
+            assert p.grid <= max(sm_count * p.occupancy, p.col_tiles)
+            assert p.partial_shape == (p.row_groups, 1, cols)
+        else:
+            assert 1 <= p.grid <= p.row_tiles, "grid never exceeds the number of tiles"
+            assert p.grid <= sm_count * p.occupancy or (
+                direction == "forward" and p.grid == p.row_tiles), "persistent but forward"
+            assert p.partial_shape == (p.grid, 1, cols)
+        if not p.column_split:
+            seen = [t for prog in range(p.grid) for t in p.program_row_tiles(prog)]
+            assert sorted(seen) == list(range(p.row_tiles)), "each row tile once"
+        elif p.row_tiles * p.col_tiles <= 1 << 15:
+            spans = {t: [] for t in range(p.row_tiles)}
+            for prog in range(p.grid):
+                for t in p.program_row_tiles(prog):
+                    spans[t].append(p.program_cols(prog))
+            for t, ranges in spans.items():
+                ranges.sort(key=lambda r: r.start)
+                assert [r.start for r in ranges] == [0] + [r.stop for r in ranges[:-1]] and \
+                    ranges[-1].stop == cols, f"row tile {t}: each column once"
         if rows * cols <= 1 << 24:
             covered = [r for t in range(p.row_tiles) for r, _ in p.tile_vectors(t)]
             assert covered == list(range(rows)), "each row once"
@@ -45,7 +62,6 @@ def test_every_row_and_column_covered_exactly_once(direction, sm_count, op, item
                                      and p.single_pass), "a second piece only in one pass"
         assert p.tile_rows * (p.tile_cols + p.split_cols) <= max(TILE_ELEMENTS[direction], widest)
         assert p.single_pass == (cols <= widest)
-        assert p.partial_shape == (p.grid, 1, cols)
         assert p.reduce_grid * p.reduce_tile[1] >= cols > (p.reduce_grid - 1) * p.reduce_tile[1]
         assert p.index_bits == (64 if rows * cols > 2**31 else 32)
 
@@ -73,7 +89,7 @@ def test_heads_tiles_cover_every_vector_once(heads, cols, per_head):
 def test_partial_buffer_bytes_stay_small():
     p = plan_row_norm(4096, 65536, itemsize=2, sm_count=132, arch=(9, 0),
                       direction="backward")
-    assert p.partial_shape == (p.grid, 1, 65536) and p.grid <= 132 * p.occupancy
+    assert p.column_split and p.partial_shape == (16, 1, 65536) and p.grid == 256
     p = plan_row_norm(1 << 20, 128, itemsize=2, sm_count=132, arch=(9, 0),
                       direction="backward")
     assert p.partial_shape == (264, 1, 128)
@@ -146,6 +162,35 @@ def test_bad_arguments_raise():
         plan_row_norm(4, 4, itemsize=2, sm_count=0, arch=(9, 0), direction="forward")
     with pytest.raises(ValueError, match="direction"):
         plan_row_norm(4, 4, itemsize=2, sm_count=1, arch=(9, 0), direction="sideways")
+
+
+@pytest.mark.parametrize("heads,per_head", [(1, False), (3, False), (3, True), (40, True)])
+def test_column_split_backward_covers_every_vector_and_column_once(heads, per_head):
+    """Wide rows: each (vector, column) is folded by exactly one program, each program writes
+    its own partial slot (of its head, with per-head weights), every slot is written."""
+    for rows, cols, sm_count in ((1, 20000, 132), (7, 65536, 5), (100, 40000, 132)):
+        p = plan_row_norm(rows, cols, heads=heads, per_head_weight=per_head, itemsize=2,
+                          sm_count=sm_count, arch=(9, 0), direction="backward")
+        assert p.column_split and p.tile_rows == p.tile_heads == 1
+        assert p.grid == p.row_groups * heads * p.col_tiles
+        spans = {t: [] for t in range(p.row_tiles)}
+        for prog in range(p.grid):
+            tiles = p.program_row_tiles(prog)
+            if per_head:
+                assert {t % heads for t in tiles} <= {prog // p.col_tiles % heads}, \
+                    "one head per program"
+            for t in tiles:
+                spans[t].append(p.program_cols(prog))
+        for t, ranges in spans.items():
+            ranges.sort(key=lambda r: r.start)
+            assert [r.start for r in ranges] == [0] + [r.stop for r in ranges[:-1]] and \
+                ranges[-1].stop == cols, f"vector {t}: each column once"
+        slots = {(p.partial_slot(q), q // p.col_tiles % heads, q % p.col_tiles)
+                 for q in range(p.grid)}
+        assert len(slots) == p.grid, "no two programs share a partial slot and column tile"
+        expected_slots = p.row_groups if per_head else p.row_groups * heads
+        assert p.partial_shape == (expected_slots, heads if per_head else 1, cols)
+        assert {s for s, _, _ in slots} == set(range(expected_slots)), "every slot written"
 
 
 def test_describe_names_tile_grid_and_partial_buffer():

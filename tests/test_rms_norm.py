@@ -58,7 +58,7 @@ def test_reference_matches_float64_autograd(shape, dtype, tol, with_weight):
 @pytest.mark.parametrize("rows,heads,cols,sm_count,per_head", [
     (1000, 1, 1000, 3, False), (37, 1, 4096, 5, False), (5, 1, 20000, 2, False),
     (4096, 1, 16, 7, False), (300, 5, 128, 3, True), (64, 40, 64, 132, True),
-    (50, 6, 96, 4, False)])
+    (50, 6, 96, 4, False), (9, 3, 20000, 4, True), (9, 3, 20000, 4, False)])
 def test_partial_buffer_fold_equals_direct_sum(rows, heads, cols, sm_count, per_head):
     """Simulate the backward's grid-stride partition and fixed-order fold on the CPU."""
     g, seed = fresh_generator()
@@ -69,23 +69,25 @@ def test_partial_buffer_fold_equals_direct_sum(rows, heads, cols, sm_count, per_
     visited = []
     for program in range(plan.grid):
         acc = torch.zeros(plan.partial_shape[1:], dtype=torch.float64)
+        cols_ = plan.program_cols(program)
+        columns = slice(cols_.start, cols_.stop)
         head_tiles = {t % plan.head_tiles for t in plan.program_row_tiles(program)}
+        head_tile = (program // plan.col_tiles if plan.column_split else program) \
+            % plan.head_tiles
         if per_head:
-            assert head_tiles == {program % plan.head_tiles}, "one head tile per program"
-            h0 = program % plan.head_tiles * plan.tile_heads
-            acc[h0:h0 + plan.tile_heads] = 0  # the program writes only its heads
+            assert head_tiles <= {head_tile}, "one head tile per program"
         for tile in plan.program_row_tiles(program):
             for row, head in plan.tile_vectors(tile):
-                acc[head if per_head else 0] += contribution[row, head]
-                visited.append((row, head))
+                acc[head if per_head else 0, columns] += contribution[row, head, columns]
+                visited.append((row, head, cols_.start))
         slot = plan.partial_slot(program)
-        if per_head:
-            h0 = program % plan.head_tiles * plan.tile_heads
-            partial[slot, h0:h0 + plan.tile_heads] = acc[h0:h0 + plan.tile_heads]
-        else:
-            partial[slot] = acc
-    assert sorted(visited) == [(r, h) for r in range(rows) for h in range(heads)], \
-        "every vector folded exactly once"
+        # The program writes its columns of its slot (of its heads, with per-head weights).
+        heads_ = slice(head_tile * plan.tile_heads, (head_tile + 1) * plan.tile_heads) \
+            if per_head else slice(None)
+        partial[slot, heads_, columns] = acc[heads_, columns]
+    starts = sorted({c.start for c in map(plan.program_cols, range(plan.grid))})
+    assert sorted(visited) == [(r, h, c) for r in range(rows) for h in range(heads)
+                               for c in starts], "every vector's every column folded once"
     assert not partial.isnan().any(), "every partial-buffer element written"
     folded = torch.zeros(plan.partial_shape[1:], dtype=torch.float64)
     for slot in range(plan.partial_shape[0]):  # the column_sums kernel's fixed order
@@ -351,7 +353,7 @@ def test_feature_kernels_match_float64(case, n):
 
 @gpu
 @pytest.mark.parametrize("rows,heads,d", [(4096, 8, 128), (1000, 40, 64), (333, 5, 256),
-                                          (64, 64, 128), (2048, 2, 96)])
+                                          (64, 64, 128), (2048, 2, 96), (67, 3, 20000)])
 @pytest.mark.parametrize("per_head", [False, True])
 def test_per_head_kernels_match_float64(rows, heads, d, per_head):
     fwd, bwd = check_kernels(rows, heads, d, per_head=per_head, eps=EPS, repeats=1)

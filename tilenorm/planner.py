@@ -26,10 +26,12 @@ MAX_SINGLE_PASS_BYTES = {
     "forward": {"rms_norm": 65536, "layer_norm": 32768},
     "backward": {"rms_norm": 32768, "layer_norm": 16384},
 }
-#: (rows, cols) of the tile that walks rows wider than the single-pass limit. The backward
-#: takes several rows per tile so that its read-modify-write of the program's partial row
-#: happens once per tile rows instead of once per row.
-CHUNK_TILE = {"forward": (1, 4096), "backward": (8, 512)}
+#: (rows, cols) of the tile for rows wider than the single-pass limit. The forward walks a
+#: row in chunks of it, twice (the second pass reads the row back from L2). The backward is
+#: column split: a program owns one column block of a strided set of rows, so every SM streams
+#: however few rows there are; a first kernel adds up each block's share of the row sums, a
+#: second writes dx and dgamma (bench/NOTES.md, #35: 1.8 -> 2.5 TB/s at 4096 x 32768).
+CHUNK_TILE = {"forward": (1, 4096), "backward": (1, 4096)}
 #: Narrower rows are padded to this many columns: 16 bf16 elements are one 32-byte sector.
 MIN_TILE_COLS = 16
 #: Elements per single-pass (rows, heads, cols) tile: narrow rows are packed up to this.
@@ -57,7 +59,7 @@ SINGLE_PASS_HINTS = {
 }
 #: Tiles of several heads look here first: a program per tile measured slower for them (#15).
 MULTI_HEAD_HINTS = {"forward": ((2048, 1, 8, True),), "backward": ()}
-#: (occupancy, worker warps) of the chunked kernels.
+#: (occupancy, worker warps) of the chunked forward and the column-split backward.
 CHUNKED_HINTS = {"forward": (2, None), "backward": (2, None)}
 #: Single-pass rows at most 3/4 of their power-of-two tile (5120 of 8192) are split into two
 #: power-of-two pieces (4096 + 1024) instead of padded, from this padded width on, per
@@ -65,6 +67,9 @@ CHUNKED_HINTS = {"forward": (2, None), "backward": (2, None)}
 #: padded one at 3000, 5120 and 6144, and so did the RMSNorm forward at 3000 (#29).
 MIN_SPLIT_TILE_COLS = {"forward": {"rms_norm": 8192},
                        "backward": {"rms_norm": 2048, "layer_norm": 2048}}
+#: (numerator, denominator): a row is split when it fills at most this fraction of its padded
+#: power-of-two tile. The second piece is the power of two covering the rest of the row.
+SPLIT_MAX_FILL = (3, 4)
 #: Tile of the fixed-order dgamma reduction over the partial buffer.
 REDUCE_TILE = (64, 64)
 #: From this compute capability on, the dgamma/dbeta reduction is launched as a programmatic
@@ -103,6 +108,10 @@ class RowNormPlan:
     handles row tiles ``p, p + grid, ...`` (see :meth:`program_row_tiles`). With a per-head
     weight the grid is a multiple of ``head_tiles``, so each program stays on one head tile
     and owns one slot of the ``(grid // head_tiles, heads, cols)`` partial buffer.
+
+    A ``column_split`` backward (rows wider than one tile) has one vector per row tile; its
+    program ``p`` takes column tile ``p % col_tiles`` of head ``p // col_tiles % heads`` in
+    the rows ``g, g + row_groups, ...`` of its row group ``g = p // (col_tiles * heads)``.
     """
 
     rows: int
@@ -123,6 +132,7 @@ class RowNormPlan:
     index_bits: int
     dependent_launch: bool
     dependent_reduce: bool
+    column_split: bool
     partial_shape: tuple[int, int, int]
     reduce_tile: tuple[int, int]
     reduce_grid: int
@@ -142,9 +152,32 @@ class RowNormPlan:
         return (self.single_pass, self.tile_rows, self.tile_heads, self.tile_cols,
                 self.split_cols, self.occupancy, self.worker_warps, self.index_bits)
 
+    @property
+    def row_groups(self) -> int:
+        """Programs per column tile and head of a column-split backward."""
+        return self.grid // (self.col_tiles * self.head_tiles)
+
+    def _split_coordinates(self, program: int) -> tuple[int, int, int]:
+        """(row group, head, column tile) of a column-split program."""
+        rest, col_tile = divmod(program, self.col_tiles)
+        group, head = divmod(rest, self.head_tiles)
+        return group, head, col_tile
+
     def program_row_tiles(self, program: int) -> range:
-        """Row tiles of ``program``, in the order it visits them."""
+        """Row tiles of ``program``, in the order it visits them (a column-split backward's
+        second kernel visits them in reverse)."""
+        if self.column_split:
+            group, head, _ = self._split_coordinates(program)
+            step = self.row_groups * self.head_tiles
+            return range(group * self.head_tiles + head, self.row_tiles, step)
         return range(program, self.row_tiles, self.grid)
+
+    def program_cols(self, program: int) -> range:
+        """The columns ``program`` covers in each of its row tiles."""
+        if self.column_split:
+            start = self._split_coordinates(program)[2] * self.tile_cols
+            return range(start, min(start + self.tile_cols, self.cols))
+        return range(self.cols)
 
     def tile_vectors(self, row_tile: int) -> list[tuple[int, int]]:
         """(row, head) pairs of ``row_tile`` that exist (edge tiles may be partial)."""
@@ -155,10 +188,16 @@ class RowNormPlan:
 
     def partial_slot(self, program: int) -> int:
         """The partial-buffer row that ``program`` writes."""
+        if self.column_split:
+            group, head, _ = self._split_coordinates(program)
+            return group if self.per_head_weight else group * self.head_tiles + head
         return program // self.head_tiles if self.per_head_weight else program
 
     def describe(self) -> str:
         mode = "single pass" if self.single_pass else f"{self.col_tiles} column chunks, 2 passes"
+        if self.column_split:
+            mode = (f"{self.col_tiles} column tiles x {self.row_groups} row groups, "
+                    "row sums then columns")
         heads = f"x{self.tile_heads}" if self.heads > 1 else ""
         grid = (f"persistent grid {self.grid}" if self.grid < self.row_tiles
                 else f"grid {self.grid}, a program per row tile")
@@ -220,13 +259,14 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
         hint_cols = tile_cols
         min_split = MIN_SPLIT_TILE_COLS[direction].get(op)
         if (heads == 1 and min_split is not None and tile_cols >= min_split
-                and 4 * cols <= 3 * tile_cols):
+                and cols * SPLIT_MAX_FILL[1] <= SPLIT_MAX_FILL[0] * tile_cols):
             tile_cols //= 2
             split_cols = max(MIN_TILE_COLS, next_pow2(cols - tile_cols))
             hint_cols = tile_cols + split_cols
     else:
         (tile_rows, tile_cols), tile_heads = CHUNK_TILE[direction], 1
     col_tiles = cdiv(cols, tile_cols) if not split_cols else 1
+    column_split = direction == "backward" and col_tiles > 1
     persistent = True
     if col_tiles == 1:
         hints = SINGLE_PASS_HINTS[direction][op]
@@ -242,6 +282,11 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
     if per_head_weight:
         grid = max(head_tiles, grid // head_tiles * head_tiles)
     partial_rows = grid // head_tiles if per_head_weight else grid
+    if column_split:
+        row_groups = max(1, min(cdiv(rows, tile_rows),
+                                sm_count * occupancy // (col_tiles * head_tiles)))
+        grid = row_groups * head_tiles * col_tiles
+        partial_rows = row_groups if per_head_weight else row_groups * head_tiles
     partial_shape = (partial_rows, heads if per_head_weight else 1, cols)
     reduce_cols = partial_shape[1] * cols
     dependent = tuple(arch) >= DEPENDENT_LAUNCH_ARCH
@@ -254,7 +299,7 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
         index_bits=64 if max_offset > MAX_INT32_OFFSET else 32,
         dependent_launch=(dependent and cols % DEPENDENT_LAUNCH_COLS_MULTIPLE == 0
                           and cols <= DEPENDENT_LAUNCH_MAX_COLS),
-        dependent_reduce=dependent and direction == "backward",
+        dependent_reduce=dependent and direction == "backward", column_split=column_split,
         partial_shape=partial_shape, reduce_tile=REDUCE_TILE,
         reduce_grid=cdiv(reduce_cols, REDUCE_TILE[1]),
     )

@@ -8,7 +8,8 @@ The launch arguments come from the same builders the runtime uses
 (:func:`tilenorm.cutile.norm.bind_forward` and friends), with parameter constraints in place
 of tensors, so the exported variants are the ones that run. The jobs cover every tile
 configuration the planner can choose (for RMSNorm and LayerNorm in bf16), and every feature
-and dtype combination the ops accept on one single-pass and one chunked configuration.
+and dtype combination the ops accept on one single-pass, one split and one wide-row (chunked
+forward, column-split backward) configuration.
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ def plan_jobs(plan: RowNormPlan, v: Variant) -> Iterator[ExportJob]:
     # dgamma's and dbeta's partial sums lie side by side in one buffer (norm.partial_shape).
     _, rows, cols = norm.partial_shape(plan, max(1, f.has_weight + f.has_bias))
     partial = _array(ct.float32, plan.partial_shape, bits, strides=(rows * cols, cols, 1))
-    name = (f"{'single' if plan.single_pass else 'chunked'} {plan.tile_rows}x{plan.tile_heads}"
+    kind = "single" if plan.single_pass else "column split" if plan.column_split else "chunked"
+    name = (f"{kind} {plan.tile_rows}x{plan.tile_heads}"
             f"x{plan.tile_cols}{f'+{plan.split_cols}' if plan.split_cols else ''} {v.label}")
     if plan.direction == "forward":
         bound = norm.bind_forward(plan, f)
@@ -135,9 +137,17 @@ def plan_jobs(plan: RowNormPlan, v: Variant) -> Iterator[ExportJob]:
         h = a3(res) if f.has_residual else a3(x)
         split = f.has_residual and v.residual != v.x
         bound = norm.bind_backward(plan, f, f.has_residual, split)
-        args = bound.args(a3(DTYPES[v.out or v.x]), h, weight, opt(f.layer_norm, stat), stat,
-                          opt(f.has_residual, a3(res)), a3(x), opt(split, a3(res)),
-                          opt(f.has_weight, partial), opt(f.has_bias, partial), F32)
+        dy, mean = a3(DTYPES[v.out or v.x]), opt(f.layer_norm, stat)
+        stats = (stat,)
+        if bound.first is not None:
+            row_sums = _array(ct.float32, rows3[:2] + bound.workspace, bits)
+            first = bound.first.args(dy, h, weight, mean, stat, row_sums, F32)
+            yield ExportJob(f"{plan.direction[:3]} row sums {name}", bound.first.kernel,
+                            KernelSignature(list(first), CallingConvention.cutile_python_v2()))
+            stats = (stat, row_sums)
+        args = bound.args(dy, h, weight, mean, *stats, opt(f.has_residual, a3(res)), a3(x),
+                          opt(split, a3(res)), opt(f.has_weight, partial),
+                          opt(f.has_bias, partial), F32)
     yield ExportJob(f"{plan.direction[:3]} {name}", bound.kernel,
                     KernelSignature(list(args), CallingConvention.cutile_python_v2()))
 
@@ -149,7 +159,8 @@ OP_VARIANTS = {"rms": Variant("rms", RMS), "layer_norm": Variant("layer_norm", L
 
 
 def variants() -> list[Variant]:
-    """Feature and dtype combinations built on one single-pass and one chunked configuration."""
+    """Feature and dtype combinations built on one single-pass, one split and one wide-row
+    configuration."""
     out = []
     for x_name, w_name in DTYPE_PAIRS:
         suffix = f"{x_name}/{w_name}"
@@ -189,15 +200,16 @@ def jobs() -> Iterator[ExportJob]:
             chosen = plans(direction, op_of(v), itemsize=DTYPES[v.x].bitwidth // 8)
             single = [p for p in chosen if p.single_pass and not p.split_cols]
             split = [p for p in chosen if p.split_cols]
-            chunked = [p for p in chosen if not p.single_pass]
-            for plan in (single[-1], *split[-1:], chunked[0]):  # widest of each kernel kind
+            wide = [p for p in chosen if not p.single_pass]
+            for plan in (single[-1], *split[-1:], wide[0]):  # widest of each kernel kind
                 yield from plan_jobs(replace(plan, index_bits=v.index_bits), v)
-        for per_head in (False, True):  # QK-norm: 8 heads of 128
-            plan = plans(direction, heads=8, per_head=per_head)[3]
+        for per_head in (False, True):  # QK-norm (8 heads of 128) and 2 heads of wide rows
             label = "per-head weight" if per_head else "shared weight"
-            yield from plan_jobs(plan, Variant(f"rms 8 heads {label}",
-                                               replace(RMS, per_head_weight=per_head),
-                                               heads=8))
+            features = replace(RMS, per_head_weight=per_head)
+            qk = plans(direction, heads=8, per_head=per_head)[3]
+            yield from plan_jobs(qk, Variant(f"rms 8 heads {label}", features, heads=8))
+            wide = [p for p in plans(direction, heads=2, per_head=per_head) if not p.single_pass]
+            yield from plan_jobs(wide[0], Variant(f"rms 2 heads {label}", features, heads=2))
     plan = plans("backward")[0]
     slots, heads, cols = plan.partial_shape
     for groups in (1, 2):

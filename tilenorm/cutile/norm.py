@@ -14,9 +14,11 @@ Operands are viewed as (rows, heads, cols): plain norms have one head; per-head 
 the head axis so strided (..., H, D) inputs need no copy. Every kernel runs on a persistent
 grid from :mod:`tilenorm.planner`; program ``p`` handles row tiles ``p, p + grid, ...``. Rows
 that fit in one tile are done in one pass ("single" kernels; rows of one head that would pad
-a power-of-two tile by a third or more are held as two pieces instead, "split" kernels); wider
-rows are walked in column chunks twice, the second pass reading the row back from L2
-("chunked" kernels).
+a power-of-two tile by a third or more are held as two pieces instead, "split" kernels). Wider
+rows: the forward walks them in column chunks twice, the second pass reading the row back
+from L2 ("chunked"); the backward is column split, each program owning one column tile of
+its rows: a first kernel writes each tile's share of the row sums, a second adds them up and
+writes dx ("row_sums", "columns").
 
 The backward writes dx (and, for a fused residual, the residual's gradient) and folds
 ``sum(dy * x_hat)`` (and ``sum(dy)``) over the program's rows into its slot of a fp32 partial
@@ -43,7 +45,7 @@ import torch
 from cuda.tile._cext import launch as native_launch
 
 from tilenorm.cutile.reduce import column_sums, start_after_predecessor
-from tilenorm.planner import RowNormPlan
+from tilenorm.planner import RowNormPlan, next_pow2
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -443,65 +445,87 @@ def norm_bwd_split(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, part
         _store_partial(partial_b, db2, program, 0, at, False, False)
 
 
-def norm_bwd_chunked(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, partial_b,
-                     offset: float, inv_n: float,
-                     TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
-                     LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
-                     HAS_BIAS: ConstBool, HAS_DRES_IN: ConstBool, STORE_DRES: ConstBool,
-                     HAS_OFFSET: ConstBool, DEPENDENT: ConstBool):
+def _split_program(h, TILE_N):
+    """(row group, head, column tile, row groups, row tiles) of this column-split program."""
+    shape = (1, 1, TILE_N)
+    col_tiles = ct.num_tiles(h, axis=2, shape=shape)
+    heads = ct.num_tiles(h, axis=1, shape=shape)
+    rest = ct.bid(0) // col_tiles
+    return (rest // heads, rest % heads, ct.bid(0) % col_tiles,
+            ct.num_blocks(0) // (col_tiles * heads), ct.num_tiles(h, axis=0, shape=shape))
+
+
+def _split_x_hat_wdy(dy, h, scale, mean, rstd, row, head, col_tile, offset, TILE_N,
+                     LAYER_NORM, HAS_OFFSET):
+    """(dy, x_hat, w * dy, rstd) of one column tile of one vector, fp32."""
+    shape = (1, 1, TILE_N)
+    v = _load3(h, (row, head, col_tile), shape).astype(ct.float32)
+    g = _load3(dy, (row, head, col_tile), shape).astype(ct.float32)
+    r = _row_stat(rstd, row, head, 1, 1)
+    x_hat = _x_hat(v, mean, r, row, head, 1, 1, LAYER_NORM)
+    # Padding columns load dy = 0: they add nothing to any sum and are never stored.
+    return g, x_hat, _times_scale(g, scale, offset, HAS_OFFSET), r
+
+
+def norm_bwd_row_sums(dy, h, weight, mean, rstd, row_sums, offset: float,
+                      TILE_N: ConstInt, LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool,
+                      PER_HEAD: ConstBool, HAS_OFFSET: ConstBool, DEPENDENT: ConstBool):
+    """First kernel of the column-split backward (rows wider than one tile): each program
+    writes its column tile's share of sum(x_hat * wdy) (and of sum(wdy)) for every vector it
+    owns to ``row_sums[row, head, 0 (1), column tile]``. Splitting rows across programs keeps
+    every SM streaming however few rows there are: 1024 rows of 131072 are 32768 tiles."""
     start_after_predecessor(DEPENDENT)
-    shape = (TILE_A, TILE_H, TILE_N)
-    head_tiles = ct.num_tiles(h, axis=1, shape=shape)
-    row_tiles = ct.num_tiles(h, axis=0, shape=shape) * head_tiles
-    chunks = ct.num_tiles(h, axis=2, shape=shape)
-    program = ct.bid(0)
-    head_tile_w = program % head_tiles
-    slot = program // head_tiles if PER_HEAD else program
-    # The program's partial slot is accumulated in place once per row tile: start at 0.
+    group, head, col_tile, row_groups, rows = _split_program(h, TILE_N)
+    scale = _scale(weight, head, col_tile, 1, TILE_N, HAS_WEIGHT, PER_HEAD)
+    for row in range(group, rows, row_groups):
+        _, x_hat, wdy, _ = _split_x_hat_wdy(dy, h, scale, mean, rstd, row, head, col_tile,
+                                            offset, TILE_N, LAYER_NORM, HAS_OFFSET)
+        if LAYER_NORM:
+            sum_hw, sum_w = _row_sums(x_hat * wdy, wdy)
+            _store(row_sums, (row, head, 1, col_tile), sum_w.reshape((1, 1, 1, 1)))
+        else:
+            sum_hw = ct.sum(x_hat * wdy, axis=2, keepdims=True)
+        _store(row_sums, (row, head, 0, col_tile), sum_hw.reshape((1, 1, 1, 1)))
+
+
+def norm_bwd_columns(dy, h, weight, mean, rstd, row_sums, dres_in, dx, dres, partial_w,
+                     partial_b, offset: float, inv_n: float,
+                     TILE_N: ConstInt, SUM_TILES: ConstInt, LAYER_NORM: ConstBool,
+                     HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool, HAS_BIAS: ConstBool,
+                     HAS_DRES_IN: ConstBool, STORE_DRES: ConstBool, HAS_OFFSET: ConstBool,
+                     DEPENDENT: ConstBool):
+    """Second kernel of the column-split backward, on :func:`norm_bwd_row_sums`'s programs:
+    a vector's sums are its tiles' shares added in a fixed order (``SUM_TILES``: the column
+    tiles padded to a power of two), then dx is written for the program's column tile and
+    dgamma (dbeta) folded into its partial slot. Newest rows first: the row sums pass just
+    read them, and some are still in L2."""
+    start_after_predecessor(DEPENDENT)
+    group, head, col_tile, row_groups, rows = _split_program(h, TILE_N)
+    scale = _scale(weight, head, col_tile, 1, TILE_N, HAS_WEIGHT, PER_HEAD)
+    dw = ct.zeros((1, 1, TILE_N), dtype=ct.float32)
+    db = ct.zeros((1, 1, TILE_N), dtype=ct.float32)
+    sums = (1, 1, 1, SUM_TILES)
+    last = rows - 1 - (rows - 1 - group) % row_groups
+    for i in range(group, rows, row_groups):
+        row = last + group - i
+        g, x_hat, wdy, r = _split_x_hat_wdy(dy, h, scale, mean, rstd, row, head, col_tile,
+                                            offset, TILE_N, LAYER_NORM, HAS_OFFSET)
+        c_hw = ct.sum(_load3(row_sums, (row, head, 0, 0), sums), axis=3) * inv_n
+        if LAYER_NORM:
+            c_w = ct.sum(_load3(row_sums, (row, head, 1, 0), sums), axis=3) * inv_n
+            d = wdy - x_hat * c_hw - c_w
+        else:
+            d = wdy - x_hat * c_hw
+        _store_dx(d * r, dres_in, dx, dres, (row, head, col_tile), HAS_DRES_IN, STORE_DRES)
+        if HAS_WEIGHT:
+            dw += g * x_hat
+        if HAS_BIAS:
+            db += g
+    slot = group if PER_HEAD else group * ct.num_tiles(h, axis=1, shape=(1, 1, TILE_N)) + head
     if HAS_WEIGHT:
-        _zero_partial(partial_w, slot, head_tile_w, chunks, TILE_H, TILE_N, PER_HEAD)
+        _store_partial(partial_w, dw, slot, head, col_tile, PER_HEAD, False)
     if HAS_BIAS:
-        _zero_partial(partial_b, slot, head_tile_w, chunks, TILE_H, TILE_N, PER_HEAD)
-    for t in range(program, row_tiles, ct.num_blocks(0)):
-        row_tile, head_tile = t // head_tiles, t % head_tiles
-        r = _row_stat(rstd, row_tile, head_tile, TILE_A, TILE_H)
-        mu = ct.zeros((TILE_A, TILE_H, 1), dtype=ct.float32)
-        if LAYER_NORM:
-            mu = _row_stat(mean, row_tile, head_tile, TILE_A, TILE_H)
-        acc_hw = ct.zeros(shape, dtype=ct.float32)
-        acc_w = ct.zeros(shape, dtype=ct.float32)
-        for c in range(chunks):
-            v = _load3(h, (row_tile, head_tile, c), shape).astype(ct.float32)
-            g = _load3(dy, (row_tile, head_tile, c), shape).astype(ct.float32)
-            wdy = _times_scale(g, _scale(weight, head_tile_w, c, TILE_H, TILE_N, HAS_WEIGHT,
-                                         PER_HEAD), offset, HAS_OFFSET)
-            acc_hw += v * wdy
-            if LAYER_NORM:
-                acc_w += wdy
-        # mean(x_hat * wdy) = rstd * (mean(h * wdy) - mu * mean(wdy))
-        c_row = ct.sum(acc_hw, axis=2, keepdims=True) * inv_n
-        mean_wdy = ct.sum(acc_w, axis=2, keepdims=True) * inv_n
-        if LAYER_NORM:
-            c_row = c_row - mu * mean_wdy
-        c_row = c_row * r
-        for c in range(chunks):
-            v = _load3(h, (row_tile, head_tile, c), shape).astype(ct.float32)
-            g = _load3(dy, (row_tile, head_tile, c), shape).astype(ct.float32)
-            wdy = _times_scale(g, _scale(weight, head_tile_w, c, TILE_H, TILE_N, HAS_WEIGHT,
-                                         PER_HEAD), offset, HAS_OFFSET)
-            if LAYER_NORM:
-                x_hat = (v - mu) * r
-                d = wdy - x_hat * c_row - mean_wdy
-            else:
-                x_hat = v * r
-                d = wdy - x_hat * c_row
-            d = d * r
-            _store_dx(d, dres_in, dx, dres, (row_tile, head_tile, c), HAS_DRES_IN,
-                      STORE_DRES)
-            if HAS_WEIGHT:
-                _store_partial(partial_w, g * x_hat, slot, head_tile_w, c, PER_HEAD, True)
-            if HAS_BIAS:
-                _store_partial(partial_b, g, slot, head_tile_w, c, PER_HEAD, True)
+        _store_partial(partial_b, db, slot, head, col_tile, PER_HEAD, False)
 
 
 # --- compiled variants and launchers -------------------------------------------------------
@@ -512,7 +536,9 @@ _ARRAYS = {
                       "partial_w", "partial_b"),
 }
 _ARRAYS[norm_fwd_chunked] = _ARRAYS[norm_fwd_split] = _ARRAYS[norm_fwd_single]
-_ARRAYS[norm_bwd_chunked] = _ARRAYS[norm_bwd_split] = _ARRAYS[norm_bwd_single]
+_ARRAYS[norm_bwd_split] = _ARRAYS[norm_bwd_single]
+_ARRAYS[norm_bwd_row_sums] = ("dy", "h", "weight", "mean", "rstd", "row_sums")
+_ARRAYS[norm_bwd_columns] = _ARRAYS[norm_bwd_row_sums] + _ARRAYS[norm_bwd_single][5:]
 
 
 def _indexed_with_int64(fn):
@@ -549,6 +575,10 @@ class BoundKernel:
     grid: tuple[int, int, int]
     constants: tuple
     dependent_launch: bool
+    #: A column-split backward's row-sums kernel, launched first, and the (sums, column
+    #: tiles) trailing shape of its fp32 ``row_sums`` workspace (see bind_backward).
+    first: BoundKernel | None = None
+    workspace: tuple[int, int] = ()
 
     def args(self, *runtime) -> tuple:
         return runtime + self.constants
@@ -559,18 +589,24 @@ class BoundKernel:
 
 
 _KERNELS = {"forward": (norm_fwd_single, norm_fwd_split, norm_fwd_chunked),
-            "backward": (norm_bwd_single, norm_bwd_split, norm_bwd_chunked)}
+            "backward": (norm_bwd_single, norm_bwd_split, norm_bwd_columns)}
 #: The kernel that adds up the backward's partial buffer (``column_sums`` is compiled: its
 #: object carries no name).
 REDUCE_KERNEL_NAME = "column_sums"
 
 
 def kernel_source(plan: RowNormPlan):
-    """The kernel function (before compilation) that runs ``plan``."""
-    single, split, chunked = _KERNELS[plan.direction]
+    """The kernel function (before compilation) that runs ``plan`` (a column-split backward
+    runs :func:`norm_bwd_row_sums` before it)."""
+    single, split, wide = _KERNELS[plan.direction]
     if not plan.single_pass:
-        return chunked
+        return wide
     return split if plan.split_cols else single
+
+
+def kernel_sources(plan: RowNormPlan) -> tuple:
+    """Every kernel function ``plan`` runs, in launch order (the reduction aside)."""
+    return ((norm_bwd_row_sums,) if plan.column_split else ()) + (kernel_source(plan),)
 
 
 def _split_constant(plan: RowNormPlan) -> tuple:
@@ -594,15 +630,27 @@ def bind_forward(plan: RowNormPlan, features: NormFeatures) -> BoundKernel:
 
 def bind_backward(plan: RowNormPlan, features: NormFeatures, has_dres_in: bool,
                   store_dres: bool) -> BoundKernel:
-    """The backward's first kernel for ``plan``; runtime arguments ``(dy, h, weight, mean,
-    rstd, dres_in, dx, dres, partial_w, partial_b, offset)`` (see bind_forward)."""
+    """The backward's row kernel for ``plan``; runtime arguments ``(dy, h, weight, mean,
+    rstd, dres_in, dx, dres, partial_w, partial_b, offset)`` (see bind_forward). A
+    column-split plan's kernel also takes the ``row_sums`` workspace after rstd, and carries
+    the row-sums kernel (``first``: ``(dy, h, weight, mean, rstd, row_sums, offset)``)."""
     f = features
     fn = kernel_source(plan)
+    grid = (plan.grid, 1, 1)
+    if plan.column_split:
+        first = BoundKernel(_compiled_for(norm_bwd_row_sums, plan), grid,
+                            (plan.tile_cols, f.layer_norm, f.has_weight, f.per_head_weight,
+                             f.has_offset, plan.dependent_launch), plan.dependent_launch)
+        sums = 2 if f.layer_norm else 1
+        constants = (1.0 / plan.cols, plan.tile_cols, next_pow2(plan.col_tiles), f.layer_norm,
+                     f.has_weight, f.per_head_weight, f.has_bias, has_dres_in, store_dres,
+                     f.has_offset, plan.dependent_launch)
+        return BoundKernel(_compiled_for(fn, plan), grid, constants, plan.dependent_launch,
+                           first, (sums, plan.col_tiles))
     constants = (1.0 / plan.cols, plan.tile_rows, plan.tile_heads, plan.tile_cols,
                  f.layer_norm, f.has_weight, f.per_head_weight, f.has_bias, has_dres_in,
                  store_dres, f.has_offset, plan.dependent_launch) + _split_constant(plan)
-    return BoundKernel(_compiled_for(fn, plan), (plan.grid, 1, 1), constants,
-                       plan.dependent_launch)
+    return BoundKernel(_compiled_for(fn, plan), grid, constants, plan.dependent_launch)
 
 
 def bind_reduce(plan: RowNormPlan, groups: int) -> BoundKernel:
@@ -677,8 +725,15 @@ def run_backward(kernel: BoundKernel, reduce: BoundKernel | None, stream: int, p
     if partial is not None and dweight is not None and dbias is not None:
         heads = partial.shape[1] // 2
         partial_w, partial_b = partial[:, :heads], partial[:, heads:]
-    kernel.launch(stream, dy, h, ph[1] if weight is None else weight,
-                  ph[4] if mean is None else mean, rstd, ph[0] if dres_in is None else dres_in,
+    weight = ph[1] if weight is None else weight
+    mean = ph[4] if mean is None else mean
+    stats = (rstd,)
+    if kernel.first is not None:
+        row_sums = torch.empty(h.shape[:2] + kernel.workspace, dtype=torch.float32,
+                               device=h.device)
+        kernel.first.launch(stream, dy, h, weight, mean, rstd, row_sums, offset)
+        stats = (rstd, row_sums)
+    kernel.launch(stream, dy, h, weight, mean, *stats, ph[0] if dres_in is None else dres_in,
                   dx, ph[3] if dres is None else dres,
                   ph[5] if dweight is None else partial_w, ph[6] if dbias is None else partial_b,
                   offset)

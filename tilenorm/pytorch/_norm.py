@@ -37,8 +37,8 @@ from tilenorm.validation import CUTILE_NORM
 
 def kernel_names(forward: RowNormPlan, backward: RowNormPlan) -> tuple[str, ...]:
     """The kernels that run a route's forward and backward plans, in launch order."""
-    return (cutile_norm.kernel_source(forward).__name__,
-            cutile_norm.kernel_source(backward).__name__, cutile_norm.REDUCE_KERNEL_NAME)
+    return tuple(fn.__name__ for plan in (forward, backward)
+                 for fn in cutile_norm.kernel_sources(plan)) + (cutile_norm.REDUCE_KERNEL_NAME,)
 
 
 #: Layouts remembered; past this the cache starts over (a long-running job with ever new
