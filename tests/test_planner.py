@@ -23,6 +23,18 @@ def is_pow2(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
 
 
+def assert_each_column_once(p):
+    """Every column of every row tile is covered by exactly one program of ``p``."""
+    spans = {t: [] for t in range(p.row_tiles)}
+    for prog in range(p.grid):
+        for t in p.program_row_tiles(prog):
+            spans[t].append(p.program_cols(prog))
+    for t, ranges in spans.items():
+        ranges.sort(key=lambda r: r.start)
+        assert [r.start for r in ranges] == [0] + [r.stop for r in ranges[:-1]] and \
+            ranges[-1].stop == p.cols, f"row tile {t}: each column once"
+
+
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 @pytest.mark.parametrize("sm_count", SMS)
 @pytest.mark.parametrize("op,itemsize", [("rms_norm", 2), ("layer_norm", 2), ("rms_norm", 4)])
@@ -45,14 +57,7 @@ def test_every_row_and_column_covered_exactly_once(direction, sm_count, op, item
             seen = [t for prog in range(p.grid) for t in p.program_row_tiles(prog)]
             assert sorted(seen) == list(range(p.row_tiles)), "each row tile once"
         elif p.row_tiles * p.col_tiles <= 1 << 15:
-            spans = {t: [] for t in range(p.row_tiles)}
-            for prog in range(p.grid):
-                for t in p.program_row_tiles(prog):
-                    spans[t].append(p.program_cols(prog))
-            for t, ranges in spans.items():
-                ranges.sort(key=lambda r: r.start)
-                assert [r.start for r in ranges] == [0] + [r.stop for r in ranges[:-1]] and \
-                    ranges[-1].stop == cols, f"row tile {t}: each column once"
+            assert_each_column_once(p)
         if rows * cols <= 1 << 24:
             covered = [r for t in range(p.row_tiles) for r, _ in p.tile_vectors(t)]
             assert covered == list(range(rows)), "each row once"
@@ -173,18 +178,11 @@ def test_column_split_backward_covers_every_vector_and_column_once(heads, per_he
                           sm_count=sm_count, arch=(9, 0), direction="backward")
         assert p.column_split and p.tile_rows == p.tile_heads == 1
         assert p.grid == p.row_groups * heads * p.col_tiles
-        spans = {t: [] for t in range(p.row_tiles)}
-        for prog in range(p.grid):
-            tiles = p.program_row_tiles(prog)
-            if per_head:
-                assert {t % heads for t in tiles} <= {prog // p.col_tiles % heads}, \
-                    "one head per program"
-            for t in tiles:
-                spans[t].append(p.program_cols(prog))
-        for t, ranges in spans.items():
-            ranges.sort(key=lambda r: r.start)
-            assert [r.start for r in ranges] == [0] + [r.stop for r in ranges[:-1]] and \
-                ranges[-1].stop == cols, f"vector {t}: each column once"
+        assert_each_column_once(p)
+        if per_head:
+            for prog in range(p.grid):
+                assert {t % heads for t in p.program_row_tiles(prog)} <= \
+                    {prog // p.col_tiles % heads}, "one head per program"
         slots = {(p.partial_slot(q), q // p.col_tiles % heads, q % p.col_tiles)
                  for q in range(p.grid)}
         assert len(slots) == p.grid, "no two programs share a partial slot and column tile"

@@ -132,7 +132,6 @@ class RowNormPlan:
     index_bits: int
     dependent_launch: bool
     dependent_reduce: bool
-    column_split: bool
     partial_shape: tuple[int, int, int]
     reduce_tile: tuple[int, int]
     reduce_grid: int
@@ -140,6 +139,11 @@ class RowNormPlan:
     @property
     def single_pass(self) -> bool:
         return self.col_tiles == 1
+
+    @property
+    def column_split(self) -> bool:
+        """A backward over rows wider than one tile: each program owns one column tile."""
+        return self.direction == "backward" and not self.single_pass
 
     @property
     def span_cols(self) -> int:
@@ -266,7 +270,6 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
     else:
         (tile_rows, tile_cols), tile_heads = CHUNK_TILE[direction], 1
     col_tiles = cdiv(cols, tile_cols) if not split_cols else 1
-    column_split = direction == "backward" and col_tiles > 1
     persistent = True
     if col_tiles == 1:
         hints = SINGLE_PASS_HINTS[direction][op]
@@ -278,15 +281,16 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
         occupancy, worker_warps = CHUNKED_HINTS[direction]
     head_tiles = cdiv(heads, tile_heads)
     row_tiles = cdiv(rows, tile_rows) * head_tiles
-    grid = min(row_tiles, sm_count * occupancy) if persistent else row_tiles
-    if per_head_weight:
-        grid = max(head_tiles, grid // head_tiles * head_tiles)
-    partial_rows = grid // head_tiles if per_head_weight else grid
-    if column_split:
+    if direction == "backward" and col_tiles > 1:  # column split (RowNormPlan.column_split)
         row_groups = max(1, min(cdiv(rows, tile_rows),
                                 sm_count * occupancy // (col_tiles * head_tiles)))
         grid = row_groups * head_tiles * col_tiles
         partial_rows = row_groups if per_head_weight else row_groups * head_tiles
+    else:
+        grid = min(row_tiles, sm_count * occupancy) if persistent else row_tiles
+        if per_head_weight:
+            grid = max(head_tiles, grid // head_tiles * head_tiles)
+        partial_rows = grid // head_tiles if per_head_weight else grid
     partial_shape = (partial_rows, heads if per_head_weight else 1, cols)
     reduce_cols = partial_shape[1] * cols
     dependent = tuple(arch) >= DEPENDENT_LAUNCH_ARCH
@@ -299,7 +303,7 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
         index_bits=64 if max_offset > MAX_INT32_OFFSET else 32,
         dependent_launch=(dependent and cols % DEPENDENT_LAUNCH_COLS_MULTIPLE == 0
                           and cols <= DEPENDENT_LAUNCH_MAX_COLS),
-        dependent_reduce=dependent and direction == "backward", column_split=column_split,
+        dependent_reduce=dependent and direction == "backward",
         partial_shape=partial_shape, reduce_tile=REDUCE_TILE,
         reduce_grid=cdiv(reduce_cols, REDUCE_TILE[1]),
     )

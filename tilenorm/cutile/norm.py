@@ -147,7 +147,7 @@ def _residual_sum(xt, rt, residual_out, row_tile, head_tile, chunk):
     return h.astype(ct.float32)
 
 
-def _store_partial(partial, acc, slot, head_tile, chunk, PER_HEAD, ACCUMULATE):
+def _store_partial(partial, acc, slot, head_tile, chunk, PER_HEAD):
     """Fold a (TILE_A, TILE_H, TILE_N) accumulator into the program's partial-buffer slot."""
     if PER_HEAD:
         folded = ct.sum(acc, axis=0, keepdims=True)
@@ -155,18 +155,7 @@ def _store_partial(partial, acc, slot, head_tile, chunk, PER_HEAD, ACCUMULATE):
     else:
         folded = ct.sum(ct.sum(acc, axis=0, keepdims=True), axis=1, keepdims=True)
         index = (slot, 0, chunk)
-    if ACCUMULATE:
-        folded = folded + ct.load(partial, index=index, shape=folded.shape, padding_mode=ZERO)
     _store(partial, index, folded)
-
-
-def _zero_partial(partial, slot, head_tile, chunks, TILE_H, TILE_N, PER_HEAD):
-    for c in range(chunks):
-        if PER_HEAD:
-            _store(partial, (slot, head_tile, c), ct.zeros((1, TILE_H, TILE_N),
-                                                           dtype=ct.float32))
-        else:
-            _store(partial, (slot, 0, c), ct.zeros((1, 1, TILE_N), dtype=ct.float32))
 
 
 # --- forward -----------------------------------------------------------------------------
@@ -386,9 +375,9 @@ def norm_bwd_single(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, par
             db += g
     slot = program // head_tiles if PER_HEAD else program
     if HAS_WEIGHT:
-        _store_partial(partial_w, dw, slot, head_tile_w, 0, PER_HEAD, False)
+        _store_partial(partial_w, dw, slot, head_tile_w, 0, PER_HEAD)
     if HAS_BIAS:
-        _store_partial(partial_b, db, slot, head_tile_w, 0, PER_HEAD, False)
+        _store_partial(partial_b, db, slot, head_tile_w, 0, PER_HEAD)
 
 
 def norm_bwd_split(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, partial_b,
@@ -438,11 +427,11 @@ def norm_bwd_split(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, part
             db += g
             db2 += g2
     if HAS_WEIGHT:
-        _store_partial(partial_w, dw, program, 0, 0, False, False)
-        _store_partial(partial_w, dw2, program, 0, at, False, False)
+        _store_partial(partial_w, dw, program, 0, 0, False)
+        _store_partial(partial_w, dw2, program, 0, at, False)
     if HAS_BIAS:
-        _store_partial(partial_b, db, program, 0, 0, False, False)
-        _store_partial(partial_b, db2, program, 0, at, False, False)
+        _store_partial(partial_b, db, program, 0, 0, False)
+        _store_partial(partial_b, db2, program, 0, at, False)
 
 
 def _split_program(h, TILE_N):
@@ -523,9 +512,9 @@ def norm_bwd_columns(dy, h, weight, mean, rstd, row_sums, dres_in, dx, dres, par
             db += g
     slot = group if PER_HEAD else group * ct.num_tiles(h, axis=1, shape=(1, 1, TILE_N)) + head
     if HAS_WEIGHT:
-        _store_partial(partial_w, dw, slot, head, col_tile, PER_HEAD, False)
+        _store_partial(partial_w, dw, slot, head, col_tile, PER_HEAD)
     if HAS_BIAS:
-        _store_partial(partial_b, db, slot, head, col_tile, PER_HEAD, False)
+        _store_partial(partial_b, db, slot, head, col_tile, PER_HEAD)
 
 
 # --- compiled variants and launchers -------------------------------------------------------
