@@ -169,6 +169,30 @@ def build_ahead_of_time(all_dtypes: bool) -> bool:
                 print(f"  FAILED {futures[future]}: {type(e).__name__}: {e}")
     print(f"  {'all built' if ok else 'some builds FAILED'} in "
           f"{time.perf_counter() - start:.0f} s")
+    return ok & build_cute_ahead_of_time(all_dtypes)
+
+
+def build_cute_ahead_of_time(all_dtypes: bool) -> bool:
+    from tilenorm import cute
+
+    if not cute.available():
+        print("  CuTe DSL kernels: not built (nvidia-cutlass-dsl or apache-tvm-ffi missing)")
+        return True
+    from tilenorm.cute import norm as cute_norm
+
+    keys = cute_norm.aot_keys(all_dtypes)
+    print(f"  {len(keys) * len(cute_norm.AOT_ARCHS)} CuTe DSL kernel builds for "
+          f"{', '.join(cute_norm.AOT_ARCHS)}")
+    ok, start = True, time.perf_counter()
+    for key in keys:
+        for arch in cute_norm.AOT_ARCHS:
+            try:
+                cute_norm.compile_backward(key, arch)
+            except Exception as e:
+                ok = False
+                print(f"  FAILED {key} {arch}: {type(e).__name__}: {e}")
+    print(f"  {'all built' if ok else 'some builds FAILED'} in "
+          f"{time.perf_counter() - start:.0f} s")
     return ok
 
 

@@ -81,6 +81,14 @@ REDUCE_TILE = (64, 64)
 DEPENDENT_LAUNCH_ARCH = (9, 0)
 DEPENDENT_LAUNCH_COLS_MULTIPLE = 16
 DEPENDENT_LAUNCH_MAX_COLS = 8192
+#: Backwards the CuTe DSL kernel (tilenorm/cute/norm.py) runs instead of cuTile's, per op and
+#: row width: (threads, stages, CTAs per SM). Each thread holds ``stages`` rows of its 16-byte
+#: vectors, so the next rows' loads are in flight while a row is reduced, which a cuTile loop
+#: cannot do; LayerNorm at 32768 x 4096 on an H200: 90.0% -> 98.2% of copy bandwidth for the
+#: row kernel (bench/NOTES.md, #38). Widths absent here were not measured to gain.
+CUTE_BACKWARD = {"layer_norm": {4096: (256, 2, 2)}}
+#: Element sizes the CuTe backward takes: bf16 and fp16, eight to a 16-byte vector.
+CUTE_BACKWARD_ITEMSIZES = (2,)
 #: Largest element offset 32-bit indexing reaches; beyond it the kernels index with 64 bits.
 MAX_INT32_OFFSET = 2**31 - 1
 
@@ -307,3 +315,44 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
         partial_shape=partial_shape, reduce_tile=REDUCE_TILE,
         reduce_grid=cdiv(reduce_cols, REDUCE_TILE[1]),
     )
+
+
+@dataclass(frozen=True)
+class CuteBackwardPlan:
+    """The CuTe DSL backward's launch over ``rows`` rows of ``cols`` columns: ``grid``
+    programs of ``threads`` threads, ``ctas_per_sm`` resident per SM; program ``p`` takes rows
+    ``p, p + grid, ...`` with ``stages`` rows in registers, and writes partial-buffer row
+    ``p`` (``partial_rows == grid``)."""
+
+    rows: int
+    cols: int
+    threads: int
+    stages: int
+    ctas_per_sm: int
+    grid: int
+
+    @property
+    def partial_rows(self) -> int:
+        return self.grid
+
+    def program_rows(self, program: int) -> range:
+        return range(program, self.rows, self.grid)
+
+    def describe(self) -> str:
+        return (f"{self.threads} threads a row, {self.stages} rows in registers, persistent "
+                f"grid {self.grid} ({self.ctas_per_sm} per SM), partial buffer "
+                f"{self.grid}x{self.cols} fp32 per gradient")
+
+
+def plan_cute_backward(rows: int, cols: int, *, itemsize: int, sm_count: int, op: Op,
+                       heads: int = 1) -> CuteBackwardPlan | None:
+    """The CuTe DSL backward for ``rows x heads`` vectors of ``cols`` elements, or None where
+    cuTile's runs (widths and element sizes not in :data:`CUTE_BACKWARD`, several heads)."""
+    entry = CUTE_BACKWARD.get(op, {}).get(cols)
+    if entry is None or heads != 1 or itemsize not in CUTE_BACKWARD_ITEMSIZES or rows < 1:
+        return None
+    if sm_count < 1:
+        raise ValueError(f"sm_count must be positive, got {sm_count}")
+    threads, stages, ctas_per_sm = entry
+    return CuteBackwardPlan(rows=rows, cols=cols, threads=threads, stages=stages,
+                            ctas_per_sm=ctas_per_sm, grid=min(rows, sm_count * ctas_per_sm))

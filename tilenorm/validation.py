@@ -39,7 +39,10 @@ class KernelFamily:
 
 CUTILE_NORM = KernelFamily(
     "cutile/norm", "cuTile", ("cutile/norm.py", "cutile/reduce.py", "planner.py"))
-FAMILIES = (CUTILE_NORM,)
+#: The CuTe DSL backward hands its partial buffer to cuTile's reduction (cutile/reduce.py).
+CUTE_NORM = KernelFamily(
+    "cute/norm", "CuTe DSL", ("cute/norm.py", "cutile/reduce.py", "planner.py"))
+FAMILIES = (CUTILE_NORM, CUTE_NORM)
 
 
 @functools.cache

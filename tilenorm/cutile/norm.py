@@ -727,12 +727,19 @@ def run_backward(kernel: BoundKernel, reduce: BoundKernel | None, stream: int, p
                   ph[5] if dweight is None else partial_w, ph[6] if dbias is None else partial_b,
                   offset)
     if partial is not None:
-        outs = [t if t.dim() == 1 else t.view(-1) for t in (dweight, dbias) if t is not None]
-        groups = len(outs)
-        slots, rows, cols = partial.shape
-        if rows != groups:  # per-head weights: each group's (heads, cols) flattened
-            partial = partial.view(slots, groups, rows // groups * cols)
-        reduce.launch(stream, partial, outs[0], outs[-1] if groups == 2 else ph[7])
+        run_reduce(reduce, stream, ph, partial, dweight, dbias)
+
+
+def run_reduce(reduce: BoundKernel, stream: int, ph: tuple, partial: torch.Tensor,
+               dweight: torch.Tensor | None, dbias: torch.Tensor | None) -> None:
+    """Add up a backward's fp32 partial buffer (slots, groups * heads, cols), dgamma's group
+    first, into dweight and dbias (those that are not None) in a fixed order."""
+    outs = [t if t.dim() == 1 else t.view(-1) for t in (dweight, dbias) if t is not None]
+    groups = len(outs)
+    slots, rows, cols = partial.shape
+    if rows != groups:  # per-head weights: each group's (heads, cols) flattened
+        partial = partial.view(slots, groups, rows // groups * cols)
+    reduce.launch(stream, partial, outs[0], outs[-1] if groups == 2 else ph[7])
 
 
 def forward(plan: RowNormPlan, features: NormFeatures, *, x: torch.Tensor,

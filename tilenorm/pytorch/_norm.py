@@ -21,7 +21,7 @@ from tilenorm import reference
 from tilenorm._experimental import experimental_enabled
 from tilenorm.cutile import norm as cutile_norm
 from tilenorm.cutile.norm import NormFeatures
-from tilenorm.planner import MAX_INT32_OFFSET, RowNormPlan
+from tilenorm.planner import MAX_INT32_OFFSET, CuteBackwardPlan, RowNormPlan
 from tilenorm.pytorch._checks import (
     check_dtype,
     check_offset,
@@ -34,11 +34,19 @@ from tilenorm.pytorch._checks import (
 from tilenorm.pytorch.routing import Route, route_problem
 from tilenorm.validation import CUTILE_NORM
 
+#: The CuTe DSL backward's name in routes (tilenorm.cute.norm.KERNEL_NAME, which imports the
+#: CuTe DSL only when a route runs it).
+CUTE_BACKWARD_NAME = "RowNormBackward (CuTe DSL)"
 
-def kernel_names(forward: RowNormPlan, backward: RowNormPlan) -> tuple[str, ...]:
-    """The kernels that run a route's forward and backward plans, in launch order."""
+
+def kernel_names(forward: RowNormPlan, backward: RowNormPlan,
+                 cute_backward: CuteBackwardPlan | None = None) -> tuple[str, ...]:
+    """The kernels that run a route's forward and backward plans (and its CuTe DSL backward),
+    in launch order."""
+    cute = (CUTE_BACKWARD_NAME,) if cute_backward is not None else ()
     return tuple(fn.__name__ for plan in (forward, backward)
-                 for fn in cutile_norm.kernel_sources(plan)) + (cutile_norm.REDUCE_KERNEL_NAME,)
+                 for fn in cutile_norm.kernel_sources(plan)) + cute + (
+        cutile_norm.REDUCE_KERNEL_NAME,)
 
 
 #: Layouts remembered; past this the cache starts over (a long-running job with ever new
@@ -224,6 +232,12 @@ def kernel_backward(rc: Recipe, dy, dres_in, h, weight, bias, mean, rstd, offset
     shape3, dev, ph = rc.shape3, h.device, rc.kernels.placeholders
     h3 = h.reshape(shape3) if rc.copy_x and residual_in_dtype is None else _as_shape3(h, shape3)
     dy3 = _as_shape3(dy, shape3)
+    cute_plan = rc.route.cute_backward
+    if (cute_plan is not None and dres_in is None and residual_in_dtype is None
+            and offset == 0 and x_dtype == h.dtype == dy.dtype):
+        h2, dy2 = h3[:, 0], dy3[:, 0]
+        if _cute_norm().takes(h2, dy2):
+            return _cute_backward(rc, cute_plan, h2, dy2, weight, bias, mean, rstd, h.shape)
     dres_in3 = None if dres_in is None else _as_shape3(dres_in, shape3)
     split = residual_in_dtype is not None and residual_in_dtype != x_dtype
     kernel = rc.kernels.backward[offset != 0, dres_in3 is not None, split]
@@ -253,6 +267,33 @@ def kernel_backward(rc: Recipe, dy, dres_in, h, weight, bias, mean, rstd, offset
     if residual_in_dtype is not None:
         dres = dx if not split else dres.view(h.shape)
     return dx, dres, dweight, dbias
+
+
+def _cute_norm():
+    from tilenorm.cute import norm
+
+    return norm
+
+
+def _cute_backward(rc: Recipe, plan: CuteBackwardPlan, h2, dy2, weight, bias, mean, rstd,
+                   shape) -> tuple:
+    """kernel_backward on the CuTe DSL kernel: (rows, cols) views h2 and dy2."""
+    dev = h2.device
+    dx = torch.empty(h2.shape, dtype=h2.dtype, device=dev)
+    dweight = None if weight is None else torch.empty_like(weight)
+    dbias = None if bias is None else torch.empty_like(bias)
+    groups = cutile_norm.gradient_groups(dweight, dbias)
+    partial = (torch.empty((plan.partial_rows, groups, plan.cols), dtype=torch.float32,
+                           device=dev) if groups else None)
+    rows = h2.shape[0]
+    with _on_device(h2):
+        _cute_norm().run_backward(plan, h2, dy2, weight, bias,
+                                  None if mean is None else mean.reshape(rows), rstd.reshape(rows),
+                                  dx, partial)
+        if partial is not None:
+            cutile_norm.run_reduce(rc.kernels.reduce[groups], cutile_norm.stream_handle(dev),
+                                   rc.kernels.placeholders, partial, dweight, dbias)
+    return dx.view(shape), None, dweight, dbias
 
 
 def _forward(rc: Recipe, x, weight, bias, residual, eps, offset):

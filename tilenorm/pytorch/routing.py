@@ -9,10 +9,16 @@ from dataclasses import dataclass
 
 import torch
 
-from tilenorm import validation
+from tilenorm import cute, validation
 from tilenorm.device import DeviceInfo, device_info
-from tilenorm.planner import RowNormPlan, UnsupportedShape, plan_row_norm
-from tilenorm.validation import KernelFamily
+from tilenorm.planner import (
+    CuteBackwardPlan,
+    RowNormPlan,
+    UnsupportedShape,
+    plan_cute_backward,
+    plan_row_norm,
+)
+from tilenorm.validation import CUTE_NORM, KernelFamily
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -28,6 +34,9 @@ class Route:
     forward: RowNormPlan | None = None
     backward: RowNormPlan | None = None
     device: DeviceInfo | None = None
+    #: The CuTe DSL backward that runs instead of ``backward`` where a call allows it (no
+    #: residual gradient, dx in x's dtype): ``backward`` stays the plan for the other calls.
+    cute_backward: CuteBackwardPlan | None = None
 
     @property
     def uses_kernel(self) -> bool:
@@ -37,11 +46,8 @@ class Route:
     def status(self) -> str:
         if self.family is None:
             return "torch reference"
-        record = validation.validation_record(self.family)
-        if record is None:
-            return "experimental (not validated on a GPU at this source)"
-        return (f"stable (validated on {record['device']}, {record['date']}, "
-                f"commit {record['commit']})")
+        families = (self.family,) + ((CUTE_NORM,) if self.cute_backward else ())
+        return "; ".join(f"{family.name} {_family_status(family)}" for family in families)
 
     def __str__(self) -> str:
         if not self.uses_kernel:
@@ -53,9 +59,32 @@ class Route:
             f"  kernels:  {', '.join(self.kernels)}",
             f"  forward:  {self.forward.describe()}",
             f"  backward: {self.backward.describe()}",
-            f"  why:      {self.reason}",
         ]
+        if self.cute_backward:
+            lines.append(f"  backward without a residual gradient (CuTe DSL): "
+                         f"{self.cute_backward.describe()}")
+        lines.append(f"  why:      {self.reason}")
         return "\n".join(lines)
+
+
+def _family_status(family: KernelFamily) -> str:
+    record = validation.validation_record(family)
+    if record is None:
+        return "experimental (not validated on a GPU at this source)"
+    return (f"stable (validated on {record['device']}, {record['date']}, "
+            f"commit {record['commit']})")
+
+
+def _cute_backward(op: str, dtypes: tuple[torch.dtype, ...], rows: int, heads: int, cols: int,
+                   sm_count: int, allow_experimental: bool) -> CuteBackwardPlan | None:
+    """The CuTe DSL backward where the planner has one for the shape, x's dtype is that of
+    every other operand or fp32, and the kernels may run (installed; validated or allowed)."""
+    if not (validation.is_stable(CUTE_NORM) or allow_experimental) or not cute.available():
+        return None
+    if any(d not in (dtypes[0], torch.float32) for d in dtypes[1:]):
+        return None
+    return plan_cute_backward(rows, cols, itemsize=dtypes[0].itemsize, sm_count=sm_count,
+                              op=op, heads=heads)
 
 
 def _reference(op: str, reason: str) -> Route:
@@ -64,14 +93,15 @@ def _reference(op: str, reason: str) -> Route:
 
 @functools.lru_cache(maxsize=1024)
 def route_problem(op: str, family: KernelFamily,
-                  kernel_names: Callable[[RowNormPlan, RowNormPlan], tuple[str, ...]],
+                  kernel_names: Callable[[RowNormPlan, RowNormPlan, CuteBackwardPlan | None],
+                                         tuple[str, ...]],
                   device: torch.device, dtypes: tuple[torch.dtype, ...], rows: int, heads: int,
                   cols: int, per_head_weight: bool, max_offset: int,
                   allow_experimental: bool) -> Route:
     """The route for normalizing ``rows x heads`` vectors of ``cols`` elements on ``device``.
     ``dtypes`` lists every operand's dtype (x first); ``max_offset`` is the largest element
     offset any operand reaches; ``kernel_names`` names the kernels that run the forward and
-    backward plans."""
+    backward plans (and the CuTe DSL backward, where there is one)."""
     if device.type != "cuda":
         return _reference(op, f"x is on {device}; the kernels run on CUDA devices")
     odd = [d for d in dtypes if d not in KERNEL_DTYPES]
@@ -97,5 +127,6 @@ def route_problem(op: str, family: KernelFamily,
         return _reference(op, str(e))
     reason = ("validated kernels cover this case" if stable
               else "experimental kernels are enabled")
-    return Route(op=op, reason=reason, family=family, kernels=kernel_names(fwd, bwd),
-                 forward=fwd, backward=bwd, device=info)
+    cute_bwd = _cute_backward(op, dtypes, rows, heads, cols, info.sm_count, allow_experimental)
+    return Route(op=op, reason=reason, family=family, kernels=kernel_names(fwd, bwd, cute_bwd),
+                 forward=fwd, backward=bwd, device=info, cute_backward=cute_bwd)
