@@ -345,11 +345,17 @@ class CuteBackwardPlan:
 
 
 def plan_cute_backward(rows: int, cols: int, *, itemsize: int, sm_count: int, op: Op,
-                       heads: int = 1) -> CuteBackwardPlan | None:
+                       heads: int = 1, max_offset: int | None = None
+                       ) -> CuteBackwardPlan | None:
     """The CuTe DSL backward for ``rows x heads`` vectors of ``cols`` elements, or None where
-    cuTile's runs (widths and element sizes not in :data:`CUTE_BACKWARD`, several heads)."""
+    cuTile's runs: widths and element sizes not in :data:`CUTE_BACKWARD`, several heads, and
+    offsets past 32 bits (the kernel indexes with 32; ``max_offset`` as for
+    :func:`plan_row_norm`)."""
     entry = CUTE_BACKWARD.get(op, {}).get(cols)
-    if entry is None or heads != 1 or itemsize not in CUTE_BACKWARD_ITEMSIZES or rows < 1:
+    if max_offset is None:
+        max_offset = rows * heads * cols - 1
+    if (entry is None or heads != 1 or itemsize not in CUTE_BACKWARD_ITEMSIZES or rows < 1
+            or max_offset > MAX_INT32_OFFSET):
         return None
     if sm_count < 1:
         raise ValueError(f"sm_count must be positive, got {sm_count}")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import os
 from dataclasses import dataclass
 
 import cutlass
@@ -211,12 +210,10 @@ def compile_backward(key: BackwardKey, arch: str | None = None):
     weight_dtype = None if key.weight_dtype is None else _DTYPES[key.weight_dtype]
     kernel = RowNormBackward(dtype, weight_dtype, key.cols, key.threads, key.stages,
                              key.ctas_per_sm, key.layer_norm, key.has_bias)
-    vec = kernel.vec
     rows, slots = cute.sym_int(), cute.sym_int()
-    # Rows may be strided (16-byte aligned); within a row elements are contiguous.
-    row_major = (rows, key.cols)
-    row_stride = (cute.sym_int64(divisibility=vec), 1)
-    x, dy, dx = (_fake(dtype, row_major, row_stride, 16) for _ in range(3))
+    # Rows contiguous, so that a row's offset is a multiple of a compile-time stride: a
+    # runtime 64-bit stride costs the registers that keep two CTAs resident (#38).
+    x, dy, dx = (_fake(dtype, (rows, key.cols), (key.cols, 1), 16) for _ in range(3))
     weight = None if weight_dtype is None else _fake(weight_dtype, (key.cols,), (1,), 16)
     mean = _fake(Float32, (rows,), (1,), 4) if key.layer_norm else None
     rstd = _fake(Float32, (rows,), (1,), 4)
@@ -224,18 +221,9 @@ def compile_backward(key: BackwardKey, arch: str | None = None):
     partial = (_fake(Float32, (slots, groups, key.cols), (groups * key.cols, key.cols, 1), 16)
                if groups else None)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    previous = os.environ.get("CUTE_DSL_ARCH")
-    if arch is not None:
-        os.environ["CUTE_DSL_ARCH"] = arch
-    try:
-        return cute.compile(kernel, x, dy, weight, mean, rstd, dx, partial, Int32(1), stream,
-                            options="--enable-tvm-ffi")
-    finally:
-        if arch is not None:
-            if previous is None:
-                os.environ.pop("CUTE_DSL_ARCH")
-            else:
-                os.environ["CUTE_DSL_ARCH"] = previous
+    options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
+    return cute.compile(kernel, x, dy, weight, mean, rstd, dx, partial, Int32(1), stream,
+                        options=options)
 
 
 #: Architectures the ahead-of-time build targets: Hopper and Blackwell datacenter parts.
@@ -266,10 +254,9 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def takes(h: torch.Tensor, dy: torch.Tensor) -> bool:
-    """Whether the kernel can read ``h`` and ``dy`` (rows, cols) as they are: rows contiguous
-    and 16-byte aligned."""
-    return all(t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
-               and t.data_ptr() % 16 == 0 for t in (h, dy))
+    """Whether the kernel can read ``h`` and ``dy`` (rows, cols) as they are: contiguous and
+    16-byte aligned."""
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (h, dy))
 
 
 def run_backward(plan: CuteBackwardPlan, h: torch.Tensor, dy: torch.Tensor,
@@ -277,7 +264,7 @@ def run_backward(plan: CuteBackwardPlan, h: torch.Tensor, dy: torch.Tensor,
                  mean: torch.Tensor | None, rstd: torch.Tensor, dx: torch.Tensor,
                  partial: torch.Tensor | None) -> None:
     """Launch the backward on torch's current stream: ``h``, ``dy``, ``dx`` are (rows, cols)
-    with rows as :func:`takes` accepts (``dx`` contiguous); ``mean`` (LayerNorm) and ``rstd``
+    as :func:`takes` accepts; ``mean`` (LayerNorm) and ``rstd``
     are (rows,) fp32; ``partial`` is fp32 (plan.grid, groups, cols), dgamma's group first
     (None without weight and bias). ``bias`` is read only for its presence."""
     key = BackwardKey.of(plan, h.dtype, None if weight is None else weight.dtype,

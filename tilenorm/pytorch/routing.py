@@ -76,7 +76,8 @@ def _family_status(family: KernelFamily) -> str:
 
 
 def _cute_backward(op: str, dtypes: tuple[torch.dtype, ...], rows: int, heads: int, cols: int,
-                   sm_count: int, allow_experimental: bool) -> CuteBackwardPlan | None:
+                   max_offset: int, sm_count: int, allow_experimental: bool
+                   ) -> CuteBackwardPlan | None:
     """The CuTe DSL backward where the planner has one for the shape, x's dtype is that of
     every other operand or fp32, and the kernels may run (installed; validated or allowed)."""
     if not (validation.is_stable(CUTE_NORM) or allow_experimental) or not cute.available():
@@ -84,7 +85,7 @@ def _cute_backward(op: str, dtypes: tuple[torch.dtype, ...], rows: int, heads: i
     if any(d not in (dtypes[0], torch.float32) for d in dtypes[1:]):
         return None
     return plan_cute_backward(rows, cols, itemsize=dtypes[0].itemsize, sm_count=sm_count,
-                              op=op, heads=heads)
+                              op=op, heads=heads, max_offset=max_offset)
 
 
 def _reference(op: str, reason: str) -> Route:
@@ -127,6 +128,7 @@ def route_problem(op: str, family: KernelFamily,
         return _reference(op, str(e))
     reason = ("validated kernels cover this case" if stable
               else "experimental kernels are enabled")
-    cute_bwd = _cute_backward(op, dtypes, rows, heads, cols, info.sm_count, allow_experimental)
+    cute_bwd = _cute_backward(op, dtypes, rows, heads, cols, max_offset, info.sm_count,
+                              allow_experimental)
     return Route(op=op, reason=reason, family=family, kernels=kernel_names(fwd, bwd, cute_bwd),
                  forward=fwd, backward=bwd, device=info, cute_backward=cute_bwd)
