@@ -180,8 +180,11 @@ _SMEM_PER_SM = 233472
 
 @dataclass(frozen=True)
 class BackwardKey:
-    """What selects a compiled variant of the kernel."""
+    """What selects a compiled variant of the kernel. The row count is one of them: with it
+    a runtime value, the loop's bounds cost the registers that two CTAs per SM leave, the
+    kernel spills, and it runs at 87.5% of copy bandwidth instead of 97.8% (H200, #38)."""
 
+    rows: int
     dtype: torch.dtype
     weight_dtype: torch.dtype | None
     has_bias: bool
@@ -194,8 +197,8 @@ class BackwardKey:
     @classmethod
     def of(cls, plan: CuteBackwardPlan, dtype: torch.dtype, weight_dtype: torch.dtype | None,
            has_bias: bool, layer_norm: bool) -> BackwardKey:
-        return cls(dtype, weight_dtype, has_bias, layer_norm, plan.cols, plan.threads,
-                   plan.stages, plan.ctas_per_sm)
+        return cls(plan.rows, dtype, weight_dtype, has_bias, layer_norm, plan.cols,
+                   plan.threads, plan.stages, plan.ctas_per_sm)
 
 
 def _fake(dtype, shape, stride, align):
@@ -210,7 +213,7 @@ def compile_backward(key: BackwardKey, arch: str | None = None):
     weight_dtype = None if key.weight_dtype is None else _DTYPES[key.weight_dtype]
     kernel = RowNormBackward(dtype, weight_dtype, key.cols, key.threads, key.stages,
                              key.ctas_per_sm, key.layer_norm, key.has_bias)
-    rows, slots = cute.sym_int(), cute.sym_int()
+    rows, slots = key.rows, cute.sym_int()
     # Rows contiguous, so that a row's offset is a multiple of a compile-time stride: a
     # runtime 64-bit stride costs the registers that keep two CTAs resident (#38).
     x, dy, dx = (_fake(dtype, (rows, key.cols), (key.cols, 1), 16) for _ in range(3))
@@ -228,19 +231,26 @@ def compile_backward(key: BackwardKey, arch: str | None = None):
 
 #: Architectures the ahead-of-time build targets: Hopper and Blackwell datacenter parts.
 AOT_ARCHS = ("sm_90a", "sm_100a")
+#: Row count of the ahead-of-time builds (kernels are compiled per row count).
+AOT_ROWS = 32768
 
 
 def aot_keys(all_dtypes: bool = False) -> list[BackwardKey]:
     """Every variant the planner's CuTe DSL entries can run: each weight dtype (or none),
     with and without a bias, in bf16 (and fp16 with ``all_dtypes``)."""
     dtypes = (torch.bfloat16, torch.float16) if all_dtypes else (torch.bfloat16,)
-    return [BackwardKey(dtype, weight_dtype, has_bias, op == "layer_norm", cols, *config)
+    return [BackwardKey(AOT_ROWS, dtype, weight_dtype, has_bias, op == "layer_norm", cols,
+                        *config)
             for op, widths in CUTE_BACKWARD.items() for cols, config in widths.items()
             for dtype in dtypes for weight_dtype in (None, dtype, torch.float32)
             for has_bias in ((False, True) if op == "layer_norm" else (False,))]
 
 
-@functools.cache
+#: Compiled variants kept per process: a new row count compiles in ~2 s.
+MAX_COMPILED = 256
+
+
+@functools.lru_cache(maxsize=MAX_COMPILED)
 def compiled_backward(key: BackwardKey):
     """``key``'s kernel for this process's GPU, compiled once."""
     return compile_backward(key)
