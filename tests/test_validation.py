@@ -68,3 +68,11 @@ def test_stale_summary_is_not_recorded(sandbox, tmp_path):
 def test_shipped_record_names_known_families():
     data = json.loads(validation.RECORD_FILE.read_text())
     assert set(data["kernels"]) <= {f.name for f in validation.FAMILIES}
+
+
+def test_a_family_whose_modules_are_missing_is_not_runnable():
+    """A GPU run without the CuTe DSL skips the CuTe tests: summarize leaves that family out,
+    so the run cannot validate it."""
+    family = validation.KernelFamily("x/y", "X", ("planner.py",), ("no_such_module_here",))
+    assert not family.runnable()
+    assert validation.CUTILE_NORM.runnable()
