@@ -167,8 +167,7 @@ def build_ahead_of_time(all_dtypes: bool) -> bool:
             except Exception as e:
                 ok = False
                 print(f"  FAILED {futures[future]}: {type(e).__name__}: {e}")
-    print(f"  {'all built' if ok else 'some builds FAILED'} in "
-          f"{time.perf_counter() - start:.0f} s")
+    _report_builds(ok, start)
     return ok & build_cute_ahead_of_time(all_dtypes)
 
 
@@ -191,9 +190,13 @@ def build_cute_ahead_of_time(all_dtypes: bool) -> bool:
             except Exception as e:
                 ok = False
                 print(f"  FAILED {key} {arch}: {type(e).__name__}: {e}")
+    _report_builds(ok, start)
+    return ok
+
+
+def _report_builds(ok: bool, start: float) -> None:
     print(f"  {'all built' if ok else 'some builds FAILED'} in "
           f"{time.perf_counter() - start:.0f} s")
-    return ok
 
 
 def main(argv: list[str] | None = None) -> int:

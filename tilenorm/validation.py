@@ -22,6 +22,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
+from tilenorm import cute
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 RECORD_FILE = PACKAGE_DIR / "validation.json"
 
@@ -49,7 +51,7 @@ CUTILE_NORM = KernelFamily(
 #: The CuTe DSL backward hands its partial buffer to cuTile's reduction (cutile/reduce.py).
 CUTE_NORM = KernelFamily(
     "cute/norm", "CuTe DSL", ("cute/norm.py", "cutile/reduce.py", "planner.py"),
-    ("cutlass", "tvm_ffi"))
+    cute.REQUIRED_MODULES)
 FAMILIES = (CUTILE_NORM, CUTE_NORM)
 
 

@@ -4,14 +4,18 @@ flight across rows, which a cuTile persistent loop cannot express (bench/NOTES.m
 from __future__ import annotations
 
 import functools
+import importlib
+
+#: What the kernels import: the CuTe DSL and the TVM-FFI path they are called through.
+REQUIRED_MODULES = ("cutlass.cute", "tvm_ffi")
 
 
 @functools.cache
 def available() -> bool:
-    """True when the CuTe DSL and its TVM-FFI call path are importable."""
+    """True when every module in :data:`REQUIRED_MODULES` imports."""
     try:
-        import cutlass.cute  # noqa: F401
-        import tvm_ffi  # noqa: F401
+        for module in REQUIRED_MODULES:
+            importlib.import_module(module)
     except ImportError:
         return False
     return True

@@ -34,8 +34,8 @@ from tilenorm.pytorch._checks import (
 from tilenorm.pytorch.routing import Route, route_problem
 from tilenorm.validation import CUTILE_NORM
 
-#: The CuTe DSL backward's name in routes (tilenorm.cute.norm.KERNEL_NAME, which imports the
-#: CuTe DSL only when a route runs it).
+#: The CuTe DSL backward's name in routes (kept here: tilenorm.cute.norm imports the CuTe DSL,
+#: which happens only when a route runs it).
 CUTE_BACKWARD_NAME = "RowNormBackward (CuTe DSL)"
 
 
