@@ -1,45 +1,59 @@
 """Runs the cuTile normalization kernels at launch level on poisoned outputs and checks every
-output against float64: the shared body of the op tests' GPU kernel cases."""
+output against the float64 reference: the shared body of the op tests' GPU kernel cases.
+
+Kernels launch the way the ops launch them, from raw pointers through the lean driver path
+(:class:`tilenorm.launch.driver.DriverLaunch`), with the plans the planner gives (or the
+variants a test asks for)."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
-from tests import float64_reference as ref64
-from tilenorm.cutile import norm as cutile_norm
-from tilenorm.cutile.norm import NormFeatures
 from tilenorm.device import device_info
+from tilenorm.launch import cutile
+from tilenorm.launch.cutile import BoundKernel, NormFeatures
+from tilenorm.launch.driver import ArrayLayout, DriverLaunch
 from tilenorm.planner import plan_row_norm
+from tilenorm.pytorch.calls import DTYPE_NAMES, placeholders
+from tilenorm.testing import RelError, float64_norm, fresh_generator, rel_error, row_blocks
 
 OUT_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}
 STAT_TOL = 1e-5
 DGAMMA_TOL_FP32 = 1e-3
-
-
-def fresh_generator(device="cpu") -> tuple[torch.Generator, int]:
-    """A generator with a fresh random seed (reported on failure): new inputs every check."""
-    seed = int.from_bytes(os.urandom(4), "little")
-    return torch.Generator(device=device).manual_seed(seed), seed
-
-
-def rel(out, ref) -> float:
-    """Relative error; absolute where the exact result is 0 (LayerNorm's dweight at N = 1)."""
-    diff = (out.double() - ref).norm()
-    return (diff / ref.norm() if ref.norm() > 0 else diff).item()
+rel = rel_error
 
 
 def poisoned(shape, dtype):
     return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
 
 
-def plans(rows, heads, cols, itemsize, per_head, max_offset=None):
+def plans(rows, heads, cols, itemsize, per_head, max_offset=None, op="rms_norm"):
     info = device_info(torch.cuda.current_device())
     return [plan_row_norm(rows, cols, heads=heads, per_head_weight=per_head, itemsize=itemsize,
                           sm_count=info.sm_count, arch=info.arch, direction=d,
-                          max_offset=max_offset) for d in ("forward", "backward")]
+                          max_offset=max_offset, op=op) for d in ("forward", "backward")]
+
+
+def launch(bound: BoundKernel, arrays: dict[str, torch.Tensor], *scalars: float) -> None:
+    """Launch ``bound`` on the current stream from the pointers of ``arrays`` (by name; the
+    kernel's other arrays get placeholders), as the ops do."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    ph = placeholders(device)
+    layouts, fixed, pointers = [], {}, []
+    for i, name in enumerate(bound.arrays):
+        t = arrays.get(name)
+        if t is None:
+            layouts.append(ArrayLayout("float32", (1,), (1,)))
+            fixed[i] = ph[i % len(ph)].data_ptr()
+        else:
+            layouts.append(ArrayLayout(DTYPE_NAMES[t.dtype], tuple(t.shape), t.stride()))
+            pointers.append(t.data_ptr())
+    launcher = DriverLaunch(bound, tuple(layouts), device_info(device.index).arch,
+                            fixed_arrays=fixed)
+    stream = torch.cuda.current_stream().cuda_stream
+    assert launcher.launch(stream, *pointers, *scalars), "16-byte aligned operands"
 
 
 def _run(fwd, bwd, f, x, w, b, r, dy, dh, eps, offset, out_dtype, res_dtype):
@@ -50,17 +64,35 @@ def _run(fwd, bwd, f, x, w, b, r, dy, dh, eps, offset, out_dtype, res_dtype):
     rstd = poisoned((m, heads), torch.float32)
     w3 = None if w is None else w.view(1, -1, n)
     b3 = None if b is None else b.view(1, -1, n)
-    cutile_norm.forward(fwd, f, x=x, weight=w3, bias=b3, residual=r, y=y, residual_out=h_out,
-                        mean=mean, rstd=rstd, eps=eps, offset=offset)
+    launch(cutile.bind_forward(fwd, f), dict(x=x, residual=r, weight=w3, bias=b3, y=y,
+                                             residual_out=h_out, mean=mean, rstd=rstd),
+           eps, offset)
     h = x if r is None else h_out
     dx = poisoned(x.shape, x.dtype)
-    dres = poisoned(x.shape, res_dtype) if r is not None and res_dtype != x.dtype else None
+    split = r is not None and res_dtype != x.dtype
+    dres = poisoned(x.shape, res_dtype) if split else None
     dw = poisoned(w.shape, w.dtype) if w is not None else None
     db = poisoned(b.shape, b.dtype) if b is not None else None
-    partial = cutile_norm.partial_buffer(bwd, dw, db, fill=float("nan"))
-    cutile_norm.backward(bwd, f, dy=dy, h=h, weight=w3, mean=mean, rstd=rstd, dres_in=dh,
-                         dx=dx, dres=dres, partial=partial, dweight=dw, dbias=db,
-                         offset=offset)
+    groups = (w is not None) + (b is not None)
+    kernel = cutile.bind_backward(bwd, f, dh is not None, split)
+    partial = poisoned(cutile.partial_shape(bwd, groups), torch.float32) if groups else None
+    heads_w = partial.shape[1] // groups if groups else 0
+    operands = dict(dy=dy, h=h, weight=w3, mean=mean, rstd=rstd, dres_in=dh, dx=dx, dres=dres)
+    if w is not None:
+        operands["partial_w"] = partial[:, :heads_w]
+    if b is not None:
+        operands["partial_b"] = partial[:, heads_w * (w is not None):][:, :heads_w]
+    if kernel.first is not None:
+        operands["row_sums"] = torch.empty((m, heads) + kernel.workspace, dtype=torch.float32,
+                                           device="cuda")
+        launch(kernel.first, operands, offset)
+    launch(kernel, operands, offset)
+    if groups:
+        slots, rows, cols = partial.shape
+        outs = [t.view(-1) for t in (dw, db) if t is not None]
+        launch(cutile.bind_reduce(bwd, groups),
+               dict(partial=partial.view(slots, groups, rows // groups * cols), out_a=outs[0],
+                    out_b=outs[1] if groups == 2 else None))
     outs = {"y": y, "h": h_out, "mean": mean, "rstd": rstd, "dx": dx, "dres": dres,
             "dweight": dw, "dbias": db}
     return {k: v for k, v in outs.items() if v is not None}
@@ -93,7 +125,8 @@ def check_kernels(m, heads, n, *, x_dtype=torch.bfloat16, w_dtype=None, layer_no
     dy = torch.randn(x.shape, generator=g, device="cuda", dtype=out_dtype)
     dh = torch.randn(x.shape, generator=g, device="cuda", dtype=res_dtype) \
         if res_dtype is not None else None
-    fwd, bwd = plans(m, heads, n, x_dtype.itemsize, per_head)
+    fwd, bwd = plans(m, heads, n, x_dtype.itemsize, per_head,
+                     op="layer_norm" if layer_norm else "rms_norm")
     args = (fwd, bwd, f, x, w, b, r, dy, dh, eps, offset, out_dtype, res_dtype)
     outs = _run(*args)
     for name, t in outs.items():
@@ -105,27 +138,30 @@ def check_kernels(m, heads, n, *, x_dtype=torch.bfloat16, w_dtype=None, layer_no
                 f"{name} differs between runs; seed {seed}"
         del again
 
-    err = {k: ref64.RelError() for k in outs if k not in ("dweight", "dbias")}
+    err = {k: RelError() for k in outs if k not in ("dweight", "dbias")}
     dw64 = db64 = 0
-    kw = dict(layer_norm=layer_norm, offset=offset)
-    for rows in ref64.row_blocks(m, heads * n):
+    for rows in row_blocks(m, heads * n):
         rr = None if r is None else r[rows]
-        y64, h64, mean64, rstd64 = ref64.norm_fwd(x[rows], w, b, eps, residual=rr, **kw)
-        err["y"].add(outs["y"][rows], y64)
-        err["rstd"].add(outs["rstd"][rows], rstd64)
+        ref = float64_norm(x[rows], w, b, eps, layer_norm=layer_norm, offset=offset,
+                           residual=rr, dy=dy[rows], dh=None if dh is None else dh[rows])
+        err["y"].add(outs["y"][rows], ref.y)
+        err["rstd"].add(outs["rstd"][rows], ref.rstd)
         if layer_norm:
-            err["mean"].add(outs["mean"][rows], mean64, h64.abs())
+            err["mean"].add(outs["mean"][rows], ref.mean, ref.h.abs())
         if r is not None:
-            err["h"].add(outs["h"][rows], h64)
-        dx64, dw_rows, db_rows, scale = ref64.norm_bwd(
-            dy[rows], x[rows], w, eps, residual=rr, dh=None if dh is None else dh[rows], **kw)
+            err["h"].add(outs["h"][rows], ref.h)
         # For N = 1 the exact dx of RMSNorm is O(eps) (x_hat = +-1 to within eps): a
-        # cancellation fp32 cannot resolve relative to itself, so dx is measured against its
-        # terms' scale.
-        err["dx"].add(outs["dx"][rows], dx64, scale if n == 1 and dh is None else None)
+        # cancellation fp32 cannot resolve relative to itself, so dx is measured against
+        # the scale of its terms, |w dy rstd|.
+        scale = None
+        if n == 1 and dh is None:
+            scale = dy[rows].double() * (1.0 if w is None else (w.double() + offset)) \
+                * ref.rstd.unsqueeze(-1)
+        err["dx"].add(outs["dx"][rows], ref.dx, scale)
         if "dres" in outs:
-            err["dres"].add(outs["dres"][rows], dx64)
-        dw64, db64 = dw64 + dw_rows, db64 + db_rows
+            err["dres"].add(outs["dres"][rows], ref.dx)
+        dw64 = dw64 + (0 if ref.dweight is None else ref.dweight)
+        db64 = db64 + (0 if ref.dbias is None else ref.dbias)
     tol = tol or max(OUT_TOL[x_dtype], OUT_TOL[out_dtype], OUT_TOL.get(res_dtype, 0))
     # A bf16/fp16 residual stream rounds h, which the statistics then describe.
     stat_tol = max(STAT_TOL, OUT_TOL.get(res_dtype, 0))
@@ -162,7 +198,7 @@ def check_launch_modes_agree(m, heads, n, *, layer_norm=False, per_head=False, c
     b = (0.5 * torch.randn(pshape, generator=g, device="cuda")).to(torch.bfloat16) \
         if layer_norm else None
     dy = torch.randn(x.shape, generator=g, device="cuda", dtype=torch.bfloat16)
-    fwd, bwd = plans(m, heads, n, 2, per_head)
+    fwd, bwd = plans(m, heads, n, 2, per_head, op="layer_norm" if layer_norm else "rms_norm")
 
     def run(fwd_plan, bwd_plan):
         return _run(fwd_plan, bwd_plan, f, x, w, b, None, dy, None, 1e-6, 0.0, x.dtype, None)

@@ -3,7 +3,7 @@ the ops accept, builds ahead of time for Hopper and Blackwell on a machine with 
 
 import pytest
 
-from tilenorm.cutile.export import GPU_CODES, export, jobs
+from tilenorm.launch.aot import GPU_CODES, export, jobs
 
 JOBS = list(jobs())
 

@@ -1,19 +1,25 @@
-"""The CuTe DSL row-norm backward (tilenorm/cute/norm.py): its plan, its ahead-of-time build
-for Hopper and Blackwell, the route that picks it, and (GPU) its outputs against float64."""
+"""The CuTe DSL row-norm backward (tilenorm/kernels/cute_row_norm_backward.py): its plan, its
+ahead-of-time build for Hopper and Blackwell, the decision that picks it, and (GPU) its outputs
+against float64."""
 
 import pytest
 import torch
 
 import tilenorm
-from tests import float64_reference as ref64
 from tests.kernel_harness import DGAMMA_TOL_FP32, OUT_TOL, fresh_generator, poisoned, rel
-from tilenorm import cute
-from tilenorm.planner import CUTE_BACKWARD, plan_cute_backward
-from tilenorm.pytorch import routing
+from tilenorm import dispatch
+from tilenorm.device import DeviceInfo
+from tilenorm.launch import cute
+from tilenorm.planner import plan_cute_backward
+from tilenorm.settings import SM90
+from tilenorm.testing import float64_norm
 
 gpu = pytest.mark.gpu
 needs_cute = pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+CUTE_BACKWARD = SM90.cute_backward
 WIDTHS = sorted({cols for widths in CUTE_BACKWARD.values() for cols in widths})
+H100 = DeviceInfo(index=0, name="NVIDIA H100 80GB HBM3", sm_count=132, arch=(9, 0),
+                  l2_bytes=50 << 20)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 131, 264, 265, 32768, 100003])
@@ -21,7 +27,8 @@ WIDTHS = sorted({cols for widths in CUTE_BACKWARD.values() for cols in widths})
 def test_plan_gives_every_row_to_one_program(rows, sm_count):
     for op, widths in CUTE_BACKWARD.items():
         for cols, (threads, stages, ctas) in widths.items():
-            p = plan_cute_backward(rows, cols, itemsize=2, sm_count=sm_count, op=op)
+            p = plan_cute_backward(rows, cols, itemsize=2, sm_count=sm_count, arch=(9, 0),
+                                   op=op)
             assert p.grid == min(rows, sm_count * ctas) == p.partial_rows
             assert (p.threads, p.stages, p.ctas_per_sm) == (threads, stages, ctas)
             seen = sorted(r for prog in range(p.grid) for r in p.program_rows(prog))
@@ -31,44 +38,73 @@ def test_plan_gives_every_row_to_one_program(rows, sm_count):
 
 def test_plan_only_where_measured():
     cols = WIDTHS[0]
-    assert plan_cute_backward(100, cols, itemsize=2, sm_count=132, op="layer_norm")
-    assert plan_cute_backward(100, cols + 8, itemsize=2, sm_count=132, op="layer_norm") is None
-    assert plan_cute_backward(100, cols, itemsize=4, sm_count=132, op="layer_norm") is None
-    assert plan_cute_backward(100, cols, itemsize=2, sm_count=132, op="layer_norm",
-                              heads=2) is None
-    assert plan_cute_backward(100, cols, itemsize=2, sm_count=132, op="rms_norm") is None
+
+    def plan(rows=100, cols=cols, itemsize=2, op="layer_norm", **kw):
+        return plan_cute_backward(rows, cols, itemsize=itemsize, sm_count=kw.pop("sm_count", 132),
+                                  arch=(9, 0), op=op, **kw)
+
+    assert plan()
+    assert plan(cols=cols + 8) is None
+    assert plan(itemsize=4) is None
+    assert plan(heads=2) is None
+    assert plan(op="rms_norm") is None
     rows = 2**31 // cols
-    assert plan_cute_backward(rows, cols, itemsize=2, sm_count=132, op="layer_norm")
-    assert plan_cute_backward(rows + 1, cols, itemsize=2, sm_count=132, op="layer_norm") is None
-    assert plan_cute_backward(10, cols, itemsize=2, sm_count=132, op="layer_norm",
-                              max_offset=2**31) is None
+    assert plan(rows=rows)
+    assert plan(rows=rows + 1) is None
+    assert plan(rows=10, max_offset=2**31) is None
     with pytest.raises(ValueError):
-        plan_cute_backward(100, cols, itemsize=2, sm_count=0, op="layer_norm")
+        plan(sm_count=0)
 
 
 @needs_cute
-def test_route_picks_it_only_for_its_dtypes_and_when_allowed(monkeypatch):
-    bf16, fp32, fp16 = torch.bfloat16, torch.float32, torch.float16
-    pick = routing._cute_backward
+def test_decision_picks_it_only_for_its_dtypes_and_when_allowed(monkeypatch):
     cols = WIDTHS[0]
     last = 1000 * cols - 1
-    assert pick("layer_norm", (bf16, fp32, fp32), 1000, 1, cols, last, 132, True)
-    assert pick("layer_norm", (bf16, bf16), 1000, 1, cols, last, 132, True)
-    assert pick("layer_norm", (bf16, fp16), 1000, 1, cols, last, 132, True) is None
-    assert pick("layer_norm", (fp32, fp32), 1000, 1, cols, last, 132, True) is None
-    assert pick("layer_norm", (bf16,), 1000, 1, cols, 2**31, 132, True) is None
-    monkeypatch.setattr(routing.validation, "is_stable", lambda family: False)
-    assert pick("layer_norm", (bf16,), 1000, 1, cols, last, 132, False) is None
+
+    def pick(dtypes, max_offset=last, allow=True):
+        p = dispatch.Problem("layer_norm", "cuda", 0, dtypes, 1000, 1, cols, False, max_offset,
+                             allow)
+        return dispatch._cute_backward(p, H100)
+
+    assert pick(("bfloat16", "float32", "float32"))
+    assert pick(("bfloat16", "bfloat16"))
+    assert pick(("bfloat16", "float16")) is None
+    assert pick(("float32", "float32")) is None
+    assert pick(("bfloat16",), max_offset=2**31) is None
+    monkeypatch.setattr(dispatch.validation, "is_stable", lambda family: False)
+    assert pick(("bfloat16",), allow=False) is None
+
+
+def test_backward_kernel_takes_it_only_where_the_call_allows():
+    decision = dispatch.Decision(
+        op="layer_norm", reason="", backward=plan_row_norm_backward(),
+        cute_backward=plan_cute_backward(1000, WIDTHS[0], itemsize=2, sm_count=132,
+                                         arch=(9, 0), op="layer_norm"))
+    plain = dict(has_residual=False, has_dres_in=False, has_offset=False, same_dtypes=True,
+                 dense_aligned=True, max_offset=0)
+    assert dispatch.backward_kernel(decision, dispatch.BackwardFacts(**plain)) \
+        is decision.cute_backward
+    for change in (dict(has_residual=True), dict(has_dres_in=True), dict(has_offset=True),
+                   dict(same_dtypes=False), dict(dense_aligned=False)):
+        facts = dispatch.BackwardFacts(**{**plain, **change})
+        assert dispatch.backward_kernel(decision, facts) is decision.backward, change
+    wide = dispatch.BackwardFacts(**{**plain, "dense_aligned": False, "max_offset": 2**31})
+    assert dispatch.backward_kernel(decision, wide).index_bits == 64
+
+
+def plan_row_norm_backward():
+    from tilenorm.planner import plan_row_norm
+
+    return plan_row_norm(1000, WIDTHS[0], itemsize=2, sm_count=132, arch=(9, 0),
+                         direction="backward", op="layer_norm")
 
 
 @pytest.mark.aot
 @needs_cute
 def test_every_variant_builds_for_hopper_and_blackwell():
-    from tilenorm.cute import norm as cute_norm
-
-    for key in cute_norm.aot_keys(all_dtypes=True):
-        for arch in cute_norm.AOT_ARCHS:
-            assert callable(cute_norm.compile_backward(key, arch)), (key, arch)
+    for key in cute.aot_keys(all_dtypes=True):
+        for arch in cute.AOT_ARCHS:
+            assert callable(cute.compile_backward(key, arch)), (key, arch)
 
 
 # --- GPU --------------------------------------------------------------------------------
@@ -78,7 +114,7 @@ def _plan(rows, cols):
     from tilenorm.device import device_info
 
     info = device_info(torch.cuda.current_device())
-    return plan_cute_backward(rows, cols, itemsize=2, sm_count=info.sm_count,
+    return plan_cute_backward(rows, cols, itemsize=2, sm_count=info.sm_count, arch=info.arch,
                               op="layer_norm")
 
 
@@ -86,36 +122,35 @@ def check_backward(m, n, dtype=torch.bfloat16, w_dtype=torch.float32, has_weight
                    has_bias=True, eps=1e-5):
     """The kernel on poisoned dx and partial buffer against float64: every dx element and
     partial slot written, dx / dgamma / dbeta accurate, a rerun bit-identical."""
-    from tilenorm.cute import norm as cute_norm
-
     g, seed = fresh_generator("cuda")
     x = torch.randn(m, n, generator=g, device="cuda").to(dtype)
     dy = torch.randn(m, n, generator=g, device="cuda").to(dtype)
     w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(w_dtype) if has_weight \
         else None
     b = torch.randn(n, generator=g, device="cuda").to(w_dtype) if has_bias else None
-    _, _, mean, rstd = ref64.norm_fwd(x, w, b, eps, layer_norm=True)
-    mean, rstd = mean.float(), rstd.float()
+    ref = float64_norm(x, w, b, eps, layer_norm=True, dy=dy)
+    mean, rstd = ref.mean.float(), ref.rstd.float()
     plan = _plan(m, n)
-    assert cute_norm.takes(x, dy), seed
+    names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+    fn = cute.compiled_backward(cute.BackwardKey.of(
+        plan, names[dtype], None if w is None else names[w.dtype], has_bias, True))
     groups = int(has_weight) + int(has_bias)
     outputs = []
     for _ in range(2):
         dx = poisoned((m, n), dtype)
         partial = poisoned((plan.partial_rows, groups, n), torch.float32) if groups else None
-        cute_norm.run_backward(plan, x, dy, w, b, mean, rstd, dx, partial)
+        fn(x, dy, w, mean, rstd, dx, partial, plan.grid)
         torch.cuda.synchronize()
         outputs.append((dx, partial))
     (dx, partial), (dx2, partial2) = outputs
     assert not dx.isnan().any(), f"every dx element written (seed {seed})"
     assert torch.equal(dx, dx2), f"rerun bit-identical (seed {seed})"
-    dx64, dw64, db64, scale = ref64.norm_bwd(dy, x, w, eps, layer_norm=True)
-    assert rel(dx, dx64) <= OUT_TOL[dtype], seed
+    assert rel(dx, ref.dx) <= OUT_TOL[dtype], seed
     if groups:
         assert not partial.isnan().any(), f"every partial slot written (seed {seed})"
         assert torch.equal(partial, partial2), f"rerun bit-identical (seed {seed})"
         sums = partial.double().sum(0)
-        refs = ([dw64] if has_weight else []) + ([db64] if has_bias else [])
+        refs = ([ref.dweight] if has_weight else []) + ([ref.dbias] if has_bias else [])
         for got, want in zip(sums, refs, strict=True):
             assert rel(got, want) <= DGAMMA_TOL_FP32, seed
 
@@ -143,10 +178,8 @@ def test_features_match_float64(case, n):
 
 
 def _float64_layer_norm(x, w, b, eps, dy):
-    leaves = [t.detach().double().requires_grad_() for t in (x, w, b)]
-    y = torch.nn.functional.layer_norm(leaves[0], (x.shape[-1],), leaves[1], leaves[2], eps)
-    y.backward(dy.double())
-    return y, *(t.grad for t in leaves)
+    ref = float64_norm(x, w, b, eps, layer_norm=True, dy=dy)
+    return ref.y, ref.dx, ref.dweight, ref.dbias
 
 
 @gpu
@@ -160,8 +193,8 @@ def test_public_op_runs_it_and_matches_float64(compiled):
     b = (0.5 * torch.randn(n, generator=g, device="cuda")).requires_grad_()
     dy = torch.randn_like(x)
     with tilenorm.experimental():
-        route = tilenorm.explain(x, w, bias=b, layer_norm=True)
-        assert route.cute_backward is not None and "CuTe DSL" in str(route)
+        decision = tilenorm.explain(x, w, bias=b, layer_norm=True)
+        assert decision.cute_backward is not None and "CuTe DSL" in str(decision)
         fn = tilenorm.layer_norm
         if compiled:
             fn = torch.compile(lambda x, w, b: tilenorm.layer_norm(x, w, b), fullgraph=True)
@@ -207,20 +240,18 @@ def test_cuda_graph_replay_matches_eager_bit_for_bit():
 @gpu
 @needs_cute
 def test_strided_rows_take_the_cutile_backward_and_match_float64():
-    """Rows that are not contiguous fail the kernel's layout (``takes``): the call runs
-    cuTile's backward instead, on the same route."""
-    from tilenorm.cute import norm as cute_norm
-
+    """Rows that are not contiguous fail the kernel's layout: the call runs cuTile's backward
+    instead, on the same decision."""
     g, seed = fresh_generator("cuda")
     n = WIDTHS[0]
     x = torch.randn(300, n + 64, generator=g, device="cuda", dtype=torch.bfloat16)[:, :n]
     w = 1 + 0.5 * torch.randn(n, generator=g, device="cuda")
     b = torch.randn(n, generator=g, device="cuda")
     dy = torch.randn(300, n, generator=g, device="cuda", dtype=torch.bfloat16)
-    assert not cute_norm.takes(x, dy)
+    assert not x.is_contiguous()
     with tilenorm.experimental():
         _, h, mean, rstd = tilenorm.layer_norm_forward(x, w, b)
         dx, _, dw, db = tilenorm.layer_norm_backward(dy, x, w, b, mean, rstd)
-    dx64, dw64, db64, _ = ref64.norm_bwd(dy, x, w, 1e-5, layer_norm=True)
+    _, dx64, dw64, db64 = _float64_layer_norm(x, w, b, 1e-5, dy)
     assert rel(dx, dx64) <= 1e-2, seed
     assert rel(dw, dw64) <= DGAMMA_TOL_FP32 and rel(db, db64) <= DGAMMA_TOL_FP32, seed

@@ -4,10 +4,8 @@ import pytest
 import torch
 
 import tilenorm
-from tilenorm import _experimental, validation
+from tilenorm import _experimental, dispatch, validation
 from tilenorm.device import DeviceInfo
-from tilenorm.pytorch import routing
-from tilenorm.pytorch._norm import kernel_names
 
 FAKE_H100 = DeviceInfo(index=0, name="NVIDIA H100 80GB HBM3", sm_count=132, arch=(9, 0),
                        l2_bytes=50 << 20)
@@ -46,22 +44,21 @@ def test_setter_and_context_manager_restore():
 
 def test_explain_on_cpu_names_the_reference_and_why():
     text = str(tilenorm.explain(torch.randn(4, 64)))
-    assert "torch reference" in text and "cpu" in text
+    assert "reference path" in text and "cpu" in text
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """Route as if x lived on an H100: routing needs only the device's properties."""
-    monkeypatch.setattr(routing, "device_info", lambda index: FAKE_H100)
-    routing.route_problem.cache_clear()
+    """Decide as if x lived on an H100: the decision needs only the device's properties."""
+    monkeypatch.setattr(dispatch, "device_info", lambda index: FAKE_H100)
+    dispatch.decide.cache_clear()
     yield
-    routing.route_problem.cache_clear()
+    dispatch.decide.cache_clear()
 
 
-def route_on_fake_gpu(rows, cols, dtype=torch.bfloat16, allow=False):
-    return routing.route_problem("rms_norm", validation.CUTILE_NORM, kernel_names,
-                                 torch.device("cuda", 0), (dtype,), rows, 1, cols, False,
-                                 rows * cols - 1, allow)
+def route_on_fake_gpu(rows, cols, dtype="bfloat16", allow=False):
+    return dispatch.decide(dispatch.Problem("rms_norm", "cuda", 0, (dtype,), rows, 1, cols,
+                                            False, rows * cols - 1, allow))
 
 
 @pytest.mark.parametrize("stable", [True, False])
@@ -101,6 +98,6 @@ def test_explain_names_the_kernels_each_direction_runs(fake_gpu, cols, names):
 
 
 def test_reference_for_unsupported_dtype_and_size(fake_gpu):
-    assert "float64" in route_on_fake_gpu(8, 64, torch.float64, allow=True).reason
+    assert "float64" in route_on_fake_gpu(8, 64, "float64", allow=True).reason
     big = route_on_fake_gpu(2**16, 2**15 + 1, allow=True)
     assert big.uses_kernel and "64-bit offsets" in str(big)

@@ -14,16 +14,15 @@ from tests.kernel_harness import (
     fresh_generator,
     rel,
 )
+from tilenorm.testing import float64_norm
 
 gpu = pytest.mark.gpu
 
 
 def float64_layer_norm(x, w, b, eps, dy):
-    """y, dx, dw, db through float64 autograd of torch's own layer_norm."""
-    leaves = [None if t is None else t.detach().double().requires_grad_() for t in (x, w, b)]
-    y = F.layer_norm(leaves[0], leaves[0].shape[-1:], leaves[1], leaves[2], eps)
-    y.backward(dy.double())
-    return (y.detach(), *(None if t is None else t.grad for t in leaves))
+    """(y, dx, dw, db) of the float64 reference (tilenorm.testing)."""
+    ref = float64_norm(x, w, b, eps, layer_norm=True, dy=dy)
+    return ref.y, ref.dx, ref.dweight, ref.dbias
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 7), (2, 5, 64), (17, 1000)])
@@ -113,64 +112,50 @@ def test_residual_prenorm_returns_the_sum():
     torch.testing.assert_close(y, F.layer_norm(x + r, (64,)))
 
 
-class _RecordingKernel:
-    """Stands in for a bound kernel on the CPU: ``effect`` plays the kernel's part on its
-    arguments."""
-
-    first = None  # a single-kernel backward (not column split)
-
-    def __init__(self, effect):
-        self.effect = effect
-
-    def launch(self, stream, *args):
-        self.effect(*args)
-
-
 @pytest.mark.parametrize("heads,has_weight,has_bias", [
     (1, True, True), (1, True, False), (1, False, True), (4, True, False), (4, True, True)])
 def test_backward_hands_each_partial_group_to_its_output(heads, has_weight, has_bias):
-    """The launch path (no GPU): the backward kernel's dgamma and dbeta partial operands and
-    the reduction's groups and outputs line up, so each output gets its own column sums."""
-    from tilenorm.cutile import norm as cutile_norm
+    """The launch path (no GPU): the backward kernel's dgamma and dbeta partial operands are
+    the groups of one partial buffer, and the reduction gets the buffer and the outputs."""
+    from tilenorm.launch import cutile
     from tilenorm.planner import plan_row_norm
+    from tilenorm.pytorch.calls import BackwardCall, NormSpec
 
-    g, seed = fresh_generator()
-    cols = 48
-    plan = plan_row_norm(1000, cols, heads=heads, per_head_weight=heads > 1, itemsize=2,
+    cols, rows = 48, 1000
+    plan = plan_row_norm(rows, cols, heads=heads, per_head_weight=heads > 1, itemsize=2,
                          sm_count=4, arch=(9, 0), direction="backward", op="layer_norm")
-    slots = plan.partial_shape[0]
+    groups = has_weight + has_bias
+    shape = cutile.partial_shape(plan, groups)
+    partial = torch.empty(shape)
     param_shape = (heads, cols) if heads > 1 else (cols,)
-    dweight = torch.full(param_shape, float("nan")) if has_weight else None
-    dbias = torch.full(param_shape, float("nan")) if has_bias else None
-    groups = cutile_norm.gradient_groups(dweight, dbias)
-    partial = cutile_norm.partial_buffer(plan, dweight, dbias, fill=float("nan"))
-    sums = {name: torch.randn(slots, heads, cols, generator=g, dtype=torch.float64).float()
-            for name in ("w", "b")}
-    ph = cutile_norm.placeholders(torch.device("cpu"))
+    dweight = torch.empty(param_shape) if has_weight else None
+    dbias = torch.empty(param_shape) if has_bias else None
+    seen = {}
 
-    def backward_kernel(*args):
-        partial_w, partial_b = args[8], args[9]
-        for name, present, operand, placeholder in (("w", has_weight, partial_w, ph[5]),
-                                                    ("b", has_bias, partial_b, ph[6])):
-            assert (operand is not placeholder) == present, seed
-            if present:
-                assert operand.shape == plan.partial_shape, seed
-                operand.copy_(sums[name])
+    def row(stream, *args):
+        seen["row"] = args
+        return True
 
-    def reduce_kernel(flat, out_a, out_b):
-        assert flat.shape == (slots, groups, heads * cols), seed
-        out_a.copy_(flat[:, 0].sum(0))
-        if groups == 2:
-            out_b.copy_(flat[:, 1].sum(0))
-        else:
-            assert out_b is ph[7], seed
+    def reduce(stream, *args):
+        seen["reduce"] = args
+        return True
 
-    cutile_norm.run_backward(_RecordingKernel(backward_kernel), _RecordingKernel(reduce_kernel),
-                             0, ph, *[None] * 8, partial, dweight, dbias, 0.0)
-    for name, out in (("w", dweight), ("b", dbias)):
-        if out is not None:
-            torch.testing.assert_close(out, sums[name].sum(0).view(param_shape), msg=str(seed))
-    assert not partial.isnan().any(), "every group of the partial buffer written"
+    class RowKernel:  # a single-kernel backward (not column split)
+        first = None
+
+    call = BackwardCall(spec=NormSpec("layer_norm", True, 1, heads > 1), decision=None,
+                        features=None, x_dtype=torch.float32, residual_dtype=None,
+                        device=torch.device("cpu"), shape3=(rows, heads, cols), plan=plan,
+                        row_kernel=RowKernel(), launch_row=row, launch_reduce=reduce,
+                        groups=groups, partial_shape=shape)
+    h = torch.empty(rows, heads, cols)
+    call._launch(0, h, h, dweight, torch.empty(rows, heads), torch.empty(rows, heads), None,
+                 h, None, partial, dweight, dbias, 0.0)
+    pointers = seen["row"][:-1]  # the offset last
+    expected = [partial[:, g * heads:(g + 1) * heads].data_ptr() for g in range(groups)]
+    assert list(pointers[-groups:]) == expected
+    assert seen["reduce"] == (partial.data_ptr(),
+                              *[t.data_ptr() for t in (dweight, dbias) if t is not None])
 
 
 # --- cuTile kernels (GPU) ----------------------------------------------------------------

@@ -5,14 +5,16 @@ import itertools
 import pytest
 
 from tilenorm.planner import (
-    MULTI_HEAD_HINTS,
-    SINGLE_PASS_HINTS,
-    TILE_ELEMENTS,
     UnsupportedShape,
     max_single_pass_cols,
     next_pow2,
     plan_row_norm,
 )
+from tilenorm.settings import SM90, settings_for
+
+MULTI_HEAD_HINTS = SM90.multi_head_hints
+SINGLE_PASS_HINTS = SM90.single_pass_hints
+TILE_ELEMENTS = SM90.tile_elements
 
 ROWS = [1, 2, 3, 15, 16, 17, 255, 1000, 32768, 100003]
 COLS = [1, 7, 16, 64, 127, 128, 1000, 1024, 4096, 5120, 8192, 8193, 16384, 65536, 262144]
@@ -234,3 +236,18 @@ def test_rows_far_from_a_power_of_two_split_into_two_pieces(direction, op):
         hints = SINGLE_PASS_HINTS[direction][op]
         assert (plan(5120).occupancy, plan(5120).worker_warps) == next(
             h[1:3] for h in hints if h[0] >= 5120), "split rows take the hints of their span"
+
+
+def test_every_architecture_has_settings_and_a_variant_plans_apart():
+    """Blackwell takes Hopper's settings until measured; a settings variant (a tune round)
+    plans with its own values, not with a cached plan of the default's."""
+    import dataclasses
+
+    for arch in ((9, 0), (10, 0), (12, 0)):
+        assert settings_for(arch) is SM90
+    wide_tiles = dataclasses.replace(SM90, tile_elements={"forward": 16384, "backward": 4096})
+    default = plan_row_norm(4096, 1024, itemsize=2, sm_count=132, arch=(9, 0),
+                            direction="forward")
+    variant = plan_row_norm(4096, 1024, itemsize=2, sm_count=132, arch=(9, 0),
+                            direction="forward", settings=wide_tiles)
+    assert (default.tile_rows, variant.tile_rows) == (8, 16)

@@ -2,33 +2,21 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 import tilenorm
-from tests.kernel_harness import (
-    DGAMMA_TOL_FP32,
-    check_kernels,
-    check_launch_modes_agree,
-    fresh_generator,
-    rel,
-)
-from tilenorm import reference
+from tests.kernel_harness import check_kernels, check_launch_modes_agree
 from tilenorm.planner import plan_row_norm
+from tilenorm.pytorch import reference
+from tilenorm.testing import float64_norm, fresh_generator
+from tilenorm.testing import rel_error as rel
 from tilenorm.validation import CUTILE_NORM, is_stable
 
 gpu = pytest.mark.gpu
-
-
-def float64_autograd(x, w, eps, dy):
-    """y, dx, dw through float64 autograd of the textbook formula."""
-    x64 = x.detach().double().requires_grad_()
-    w64 = None if w is None else w.detach().double().requires_grad_()
-    y = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + eps)
-    if w64 is not None:
-        y = y * w64
-    y.backward(dy.double())
-    return y.detach(), x64.grad, None if w64 is None else w64.grad
+DGAMMA_TOL_FP32 = 1e-3
 
 
 # --- reference path (CPU) ----------------------------------------------------------------
@@ -46,13 +34,13 @@ def test_reference_matches_float64_autograd(shape, dtype, tol, with_weight):
     dy = torch.randn(shape, generator=g).to(dtype)
     y = tilenorm.rms_norm(x, w, eps=1e-5)
     y.backward(dy)
-    y64, dx64, dw64 = float64_autograd(x, w, 1e-5, dy)
+    ref = float64_norm(x, w, eps=1e-5, dy=dy)
     assert y.dtype == dtype and y.shape == x.shape
-    assert rel(y, y64) <= tol, seed
+    assert rel(y, ref.y) <= tol, seed
     if shape[-1] > 1:  # for N = 1 the exact dx is O(eps): no relative accuracy to ask for
-        assert rel(x.grad, dx64) <= tol, seed
+        assert rel(x.grad, ref.dx) <= tol, seed
     if with_weight:
-        assert rel(w.grad, dw64) <= tol, seed
+        assert rel(w.grad, ref.dweight) <= tol, seed
 
 
 @pytest.mark.parametrize("rows,heads,cols,sm_count,per_head", [
@@ -106,15 +94,24 @@ def test_partial_buffer_fold_equals_direct_sum(rows, heads, cols, sm_count, per_
     (lambda x, w: tilenorm.rms_norm(torch.ones(2, 4, dtype=torch.bool)), TypeError,
      "floating-point"),
     (lambda x, w: tilenorm.rms_norm([1.0, 2.0]), TypeError, "torch.Tensor"),
-    (lambda x, w: tilenorm.rms_norm(x, torch.ones(5)), ValueError, "shape (8,)"),
-    (lambda x, w: tilenorm.rms_norm(x, torch.ones(2, 8)), ValueError, "shape (8,)"),
+    (lambda x, w: tilenorm.rms_norm(x, torch.ones(5)), ValueError,
+     "x must end in normalized_shape (5,)"),
+    (lambda x, w: tilenorm.rms_norm(x, torch.ones(2, 8)), ValueError,
+     "x must end in normalized_shape (2, 8)"),
+    (lambda x, w: tilenorm.rms_norm(x, w, normalized_shape=(3, 4)), ValueError,
+     "x must end in normalized_shape (3, 4)"),
+    (lambda x, w: tilenorm.rms_norm(x, w, normalized_shape=(3, 8)), ValueError,
+     "weight must have normalized_shape (3, 8)"),
+    (lambda x, w: tilenorm.rms_norm(x, w, normalized_shape=()), ValueError,
+     "at least one dimension"),
+    (lambda x, w: tilenorm.rms_norm(x, w, normalized_shape=8.0), TypeError, "sequence of ints"),
     (lambda x, w: tilenorm.rms_norm(x, torch.ones(8, dtype=torch.int64)), TypeError, "weight"),
-    (lambda x, w: tilenorm.rms_norm(x.bfloat16(), torch.ones(8, dtype=torch.float16)),
-     TypeError, "weight must be torch.bfloat16 or torch.float32"),
-    (lambda x, w: tilenorm.rms_norm(x, torch.ones(8, dtype=torch.float64)), TypeError,
-     "weight must be torch.float32"),
     (lambda x, w: tilenorm.rms_norm(x, torch.ones(8, device="meta")), ValueError,
      "same device"),
+    (lambda x, w: tilenorm.rms_norm(x, w, per_head=True), ValueError, "(H, N)"),
+    (lambda x, w: tilenorm.rms_norm(x, w, per_head=1), TypeError, "per_head must be True"),
+    (lambda x, w: tilenorm.rms_norm(x, w, prenorm=1), TypeError, "prenorm must be True"),
+    (lambda x, w: tilenorm.rms_norm(x, w, prenorm=True), ValueError, "needs a residual"),
     (lambda x, w: tilenorm.rms_norm(x, w, eps=-1.0), ValueError, "eps"),
     (lambda x, w: tilenorm.rms_norm(x, w, eps=float("nan")), ValueError, "eps"),
     (lambda x, w: tilenorm.rms_norm(x, w, eps="1e-6"), TypeError, "eps"),
@@ -149,9 +146,15 @@ def test_non_contiguous_and_offset_inputs_on_reference_path():
     dict(normalized_shape=64),
     dict(normalized_shape=(64,), eps=1e-5),
     dict(normalized_shape=[4, 16], elementwise_affine=False),
+    dict(normalized_shape=[4, 16]),
     dict(normalized_shape=32, dtype=torch.float64),
+    dict(normalized_shape=32, dtype=torch.bfloat16, eps=None),
+    dict(normalized_shape=32, dtype=torch.float16, eps=None),
+    dict(normalized_shape=32, eps=None),
 ])
 def test_module_is_a_drop_in_for_torch_nn_rmsnorm(kwargs):
+    """Same parameters and state, and bit for bit torch's outputs and gradients on the
+    installed torch (its eps=None rule included)."""
     ours, theirs = tilenorm.RMSNorm(**kwargs), torch.nn.RMSNorm(**kwargs)
     assert isinstance(ours, torch.nn.RMSNorm)
     assert ours.state_dict().keys() == theirs.state_dict().keys()
@@ -163,8 +166,64 @@ def test_module_is_a_drop_in_for_torch_nn_rmsnorm(kwargs):
         ours.load_state_dict(theirs.state_dict())
     g, _ = fresh_generator()
     shape = (3, 5, *theirs.normalized_shape)
-    x = torch.randn(shape, generator=g, dtype=kwargs.get("dtype", torch.float32))
-    torch.testing.assert_close(ours(x), theirs(x))
+    dtype = kwargs.get("dtype", torch.float32)
+    # Small values, so that an eps other than torch's shows in the outputs.
+    x = (torch.randn(shape, generator=g) * 1e-3).to(dtype)
+    dy = torch.randn(shape, generator=g).to(dtype)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1, y2 = ours(x1), theirs(x2)
+    assert y1.dtype == y2.dtype
+    torch.testing.assert_close(y1, y2, rtol=0, atol=0)
+    y1.backward(dy)
+    y2.backward(dy)
+    torch.testing.assert_close(x1.grad, x2.grad)
+    for p1, p2 in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(p1.grad, p2.grad)
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [
+    (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32), (torch.bfloat16, torch.float16),
+    (torch.float32, torch.float64), (torch.float64, torch.float32)])
+def test_module_with_parameters_of_another_dtype_returns_what_torch_returns(x_dtype, w_dtype):
+    """A bf16 module on fp32 input, fp32 master weights on bf16 input, ...: torch's output
+    dtype and values (the product in fp32, one rounding to x's dtype), not an error."""
+    ours = tilenorm.RMSNorm(64, dtype=w_dtype)
+    theirs = torch.nn.RMSNorm(64, dtype=w_dtype)
+    g, _ = fresh_generator()
+    with torch.no_grad():
+        theirs.weight.copy_(torch.rand(64, generator=g) + 0.5)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(4, 7, 64, generator=g).to(x_dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that it cannot take its fused path
+        expected = theirs(x)
+    y = ours(x)
+    assert y.dtype == expected.dtype
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+
+
+def test_eps_none_follows_the_installed_torch():
+    g, _ = fresh_generator()
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        x = (torch.randn(3, 16, generator=g) * 1e-4).to(dtype)
+        expected = torch.nn.functional.rms_norm(x, (16,), eps=None)
+        torch.testing.assert_close(tilenorm.rms_norm(x, eps=None), expected, rtol=0, atol=0)
+
+
+def test_normalized_shape_normalizes_over_the_trailing_dimensions():
+    g, seed = fresh_generator()
+    x = torch.randn(3, 4, 16, generator=g, dtype=torch.float64)
+    w = torch.rand(4, 16, generator=g, dtype=torch.float64) + 0.5
+    expected = torch.nn.functional.rms_norm(x, (4, 16), w, 1e-6)
+    torch.testing.assert_close(tilenorm.rms_norm(x, w), expected)
+    torch.testing.assert_close(tilenorm.rms_norm(x, normalized_shape=(4, 16)),
+                               torch.nn.functional.rms_norm(x, (4, 16), eps=1e-6))
+    # One weight per head is asked for by name: each 16-vector with its head's weight.
+    per_head = tilenorm.rms_norm(x, w, per_head=True)
+    torch.testing.assert_close(per_head, x * torch.rsqrt(x.square().mean(-1, keepdim=True)
+                                                         + 1e-6) * w)
+    assert not torch.allclose(per_head, expected), seed
 
 
 def test_module_rejects_wrong_trailing_shape():
@@ -186,35 +245,24 @@ def test_custom_ops_have_fake_implementations():
         x = torch.empty(2, 3, 64, dtype=torch.bfloat16)
         w = torch.empty(64, dtype=torch.float32)
         r = torch.empty(2, 3, 64, dtype=torch.bfloat16)
-        y, h, mean, rstd = torch.ops.tilenorm.norm_fwd(x, w, None, r, 1e-6, 1.0, False,
-                                                       torch.float32, torch.float32)
+        y, h, mean, rstd = torch.ops.tilenorm.norm_fwd(x, w, None, r, 1e-6, 1.0, False, 1,
+                                                       False, torch.float32, torch.float32)
         dx, dres, dw, db = torch.ops.tilenorm.norm_bwd(torch.empty_like(y), h, h, w, None,
-                                                       None, rstd, 1.0, x.dtype, r.dtype)
-        _, _, mean_ln, _ = torch.ops.tilenorm.norm_fwd(x, w, w, None, 1e-5, 0.0, True, None,
-                                                       None)
+                                                       None, rstd, 1.0, 1, False, x.dtype,
+                                                       r.dtype)
+        _, _, mean_ln, rstd2 = torch.ops.tilenorm.norm_fwd(x, None, None, None, 1e-5, 0.0,
+                                                           True, 2, False, None, None)
     assert (y.shape, y.dtype, h.dtype, mean.shape, rstd.shape, rstd.dtype) == (
         x.shape, torch.float32, torch.float32, (0,), (2, 3), torch.float32)
     assert (dx.shape, dx.dtype, dres.dtype, dw.shape, dw.dtype, db.shape) == (
         x.shape, torch.bfloat16, torch.bfloat16, (64,), torch.float32, (0,))
-    assert mean_ln.shape == (2, 3)
+    assert mean_ln.shape == rstd2.shape == (2,)
 
 
 def float64_features(x, w, eps, dy, *, offset=0.0, residual=None, dh=None):
-    """y, h, dx, dw, dresidual through float64 autograd of the textbook formula."""
-    x64 = x.detach().double().requires_grad_()
-    w64 = None if w is None else w.detach().double().requires_grad_()
-    r64 = None if residual is None else residual.detach().double().requires_grad_()
-    h = x64 if r64 is None else x64 + r64
-    y = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
-    if w64 is not None:
-        y = y * (offset + w64)
-    outputs, grads = [y], [dy.double()]
-    if dh is not None:
-        outputs.append(h)
-        grads.append(dh.double())
-    torch.autograd.backward(outputs, grads)
-    return (y.detach(), h.detach(), x64.grad, None if w64 is None else w64.grad,
-            None if r64 is None else r64.grad)
+    """(y, h, dx, dw, dresidual) of the float64 reference (tilenorm.testing)."""
+    ref = float64_norm(x, w, eps=eps, offset=offset, residual=residual, dy=dy, dh=dh)
+    return ref.y, ref.h, ref.dx, ref.dweight, ref.dresidual
 
 
 @pytest.mark.parametrize("case", ["offset", "residual", "residual fp32 stream", "per-head",
@@ -236,6 +284,7 @@ def test_features_on_reference_path_match_float64(case):
             kw["residual_dtype"] = torch.float32
     if case == "per-head":
         w = (1 + 0.5 * torch.randn(4, 64, generator=g)).requires_grad_()
+        kw = dict(per_head=True)
     if case == "out_dtype":
         kw = dict(out_dtype=torch.bfloat16)
     if case == "prenorm grad":
@@ -262,8 +311,10 @@ def test_features_on_reference_path_match_float64(case):
     (lambda x, w: tilenorm.rms_norm(x, w, residual_dtype=torch.float32), ValueError,
      "needs a residual"),
     (lambda x, w: tilenorm.rms_norm(x, w, out_dtype=torch.int8), TypeError, "out_dtype"),
-    (lambda x, w: tilenorm.rms_norm(x, torch.ones(4, 8)), ValueError, "per head"),
-    (lambda x, w: tilenorm.layer_norm(x, torch.ones(3, 8)), ValueError, "shape (8,)"),
+    (lambda x, w: tilenorm.rms_norm(x, torch.ones(4, 8)), ValueError, "normalized_shape"),
+    (lambda x, w: tilenorm.rms_norm(x, torch.ones(3, 8), normalized_shape=8), ValueError,
+     "pass per_head=True"),
+    (lambda x, w: tilenorm.layer_norm(x, torch.ones(4, 8)), ValueError, "normalized_shape"),
     (lambda x, w: tilenorm.layer_norm(x, w, torch.ones(7)), ValueError, "bias must have"),
 ])
 def test_bad_feature_arguments_raise(call, exc, words):
@@ -292,7 +343,7 @@ def test_launch_level_pair_on_reference_path_matches_float64():
 
 def test_per_head_weight_strided_qkv_needs_no_copy():
     """q sliced out of a fused qkv projection: (B, S, H, D) with a row stride of 3 * H * D."""
-    from tilenorm.pytorch._checks import view_3d
+    from tilenorm.layout import view_3d
 
     qkv = torch.randn(2, 5, 3, 4, 16)
     q = qkv[:, :, 0]
@@ -440,8 +491,8 @@ def test_public_op_and_module_match_torch():
         ours.load_state_dict(theirs.state_dict())
         x = torch.randn(2, 512, 4096, generator=g, device="cuda", dtype=torch.bfloat16)
         assert "norm_fwd_single" in str(tilenorm.explain(x, ours.weight))
-        y64, _, _, _, _ = float64_features(x, theirs.weight, torch.finfo(torch.bfloat16).eps,
-                                           torch.zeros_like(x))
+        eps = torch.finfo(torch.float32).eps  # torch's module rule for eps=None
+        y64 = float64_norm(x, theirs.weight, eps=eps).y
         assert rel(ours(x), y64) <= 1e-2, seed
         assert rel(theirs(x), y64) <= 1e-2, seed
 
@@ -468,7 +519,7 @@ def test_torch_compile_fullgraph_matches_float64(case):
     def f(x, w, r):
         if case == "residual prenorm":
             return tilenorm.rms_norm(x, w, 1e-6, residual=r, prenorm=True)
-        return tilenorm.rms_norm(x, w, 1e-6, offset=offset), x
+        return tilenorm.rms_norm(x, w, 1e-6, offset=offset, per_head=w.dim() == 2), x
 
     with tilenorm.experimental():
         compiled = torch.compile(f, fullgraph=True)
@@ -567,6 +618,6 @@ def test_kernels_launch_beside_a_replaced_ct_launch(monkeypatch):
     with tilenorm.experimental():
         y, rstd = tilenorm.rms_norm_forward(x, w, EPS)[::2]
         dx, _, dw = tilenorm.rms_norm_backward(dy, x, w, rstd, x_dtype=x.dtype)
-    y64, dx64, dw64 = float64_autograd(x, w, EPS, dy)
+    y64, _, dx64, dw64, _ = float64_features(x, w, EPS, dy)
     assert rel(y, y64) <= 1e-2 and rel(dx, dx64) <= 1e-2, seed
     assert rel(dw, dw64) <= DGAMMA_TOL_FP32, seed

@@ -3,7 +3,7 @@
     import tilenorm
     y = tilenorm.rms_norm(x, weight, eps=1e-6)
     y, h = tilenorm.rms_norm(x, weight, residual=h, prenorm=True)     # fused residual add
-    q = tilenorm.rms_norm(q, q_weight)                                # (..., H, D) QK-norm
+    q = tilenorm.rms_norm(q, q_weight, per_head=True)                 # (..., H, D) QK-norm
     y = tilenorm.layer_norm(x, weight, bias, eps=1e-5)
     norm = tilenorm.RMSNorm(4096, device="cuda", dtype=torch.bfloat16)
     print(tilenorm.explain(x, weight))

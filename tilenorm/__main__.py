@@ -1,10 +1,15 @@
-"""``python -m tilenorm``: environment report, self-check of every op, and a short benchmark
-beside torch (with a GPU) or an ahead-of-time build of the kernels for sm_90 and sm_100
-(without one).
+"""python -m tilenorm: an environment report, a self-check of every op against a float64
+reference, then a short benchmark beside torch.compile (with a GPU) or an ahead-of-time
+build of the kernels for sm_90 and sm_100 (without one).
 
     python -m tilenorm                 the main job
     python -m tilenorm --aot-all       build every kernel variant (all features and dtypes)
     python -m tilenorm validation ...  GPU validation records (see tilenorm.validation)
+
+Compiled kernels are cached on disk: cuTile's in $CUDA_TILE_CACHE_DIR (default
+$XDG_CACHE_HOME/cutile-python, that is ~/.cache/cutile-python; at most
+$CUDA_TILE_CACHE_SIZE bytes, 2 GB by default, oldest entries dropped first; "off" disables
+it).
 """
 
 from __future__ import annotations
@@ -19,21 +24,35 @@ import time
 import torch
 
 import tilenorm
-from tilenorm import reference, validation
+from tilenorm import validation
+from tilenorm.testing import float64_norm, fresh_generator, rel_error
 
 EPS = 1e-6
 
 
+def cache_dir() -> str:
+    """Where cuTile keeps compiled kernels, as cuda-tile reads it from the environment."""
+    from cutile_cache._env import get_cache_dir_from_env
+
+    return get_cache_dir_from_env() or "off (CUDA_TILE_CACHE_DIR)"
+
+
 def report() -> None:
     import cuda.tile as ct
-    from cuda.tile._compile import _get_compiler_version_string
+    from cuda.tile._compile import _find_compiler_bin, _get_compiler_version_string
 
     print("tilenorm", tilenorm.__version__)
     print(f"  python {platform.python_version()}, torch {torch.__version__}, "
           f"cuda-tile {ct.__version__}")
     compiler = _get_compiler_version_string() or ""
     release = [line for line in compiler.splitlines() if "release" in line]
-    print(f"  cuTile compiler (tileiras): {release[0] if release else 'not found'}")
+    try:
+        where = _find_compiler_bin().path
+    except FileNotFoundError:
+        where = "not found"
+    print(f"  cuTile compiler (tileiras): {release[0].strip() if release else 'not found'} "
+          f"({where})")
+    print(f"  compile cache: {cache_dir()} (CUDA_TILE_CACHE_DIR moves it)")
     if torch.cuda.is_available():
         from tilenorm.device import device_info
 
@@ -51,57 +70,45 @@ def report() -> None:
         print(f"  {family.name} [{family.language}]: {state}")
 
 
-def _rel(out, ref) -> float:
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-def _float64(x, w, b, dy, layer_norm):
-    leaves = [None if t is None else t.detach().double().requires_grad_() for t in (x, w, b)]
-    h = leaves[0]
-    if layer_norm:
-        h = h - h.mean(-1, keepdim=True)
-    y = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + EPS) * leaves[1]
-    if b is not None:
-        y = y + leaves[2]
-    y.backward(dy.double())
-    return y, *(None if t is None else t.grad for t in leaves)
-
-
 def self_check(device: str) -> bool:
-    """Every op's forward and backward against float64 autograd on fresh random inputs; on a
-    GPU the kernels themselves (experimental or not)."""
+    """Every op's forward and backward against the float64 reference on fresh random inputs;
+    on a GPU the kernels themselves (experimental or not)."""
     ok = True
     cases = [((4, 1000), torch.float32, 1e-5), ((3, 7, 4096), torch.bfloat16, 1e-2),
              ((2, 20000), torch.float16, 1e-2)]
+    g, seed = fresh_generator(device)
     with tilenorm.experimental(device == "cuda"):
         for layer_norm in (False, True):
             for shape, dtype, tol in cases:
-                x = torch.randn(shape, device=device).to(dtype).requires_grad_()
-                w = (1 + 0.5 * torch.randn(shape[-1], device=device)).requires_grad_()
-                b = torch.randn(shape[-1], device=device).requires_grad_() if layer_norm \
-                    else None
-                dy = torch.randn(shape, device=device, dtype=dtype)
-                route = tilenorm.explain(x, w, bias=b, layer_norm=layer_norm)
+                x = torch.randn(shape, device=device, generator=g).to(dtype).requires_grad_()
+                w = (1 + 0.5 * torch.randn(shape[-1], device=device, generator=g)
+                     ).requires_grad_()
+                b = (torch.randn(shape[-1], device=device, generator=g).requires_grad_()
+                     if layer_norm else None)
+                dy = torch.randn(shape, device=device, generator=g, dtype=dtype)
+                decision = tilenorm.explain(x, w, bias=b, layer_norm=layer_norm)
                 y = (tilenorm.layer_norm(x, w, b, EPS) if layer_norm
                      else tilenorm.rms_norm(x, w, EPS))
                 y.backward(dy)
-                y64, dx64, dw64, db64 = _float64(x, w, b, dy, layer_norm)
-                errs = [_rel(y, y64), _rel(x.grad, dx64), _rel(w.grad, dw64)]
+                ref = float64_norm(x, w, b, EPS, layer_norm=layer_norm, dy=dy)
+                errs = [rel_error(y, ref.y), rel_error(x.grad, ref.dx),
+                        rel_error(w.grad, ref.dweight)]
                 if layer_norm:
-                    errs.append(_rel(b.grad, db64))
+                    errs.append(rel_error(b.grad, ref.dbias))
                 passed = max(errs[:2]) <= tol and max(errs[2:]) <= max(tol, 1e-3)
                 ok &= passed
-                path = f"{route.family.language} {', '.join(route.kernels[:2])}" \
-                    if route.uses_kernel else "reference"
+                path = (f"{decision.family.language} {', '.join(decision.kernels[:2])}"
+                        if decision.uses_kernel else "reference")
                 op = "layer_norm" if layer_norm else "rms_norm"
                 print(f"  {op:>10} {str(dtype)[6:]:>8} {str(shape):>14} via {path}: rel err "
                       f"y {errs[0]:.1e} dx {errs[1]:.1e} dparams {max(errs[2:]):.1e} "
-                      f"{'ok' if passed else 'FAILED'}")
+                      f"{'ok' if passed else f'FAILED (seed {seed})'}")
     return ok
 
 
 def short_benchmark() -> None:
     from tilenorm.benchmark import copy_gbps, graph_ms
+    from tilenorm.pytorch import reference
 
     copy = copy_gbps()
     m, n = 32768, 4096
@@ -134,16 +141,8 @@ def short_benchmark() -> None:
                   f"{bwd_bytes / b / 1e6:6.0f} GB/s ({100 * bwd_bytes / b / 1e6 / copy:3.0f}%)")
 
 
-def _export_one(index: int, gpu_code: str, all_dtypes: bool) -> tuple[str, str, int, float]:
-    from tilenorm.cutile.export import export
-
-    job = _jobs(all_dtypes)[index]
-    start = time.perf_counter()
-    return job.label, gpu_code, len(export(job, gpu_code)), time.perf_counter() - start
-
-
 def _jobs(all_dtypes: bool):
-    from tilenorm.cutile.export import jobs
+    from tilenorm.launch.aot import jobs
 
     every = list(jobs())
     if all_dtypes:
@@ -151,14 +150,37 @@ def _jobs(all_dtypes: bool):
     return [j for j in every if "/" not in j.label]
 
 
+def _export_one(index: int, gpu_code: str, all_dtypes: bool) -> None:
+    from tilenorm.launch.aot import export
+
+    export(_jobs(all_dtypes)[index], gpu_code)
+
+
+class _Progress:
+    """One line every few seconds while builds run: the count done, the time so far."""
+
+    def __init__(self, total: int, every_s: float = 5.0):
+        self.total, self.every_s, self.done = total, every_s, 0
+        self.start = self.last = time.perf_counter()
+
+    def step(self) -> None:
+        self.done += 1
+        now = time.perf_counter()
+        if now - self.last >= self.every_s or self.done == self.total:
+            self.last = now
+            print(f"    {self.done}/{self.total} built ({now - self.start:.0f} s)", flush=True)
+
+
 def build_ahead_of_time(all_dtypes: bool) -> bool:
-    from tilenorm.cutile.export import GPU_CODES
+    from tilenorm.launch.aot import GPU_CODES
 
     work = [(i, code) for code in GPU_CODES for i in range(len(_jobs(all_dtypes)))]
     scope = ("every feature and dtype combination" if all_dtypes
              else "bf16 variants of every planner configuration")
-    print(f"  {len(work)} kernel builds ({scope}) for {', '.join(GPU_CODES)}")
+    print(f"  {len(work)} cuTile kernel builds ({scope}) for {', '.join(GPU_CODES)}, "
+          f"{os.cpu_count()} at a time", flush=True)
     ok, start = True, time.perf_counter()
+    progress = _Progress(len(work))
     with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
         futures = {pool.submit(_export_one, i, code, all_dtypes): (i, code) for i, code in work}
         for future in concurrent.futures.as_completed(futures):
@@ -166,37 +188,39 @@ def build_ahead_of_time(all_dtypes: bool) -> bool:
                 future.result()
             except Exception as e:
                 ok = False
-                print(f"  FAILED {futures[future]}: {type(e).__name__}: {e}")
+                print(f"  FAILED {futures[future]}: {type(e).__name__}: {e}", flush=True)
+            progress.step()
     _report_builds(ok, start)
     return ok & build_cute_ahead_of_time(all_dtypes)
 
 
 def build_cute_ahead_of_time(all_dtypes: bool) -> bool:
-    from tilenorm import cute
+    from tilenorm.launch import cute
 
     if not cute.available():
-        print("  CuTe DSL kernels: not built (nvidia-cutlass-dsl or apache-tvm-ffi missing)")
+        print("  CuTe DSL kernels: not built (nvidia-cutlass-dsl-libs-cu13 or apache-tvm-ffi "
+              "missing)")
         return True
-    from tilenorm.cute import norm as cute_norm
-
-    keys = cute_norm.aot_keys(all_dtypes)
-    print(f"  {len(keys) * len(cute_norm.AOT_ARCHS)} CuTe DSL kernel builds for "
-          f"{', '.join(cute_norm.AOT_ARCHS)}")
+    keys = cute.aot_keys(all_dtypes)
+    print(f"  {len(keys) * len(cute.AOT_ARCHS)} CuTe DSL kernel builds for "
+          f"{', '.join(cute.AOT_ARCHS)}", flush=True)
     ok, start = True, time.perf_counter()
+    progress = _Progress(len(keys) * len(cute.AOT_ARCHS))
     for key in keys:
-        for arch in cute_norm.AOT_ARCHS:
+        for arch in cute.AOT_ARCHS:
             try:
-                cute_norm.compile_backward(key, arch)
+                cute.compile_backward(key, arch)
             except Exception as e:
                 ok = False
-                print(f"  FAILED {key} {arch}: {type(e).__name__}: {e}")
+                print(f"  FAILED {key} {arch}: {type(e).__name__}: {e}", flush=True)
+            progress.step()
     _report_builds(ok, start)
     return ok
 
 
 def _report_builds(ok: bool, start: float) -> None:
     print(f"  {'all built' if ok else 'some builds FAILED'} in "
-          f"{time.perf_counter() - start:.0f} s")
+          f"{time.perf_counter() - start:.0f} s", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,20 +228,21 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["validation"]:
         validation.main(argv[1:])
         return 0
-    parser = argparse.ArgumentParser(prog="python -m tilenorm", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tilenorm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--aot-all", action="store_true",
                         help="without a GPU, build every dtype variant, not only bf16")
     args = parser.parse_args(argv)
 
     report()
     gpu = torch.cuda.is_available()
-    print("self-check (float64 reference):")
+    print("self-check (float64 reference):", flush=True)
     ok = self_check("cuda" if gpu else "cpu")
     if gpu:
-        print("short benchmark:")
+        print("short benchmark:", flush=True)
         short_benchmark()
     else:
-        print("ahead-of-time build (no GPU needed):")
+        print("ahead-of-time build (no GPU needed):", flush=True)
         ok &= build_ahead_of_time(args.aot_all)
     print("tilenorm: all checks passed" if ok else "tilenorm: CHECKS FAILED")
     return 0 if ok else 1

@@ -3,7 +3,8 @@
 Every launch decision (tile shape, single pass or column chunks, occupancy, persistent grid,
 partial-buffer shape, 32- or 64-bit indexing, the dgamma reduction's tiling) comes from
 :func:`plan_row_norm`, a function of the problem's shape, element size, SM count and
-architecture, so CPU tests can check it and :func:`tilenorm.explain` can show it.
+architecture and of that architecture's measured settings (:mod:`tilenorm.settings`), so CPU
+tests can check it and :func:`tilenorm.explain` can show it.
 
 A problem is ``rows x heads`` normalized vectors of ``cols`` elements: x viewed as
 (rows, heads, cols). Plain norms have ``heads == 1``; per-head (QK) norms keep the head axis so
@@ -16,79 +17,11 @@ import functools
 from dataclasses import dataclass
 from typing import Literal
 
+from tilenorm.settings import RowNormSettings, settings_for
+
 Direction = Literal["forward", "backward"]
 Op = Literal["rms_norm", "layer_norm"]
 
-# Per-direction settings, measured on an H200 (bench/NOTES.md has the experiments).
-#: The widest row, in bytes of x, kept whole in one tile; wider rows are walked in chunks.
-#: LayerNorm holds more per element (the centered row, dbias) and spills sooner.
-MAX_SINGLE_PASS_BYTES = {
-    "forward": {"rms_norm": 65536, "layer_norm": 32768},
-    "backward": {"rms_norm": 32768, "layer_norm": 16384},
-}
-#: (rows, cols) of the tile for rows wider than the single-pass limit. The forward walks a
-#: row in chunks of it, twice (the second pass reads the row back from L2). The backward is
-#: column split: a program owns one column block of a strided set of rows, so every SM streams
-#: however few rows there are; a first kernel adds up each block's share of the row sums, a
-#: second writes dx and dgamma (bench/NOTES.md, #35: 1.8 -> 2.5 TB/s at 4096 x 32768).
-CHUNK_TILE = {"forward": (1, 4096), "backward": (1, 4096)}
-#: Narrower rows are padded to this many columns: 16 bf16 elements are one 32-byte sector.
-MIN_TILE_COLS = 16
-#: Elements per single-pass (rows, heads, cols) tile: narrow rows are packed up to this.
-TILE_ELEMENTS = {"forward": 8192, "backward": 4096}
-#: (widest tile_cols, occupancy, worker warps, persistent) for single-pass tiles, per
-#: direction and op: the first entry whose width reaches the tile's applies. Occupancy is the
-#: resident programs per SM the kernel is compiled for; worker warps its num_worker_warps hint
-#: (None: the compiler's choice). Occupancy 1 with 8 warps gives each thread twice the
-#: registers: the widest tiles stop spilling (bench/NOTES.md, #13). A forward that is not
-#: persistent gives every row tile its own program: for narrow rows, four 16 KB tiles in
-#: flight per SM beat a loop over tiles (#15). The backward is always persistent: its partial
-#: buffer has a row per program; 8 warps lift its 4096-element tiles from 512 columns up
-#: (LayerNorm's only at 4096), but slow the narrowest ones where the data sits in L2 (#17).
-#: Split rows (below) look up their span, the sum of their two pieces: 5120 and 6144 have
-#: entries of their own (#29).
-_FORWARD_HINTS = ((2048, 4, None, False), (4096, 2, 8, True), (8192, 2, None, True),
-                  (32768, 1, 8, True))
-SINGLE_PASS_HINTS = {
-    "forward": {"rms_norm": _FORWARD_HINTS[:2] + ((6144, 4, 4, True),) + _FORWARD_HINTS[2:],
-                "layer_norm": _FORWARD_HINTS},
-    "backward": {"rms_norm": ((256, 2, None, True), (4096, 2, 8, True), (5120, 2, None, True),
-                              (6144, 2, 8, True), (16384, 1, 8, True)),
-                 "layer_norm": ((2048, 2, None, True), (4096, 2, 8, True),
-                                (6144, 2, None, True), (16384, 1, 8, True))},
-}
-#: Tiles of several heads look here first: a program per tile measured slower for them (#15).
-MULTI_HEAD_HINTS = {"forward": ((2048, 1, 8, True),), "backward": ()}
-#: (occupancy, worker warps) of the chunked forward and the column-split backward.
-CHUNKED_HINTS = {"forward": (2, None), "backward": (2, None)}
-#: Single-pass rows at most 3/4 of their power-of-two tile (5120 of 8192) are split into two
-#: power-of-two pieces (4096 + 1024) instead of padded, from this padded width on, per
-#: direction and op. An op absent is never split: the split LayerNorm forward lost to the
-#: padded one at 3000, 5120 and 6144, and so did the RMSNorm forward at 3000 (#29).
-MIN_SPLIT_TILE_COLS = {"forward": {"rms_norm": 8192},
-                       "backward": {"rms_norm": 2048, "layer_norm": 2048}}
-#: (numerator, denominator): a row is split when it fills at most this fraction of its padded
-#: power-of-two tile. The second piece is the power of two covering the rest of the row.
-SPLIT_MAX_FILL = (3, 4)
-#: Tile of the fixed-order dgamma reduction over the partial buffer.
-REDUCE_TILE = (64, 64)
-#: From this compute capability on, the dgamma/dbeta reduction is launched as a programmatic
-#: dependent of the backward kernel (it waits for it before reading the partial buffer), and so
-#: are the row kernels whose rows are a whole number of 16-element groups, up to a width: with a
-#: ragged row tileiras 13.4 builds a different pipeline around the grid-dependency
-#: instructions, and the backward at N = 1000 never finished on an H200 (bench/NOTES.md, #25,
-#: #27); wider rows gain nothing and the backward loses 5% at 16384, 27% at 131072 (#30).
-DEPENDENT_LAUNCH_ARCH = (9, 0)
-DEPENDENT_LAUNCH_COLS_MULTIPLE = 16
-DEPENDENT_LAUNCH_MAX_COLS = 8192
-#: Backwards the CuTe DSL kernel (tilenorm/cute/norm.py) runs instead of cuTile's, per op and
-#: row width: (threads, stages, CTAs per SM). Each thread holds ``stages`` rows of its 16-byte
-#: vectors, so the next rows' loads are in flight while a row is reduced, which a cuTile loop
-#: cannot do; LayerNorm at 32768 x 4096 on an H200: 90.0% -> 98.2% of copy bandwidth for the
-#: row kernel (bench/NOTES.md, #38). Widths absent here were not measured to gain.
-CUTE_BACKWARD = {"layer_norm": {4096: (256, 2, 2)}}
-#: Element sizes the CuTe backward takes: bf16 and fp16, eight to a 16-byte vector.
-CUTE_BACKWARD_ITEMSIZES = (2,)
 #: Largest element offset 32-bit indexing reaches; beyond it the kernels index with 64 bits.
 MAX_INT32_OFFSET = 2**31 - 1
 
@@ -231,62 +164,67 @@ class RowNormPlan:
         return text
 
 
-def max_single_pass_cols(direction: Direction, op: Op, itemsize: int) -> int:
-    return MAX_SINGLE_PASS_BYTES[direction][op] // itemsize
+def max_single_pass_cols(direction: Direction, op: Op, itemsize: int,
+                         settings: RowNormSettings | None = None) -> int:
+    settings = settings or settings_for((9, 0))
+    return settings.max_single_pass_bytes[direction][op] // itemsize
 
 
 @functools.lru_cache(maxsize=4096)
 def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
                   arch: tuple[int, int], direction: Direction, heads: int = 1,
                   per_head_weight: bool = False, max_offset: int | None = None,
-                  op: Op = "rms_norm") -> RowNormPlan:
+                  op: Op = "rms_norm", settings: RowNormSettings | None = None
+                  ) -> RowNormPlan:
     """Plan a normalization (``op``) of ``rows x heads`` vectors of ``cols`` elements: its
     tiles, grid (persistent, or a program per row tile for narrow forwards), occupancy and
     partial buffer.
 
     ``itemsize`` is the input's element size in bytes and ``arch`` the compute capability.
     ``max_offset`` is the largest element offset any operand reaches (default: that of a
-    contiguous tensor); past 2^31 - 1 the kernels index with 64 bits. Raises
+    contiguous tensor); past 2^31 - 1 the kernels index with 64 bits. ``settings`` default
+    to the architecture's (:func:`tilenorm.settings.settings_for`). Raises
     :class:`UnsupportedShape` for problems the kernels cannot take.
     """
+    s = settings or settings_for(arch)
     if rows < 1 or cols < 1 or heads < 1:
         raise UnsupportedShape(f"empty problem ({rows}x{heads}x{cols}) needs no kernel")
     if sm_count < 1:
         raise ValueError(f"sm_count must be positive, got {sm_count}")
     if itemsize not in (2, 4):
         raise UnsupportedShape(f"{itemsize}-byte elements are not supported (2 or 4)")
-    if direction not in CHUNKED_HINTS:
+    if direction not in s.chunked_hints:
         raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
     if max_offset is None:
         max_offset = rows * heads * cols - 1
 
-    if op not in MAX_SINGLE_PASS_BYTES[direction]:
+    if op not in s.max_single_pass_bytes[direction]:
         raise ValueError(f"op must be 'rms_norm' or 'layer_norm', got {op!r}")
     split_cols = 0
-    if cols <= max_single_pass_cols(direction, op, itemsize):
-        tile_cols = max(MIN_TILE_COLS, next_pow2(cols))
-        vectors = max(1, TILE_ELEMENTS[direction] // tile_cols)
+    if cols <= max_single_pass_cols(direction, op, itemsize, s):
+        tile_cols = max(s.min_tile_cols, next_pow2(cols))
+        vectors = max(1, s.tile_elements[direction] // tile_cols)
         tile_heads = min(next_pow2(heads), vectors)
         tile_rows = max(1, vectors // tile_heads)
         hint_cols = tile_cols
-        min_split = MIN_SPLIT_TILE_COLS[direction].get(op)
+        min_split = s.min_split_tile_cols[direction].get(op)
         if (heads == 1 and min_split is not None and tile_cols >= min_split
-                and cols * SPLIT_MAX_FILL[1] <= SPLIT_MAX_FILL[0] * tile_cols):
+                and cols * s.split_max_fill[1] <= s.split_max_fill[0] * tile_cols):
             tile_cols //= 2
-            split_cols = max(MIN_TILE_COLS, next_pow2(cols - tile_cols))
+            split_cols = max(s.min_tile_cols, next_pow2(cols - tile_cols))
             hint_cols = tile_cols + split_cols
     else:
-        (tile_rows, tile_cols), tile_heads = CHUNK_TILE[direction], 1
+        (tile_rows, tile_cols), tile_heads = s.chunk_tile[direction], 1
     col_tiles = cdiv(cols, tile_cols) if not split_cols else 1
     persistent = True
     if col_tiles == 1:
-        hints = SINGLE_PASS_HINTS[direction][op]
+        hints = s.single_pass_hints[direction][op]
         if tile_heads > 1:
-            hints = MULTI_HEAD_HINTS[direction] + hints
+            hints = s.multi_head_hints[direction] + hints
         occupancy, worker_warps, persistent = next(
             hint[1:] for hint in hints if hint_cols <= hint[0])
     else:
-        occupancy, worker_warps = CHUNKED_HINTS[direction]
+        occupancy, worker_warps = s.chunked_hints[direction]
     head_tiles = cdiv(heads, tile_heads)
     row_tiles = cdiv(rows, tile_rows) * head_tiles
     if direction == "backward" and col_tiles > 1:  # column split (RowNormPlan.column_split)
@@ -301,7 +239,7 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
         partial_rows = grid // head_tiles if per_head_weight else grid
     partial_shape = (partial_rows, heads if per_head_weight else 1, cols)
     reduce_cols = partial_shape[1] * cols
-    dependent = tuple(arch) >= DEPENDENT_LAUNCH_ARCH
+    dependent = tuple(arch) >= s.dependent_launch_arch
     return RowNormPlan(
         rows=rows, heads=heads, cols=cols, direction=direction,
         per_head_weight=per_head_weight, tile_rows=tile_rows, tile_heads=tile_heads,
@@ -309,11 +247,11 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
         head_tiles=head_tiles, row_tiles=row_tiles,
         grid=grid, occupancy=occupancy, worker_warps=worker_warps,
         index_bits=64 if max_offset > MAX_INT32_OFFSET else 32,
-        dependent_launch=(dependent and cols % DEPENDENT_LAUNCH_COLS_MULTIPLE == 0
-                          and cols <= DEPENDENT_LAUNCH_MAX_COLS),
+        dependent_launch=(dependent and cols % s.dependent_launch_cols_multiple == 0
+                          and cols <= s.dependent_launch_max_cols),
         dependent_reduce=dependent and direction == "backward",
-        partial_shape=partial_shape, reduce_tile=REDUCE_TILE,
-        reduce_grid=cdiv(reduce_cols, REDUCE_TILE[1]),
+        partial_shape=partial_shape, reduce_tile=s.reduce_tile,
+        reduce_grid=cdiv(reduce_cols, s.reduce_tile[1]),
     )
 
 
@@ -344,17 +282,19 @@ class CuteBackwardPlan:
                 f"{self.grid}x{self.cols} fp32 per gradient")
 
 
-def plan_cute_backward(rows: int, cols: int, *, itemsize: int, sm_count: int, op: Op,
-                       heads: int = 1, max_offset: int | None = None
+def plan_cute_backward(rows: int, cols: int, *, itemsize: int, sm_count: int,
+                       arch: tuple[int, int], op: Op, heads: int = 1,
+                       max_offset: int | None = None, settings: RowNormSettings | None = None
                        ) -> CuteBackwardPlan | None:
     """The CuTe DSL backward for ``rows x heads`` vectors of ``cols`` elements, or None where
-    cuTile's runs: widths and element sizes not in :data:`CUTE_BACKWARD`, several heads, and
-    offsets past 32 bits (the kernel indexes with 32; ``max_offset`` as for
-    :func:`plan_row_norm`)."""
-    entry = CUTE_BACKWARD.get(op, {}).get(cols)
+    cuTile's runs: widths and element sizes not in the settings' ``cute_backward`` table,
+    several heads, and offsets past 32 bits (the kernel indexes with 32; ``max_offset`` as
+    for :func:`plan_row_norm`)."""
+    s = settings or settings_for(arch)
+    entry = s.cute_backward.get(op, {}).get(cols)
     if max_offset is None:
         max_offset = rows * heads * cols - 1
-    if (entry is None or heads != 1 or itemsize not in CUTE_BACKWARD_ITEMSIZES or rows < 1
+    if (entry is None or heads != 1 or itemsize not in s.cute_backward_itemsizes or rows < 1
             or max_offset > MAX_INT32_OFFSET):
         return None
     if sm_count < 1:

@@ -4,12 +4,13 @@ Needs no GPU: ``cuda.tile.compilation.export_kernel`` runs the cuTile compiler (
 on the CPU. CI uses it to prove that each configuration builds for Hopper (sm_90) and
 Blackwell (sm_100); ``python -m tilenorm`` does the same on a machine without a GPU.
 
-The launch arguments come from the same builders the runtime uses
-(:func:`tilenorm.cutile.norm.bind_forward` and friends), with parameter constraints in place
-of tensors, so the exported variants are the ones that run. The jobs cover every tile
-configuration the planner can choose (for RMSNorm and LayerNorm in bf16), and every feature
-and dtype combination the ops accept on one single-pass, one split and one wide-row (chunked
-forward, column-split backward) configuration.
+The kernels are bound by the same functions the launchers use
+(:func:`tilenorm.launch.cutile.bind_forward` and friends) and compiled for the signature the
+lean launch compiles at run time (:func:`tilenorm.launch.driver.signature`), so the exported
+variants are the ones that run. The jobs cover every tile configuration the planner can
+choose (for RMSNorm and LayerNorm in bf16), and every feature and dtype combination the ops
+accept on one single-pass, one split and one wide-row (chunked forward, column-split
+backward) configuration.
 """
 
 from __future__ import annotations
@@ -18,25 +19,21 @@ import io
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-import cuda.tile as ct
-from cuda.tile.compilation import (
-    ArrayConstraint,
-    CallingConvention,
-    KernelSignature,
-    ScalarConstraint,
-    export_kernel,
-)
+from cuda.tile.compilation import KernelSignature, export_kernel
 
-from tilenorm.cutile import norm
-from tilenorm.cutile.norm import NormFeatures
-from tilenorm.planner import MIN_TILE_COLS, RowNormPlan, max_single_pass_cols, plan_row_norm
+from tilenorm.launch import cutile
+from tilenorm.launch.cutile import BoundKernel, NormFeatures
+from tilenorm.launch.driver import ArrayLayout, signature
+from tilenorm.layout import contiguous_strides
+from tilenorm.planner import RowNormPlan, max_single_pass_cols, plan_row_norm
+from tilenorm.settings import SM90
 
-DTYPES = {"bfloat16": ct.bfloat16, "float16": ct.float16, "float32": ct.float32}
-#: (x dtype, weight dtype) pairs the ops accept: the weight in x's dtype or in fp32.
+#: (x dtype, weight dtype) pairs built for every feature set: the weight in x's dtype or in
+#: fp32 (other pairs compile just in time).
 DTYPE_PAIRS = [("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "float32"),
                ("bfloat16", "float32"), ("float16", "float32")]
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 GPU_CODES = ("sm_90", "sm_100")
-F32 = ScalarConstraint(ct.float32)
 
 
 @dataclass(frozen=True)
@@ -60,38 +57,24 @@ class ExportJob:
     signature: KernelSignature
 
 
-def _array(dtype, shape: tuple[int, ...], index_bits: int = 32,
-           strides: tuple[int, ...] | None = None) -> ArrayConstraint:
-    """The constraints cuTile's launcher derives from a tensor of ``shape`` and ``strides``
-    (default: contiguous; read off its JIT signatures on the GPU host): unit strides and
-    extents are constants, other strides divide into 16 bytes, extents divisible by 16 are
-    marked, the base is 16-byte aligned. Layouts that differ compile their own variants just
-    in time."""
-    if strides is None:
-        strides = [1] * len(shape)
-        for i in range(len(shape) - 2, -1, -1):
-            strides[i] = strides[i + 1] * shape[i + 1]
-    per_16_bytes = 128 // dtype.bitwidth
-    return ArrayConstraint(
-        dtype, len(shape), index_dtype=ct.int64 if index_bits == 64 else ct.int32,
-        stride_lower_bound_incl=[None if s == 1 else 0 for s in strides], alias_groups=[],
-        may_alias_internally=False,
-        stride_constant=[1 if s == 1 else None for s in strides],
-        shape_constant=[1 if d == 1 else None for d in shape],
-        stride_divisible_by=[per_16_bytes if s % per_16_bytes == 0 else 1 for s in strides],
-        shape_divisible_by=[16 if d % 16 == 0 else 1 for d in shape],
-        base_addr_divisible_by=16)
+def _dense(dtype: str, shape: tuple[int, ...]) -> ArrayLayout:
+    return ArrayLayout(dtype, shape, contiguous_strides(shape))
 
 
-PLACEHOLDER = (1,)
+def _job(label: str, bound: BoundKernel, layouts: dict) -> ExportJob:
+    """``bound`` for operands of ``layouts`` (by name; the others placeholders), with the
+    signature the lean launch compiles at run time."""
+    placeholder = ArrayLayout("float32", (1,), (1,))
+    arrays = tuple(layouts.get(name, placeholder) for name in bound.arrays)
+    return ExportJob(label, bound.kernel, signature(bound, arrays))
 
 
 def plans(direction, op: str = "rms_norm", heads: int = 1, per_head: bool = False,
-           itemsize: int = 2) -> list[RowNormPlan]:
+          itemsize: int = 2) -> list[RowNormPlan]:
     """One plan per tile configuration the planner can choose for ``direction``, ``op`` and
     ``itemsize``-byte elements."""
     widest = max_single_pass_cols(direction, op, itemsize)
-    cols = [MIN_TILE_COLS]
+    cols = [SM90.min_tile_cols]
     while cols[-1] < widest:
         cols.append(cols[-1] * 2)
     cols.append(2 * widest)
@@ -108,48 +91,46 @@ def plans(direction, op: str = "rms_norm", heads: int = 1, per_head: bool = Fals
 
 
 def plan_jobs(plan: RowNormPlan, v: Variant) -> Iterator[ExportJob]:
-    f, bits = v.features, v.index_bits
-    x, w = DTYPES[v.x], DTYPES[v.weight]
-    res = DTYPES[v.residual] if v.residual else ct.float32
-
+    f = v.features
+    res = v.residual or "float32"
     rows3 = (plan.rows, plan.heads, plan.cols)
-    param3 = (1, plan.heads if f.per_head_weight else 1, plan.cols)
-
-    def a3(dt, shape=rows3):
-        return _array(dt, shape, bits)
-
-    def opt(present, arr):
-        return arr if present else _array(ct.float32, PLACEHOLDER)
-
-    stat, weight = _array(ct.float32, rows3[:2], bits), opt(f.has_weight, a3(w, param3))
-    # dgamma's and dbeta's partial sums lie side by side in one buffer (norm.partial_shape).
-    _, rows, cols = norm.partial_shape(plan, max(1, f.has_weight + f.has_bias))
-    partial = _array(ct.float32, plan.partial_shape, bits, strides=(rows * cols, cols, 1))
+    layouts = {"rstd": _dense("float32", rows3[:2])}
+    if f.layer_norm:
+        layouts["mean"] = _dense("float32", rows3[:2])
+    if f.has_weight:
+        layouts["weight"] = _dense(v.weight, (1, plan.heads if f.per_head_weight else 1,
+                                              plan.cols))
     kind = "single" if plan.single_pass else "column split" if plan.column_split else "chunked"
     name = (f"{kind} {plan.tile_rows}x{plan.tile_heads}"
             f"x{plan.tile_cols}{f'+{plan.split_cols}' if plan.split_cols else ''} {v.label}")
     if plan.direction == "forward":
-        bound = norm.bind_forward(plan, f)
-        args = bound.args(a3(x), opt(f.has_residual, a3(res)), weight,
-                          opt(f.has_bias, a3(w, param3)), a3(DTYPES[v.out or v.x]),
-                          opt(f.has_residual, a3(res)), opt(f.layer_norm, stat), stat, F32, F32)
-    else:
-        h = a3(res) if f.has_residual else a3(x)
-        split = f.has_residual and v.residual != v.x
-        bound = norm.bind_backward(plan, f, f.has_residual, split)
-        dy, mean = a3(DTYPES[v.out or v.x]), opt(f.layer_norm, stat)
-        stats = (stat,)
-        if bound.first is not None:
-            row_sums = _array(ct.float32, rows3[:2] + bound.workspace, bits)
-            first = bound.first.args(dy, h, weight, mean, stat, row_sums, F32)
-            yield ExportJob(f"{plan.direction[:3]} row sums {name}", bound.first.kernel,
-                            KernelSignature(list(first), CallingConvention.cutile_python_v2()))
-            stats = (stat, row_sums)
-        args = bound.args(dy, h, weight, mean, *stats, opt(f.has_residual, a3(res)), a3(x),
-                          opt(split, a3(res)), opt(f.has_weight, partial),
-                          opt(f.has_bias, partial), F32)
-    yield ExportJob(f"{plan.direction[:3]} {name}", bound.kernel,
-                    KernelSignature(list(args), CallingConvention.cutile_python_v2()))
+        layouts.update(x=_dense(v.x, rows3), y=_dense(v.out or v.x, rows3))
+        if f.has_bias:
+            layouts["bias"] = layouts["weight"] if f.has_weight else _dense(
+                v.weight, (1, 1, plan.cols))
+        if f.has_residual:
+            layouts.update(residual=_dense(res, rows3), residual_out=_dense(res, rows3))
+        yield _job(f"fwd {name}", cutile.bind_forward(plan, f), layouts)
+        return
+    split = f.has_residual and v.residual != v.x
+    bound = cutile.bind_backward(plan, f, f.has_residual, split)
+    layouts.update(dy=_dense(v.out or v.x, rows3), h=_dense(res if f.has_residual else v.x,
+                                                            rows3), dx=_dense(v.x, rows3))
+    if f.has_residual:
+        layouts["dres_in"] = _dense(res, rows3)
+    if split:
+        layouts["dres"] = _dense(res, rows3)
+    # dgamma's and dbeta's partial sums lie side by side in one buffer (partial_shape).
+    slots, rows, cols = cutile.partial_shape(plan, max(1, f.has_weight + f.has_bias))
+    partial = ArrayLayout("float32", plan.partial_shape, (rows * cols, cols, 1))
+    if f.has_weight:
+        layouts["partial_w"] = partial
+    if f.has_bias:
+        layouts["partial_b"] = partial
+    if bound.first is not None:
+        layouts["row_sums"] = _dense("float32", rows3[:2] + bound.workspace)
+        yield _job(f"bwd row sums {name}", bound.first, layouts)
+    yield _job(f"bwd {name}", bound, layouts)
 
 
 RMS = NormFeatures()
@@ -197,7 +178,7 @@ def jobs() -> Iterator[ExportJob]:
             for plan in plans(direction, op_of(v)):  # every tile configuration
                 yield from plan_jobs(plan, v)
         for v in variants():
-            chosen = plans(direction, op_of(v), itemsize=DTYPES[v.x].bitwidth // 8)
+            chosen = plans(direction, op_of(v), itemsize=ITEMSIZE[v.x])
             single = [p for p in chosen if p.single_pass and not p.split_cols]
             split = [p for p in chosen if p.split_cols]
             wide = [p for p in chosen if not p.single_pass]
@@ -214,12 +195,13 @@ def jobs() -> Iterator[ExportJob]:
     slots, heads, cols = plan.partial_shape
     for groups in (1, 2):
         for w_name in ("bfloat16", "float16", "float32"):
-            out = _array(DTYPES[w_name], (heads * cols,))
-            bound = norm.bind_reduce(plan, groups)
-            args = bound.args(_array(ct.float32, (slots, groups, heads * cols)), out,
-                              out if groups == 2 else _array(ct.float32, PLACEHOLDER))
-            yield ExportJob(f"column_sums {groups} -> {w_name}", bound.kernel,
-                            KernelSignature(list(args), CallingConvention.cutile_python_v2()))
+            out = _dense(w_name, (heads * cols,))
+            layouts = {"partial": _dense("float32", (slots, groups, heads * cols)),
+                       "out_a": out}
+            if groups == 2:
+                layouts["out_b"] = out
+            yield _job(f"column_sums {groups} -> {w_name}", cutile.bind_reduce(plan, groups),
+                       layouts)
 
 
 def export(job: ExportJob, gpu_code: str) -> bytes:

@@ -12,18 +12,18 @@ All arithmetic is fp32; y takes y's dtype (the output dtype may differ from x's)
 
 Operands are viewed as (rows, heads, cols): plain norms have one head; per-head (QK) norms keep
 the head axis so strided (..., H, D) inputs need no copy. Every kernel runs on a persistent
-grid from :mod:`tilenorm.planner`; program ``p`` handles row tiles ``p, p + grid, ...``. Rows
-that fit in one tile are done in one pass ("single" kernels; rows of one head that would pad
-a power-of-two tile by a third or more are held as two pieces instead, "split" kernels). Wider
-rows: the forward walks them in column chunks twice, the second pass reading the row back
-from L2 ("chunked"); the backward is column split, each program owning one column tile of
-its rows: a first kernel writes each tile's share of the row sums, a second adds them up and
-writes dx ("row_sums", "columns").
+grid that :mod:`tilenorm.planner` lays out; program ``p`` handles row tiles ``p, p + grid,
+...``. Rows that fit in one tile are done in one pass ("single" kernels; rows of one head that
+would pad a power-of-two tile by a third or more are held as two pieces instead, "split"
+kernels). Wider rows: the forward walks them in column chunks twice, the second pass reading
+the row back from L2 ("chunked"); the backward is column split, each program owning one column
+tile of its rows: a first kernel writes each tile's share of the row sums, a second adds them
+up and writes dx ("row_sums", "columns").
 
 The backward writes dx (and, for a fused residual, the residual's gradient) and folds
 ``sum(dy * x_hat)`` (and ``sum(dy)``) over the program's rows into its slot of a fp32 partial
-buffer; :func:`tilenorm.cutile.reduce.column_sums` adds the slots in a fixed order. No M x N
-temporary, no atomics: results are bit-for-bit repeatable.
+buffer; ``column_sums`` (:mod:`tilenorm.kernels.cutile_column_sums`) adds the slots in a fixed
+order. No M x N temporary, no atomics: results are bit-for-bit repeatable.
 
 Each kernel exists twice: with 32-bit indexing and, for operands whose offsets pass 2^31 - 1,
 with 64-bit indexing (``plan.index_bits``). On Hopper and later most launches are programmatic
@@ -33,19 +33,9 @@ one before it drains, and waits for it before touching memory.
 
 from __future__ import annotations
 
-import functools
-import types
-from dataclasses import dataclass
-
 import cuda.tile as ct
-import torch
 
-# The native launch, not the ``ct.launch`` attribute: TileGym replaces that attribute with a
-# positional-only wrapper that rejects ``programmatic_dependent_launch`` once it is imported.
-from cuda.tile._cext import launch as native_launch
-
-from tilenorm.cutile.reduce import column_sums, start_after_predecessor
-from tilenorm.planner import RowNormPlan, next_pow2
+from tilenorm.kernels.cutile_column_sums import start_after_predecessor
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -56,18 +46,6 @@ def _store(a, index, tile):
     """Every store goes through registers, not TMA: faster for y (bench/NOTES.md, #10), and
     with TMA stores of rstd and dx a few rows came out wrong, intermittently (#14)."""
     ct.store(a, index=index, tile=tile, allow_tma=False)
-
-
-@dataclass(frozen=True)
-class NormFeatures:
-    """The compile-time features of one normalization (see the module docstring)."""
-
-    layer_norm: bool = False
-    has_weight: bool = True
-    per_head_weight: bool = False
-    has_bias: bool = False
-    has_residual: bool = False
-    has_offset: bool = False
 
 
 # --- tile helpers (inlined into the kernels) ---------------------------------------------
@@ -515,253 +493,3 @@ def norm_bwd_columns(dy, h, weight, mean, rstd, row_sums, dres_in, dx, dres, par
         _store_partial(partial_w, dw, slot, head, col_tile, PER_HEAD)
     if HAS_BIAS:
         _store_partial(partial_b, db, slot, head, col_tile, PER_HEAD)
-
-
-# --- compiled variants and launchers -------------------------------------------------------
-
-_ARRAYS = {
-    norm_fwd_single: ("x", "residual", "weight", "bias", "y", "residual_out", "mean", "rstd"),
-    norm_bwd_single: ("dy", "h", "weight", "mean", "rstd", "dres_in", "dx", "dres",
-                      "partial_w", "partial_b"),
-}
-_ARRAYS[norm_fwd_chunked] = _ARRAYS[norm_fwd_split] = _ARRAYS[norm_fwd_single]
-_ARRAYS[norm_bwd_split] = _ARRAYS[norm_bwd_single]
-_ARRAYS[norm_bwd_row_sums] = ("dy", "h", "weight", "mean", "rstd", "row_sums")
-_ARRAYS[norm_bwd_columns] = _ARRAYS[norm_bwd_row_sums] + _ARRAYS[norm_bwd_single][5:]
-
-
-def _indexed_with_int64(fn):
-    """A copy of kernel function ``fn`` whose array parameters index with 64 bits."""
-    wide = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
-                              fn.__closure__)
-    wide.__annotations__ = {**fn.__annotations__,
-                            **dict.fromkeys(_ARRAYS[fn], ct.IndexedWithInt64)}
-    wide.__qualname__ = fn.__qualname__
-    wide.__module__ = fn.__module__
-    return wide
-
-
-@functools.cache
-def compiled(fn, occupancy: int, index_bits: int, worker_warps: int | None) -> ct.kernel:
-    """The kernel for ``fn`` compiled for ``occupancy`` CTAs per SM, ``index_bits``-bit
-    indexing and ``worker_warps`` (None: the compiler's choice); each variant has its own JIT
-    cache."""
-    source = _indexed_with_int64(fn) if index_bits == 64 else fn
-    return ct.kernel(source, occupancy=occupancy, num_worker_warps=worker_warps)
-
-
-def _compiled_for(fn, plan: RowNormPlan) -> ct.kernel:
-    return compiled(fn, plan.occupancy, plan.index_bits, plan.worker_warps)
-
-
-@dataclass(frozen=True)
-class BoundKernel:
-    """A kernel variant with its grid and trailing compile-time arguments resolved once: a
-    launch passes only the operands and the runtime scalars (the per-call host work is a
-    tuple concatenation)."""
-
-    kernel: ct.kernel
-    grid: tuple[int, int, int]
-    constants: tuple
-    dependent_launch: bool
-    #: A column-split backward's row-sums kernel, launched first, and the (sums, column
-    #: tiles) trailing shape of its fp32 ``row_sums`` workspace (see bind_backward).
-    first: BoundKernel | None = None
-    workspace: tuple[int, int] = ()
-
-    def args(self, *runtime) -> tuple:
-        return runtime + self.constants
-
-    def launch(self, stream: int, *runtime) -> None:
-        native_launch(stream, self.grid, self.kernel, runtime + self.constants,
-                      programmatic_dependent_launch=self.dependent_launch)
-
-
-_KERNELS = {"forward": (norm_fwd_single, norm_fwd_split, norm_fwd_chunked),
-            "backward": (norm_bwd_single, norm_bwd_split, norm_bwd_columns)}
-#: The kernel that adds up the backward's partial buffer (``column_sums`` is compiled: its
-#: object carries no name).
-REDUCE_KERNEL_NAME = "column_sums"
-
-
-def kernel_source(plan: RowNormPlan):
-    """The kernel function (before compilation) that runs ``plan`` (a column-split backward
-    runs :func:`norm_bwd_row_sums` before it)."""
-    single, split, wide = _KERNELS[plan.direction]
-    if not plan.single_pass:
-        return wide
-    return split if plan.split_cols else single
-
-
-def kernel_sources(plan: RowNormPlan) -> tuple:
-    """Every kernel function ``plan`` runs, in launch order (the reduction aside)."""
-    return ((norm_bwd_row_sums,) if plan.column_split else ()) + (kernel_source(plan),)
-
-
-def _split_constant(plan: RowNormPlan) -> tuple:
-    return (plan.split_cols,) if plan.split_cols else ()
-
-
-def bind_forward(plan: RowNormPlan, features: NormFeatures) -> BoundKernel:
-    """The forward for ``plan``; runtime arguments ``(x, residual, weight, bias, y,
-    residual_out, mean, rstd, eps, offset)``. Shared by the launchers and by ahead-of-time
-    export (which passes parameter constraints as the runtime arguments), so both build
-    exactly the same kernel variants."""
-    f = features
-    fn = kernel_source(plan)
-    constants = (1.0 / plan.cols, plan.tile_rows, plan.tile_heads, plan.tile_cols,
-                 f.layer_norm, f.has_weight, f.per_head_weight, f.has_bias, f.has_residual,
-                 plan.span_cols != plan.cols, f.has_offset,
-                 plan.dependent_launch) + _split_constant(plan)
-    return BoundKernel(_compiled_for(fn, plan), (plan.grid, 1, 1), constants,
-                       plan.dependent_launch)
-
-
-def bind_backward(plan: RowNormPlan, features: NormFeatures, has_dres_in: bool,
-                  store_dres: bool) -> BoundKernel:
-    """The backward's row kernel for ``plan``; runtime arguments ``(dy, h, weight, mean,
-    rstd, dres_in, dx, dres, partial_w, partial_b, offset)`` (see bind_forward). A
-    column-split plan's kernel also takes the ``row_sums`` workspace after rstd, and carries
-    the row-sums kernel (``first``: ``(dy, h, weight, mean, rstd, row_sums, offset)``)."""
-    f = features
-    fn = kernel_source(plan)
-    grid = (plan.grid, 1, 1)
-    if plan.column_split:
-        first = BoundKernel(_compiled_for(norm_bwd_row_sums, plan), grid,
-                            (plan.tile_cols, f.layer_norm, f.has_weight, f.per_head_weight,
-                             f.has_offset, plan.dependent_launch), plan.dependent_launch)
-        sums = 2 if f.layer_norm else 1
-        constants = (1.0 / plan.cols, plan.tile_cols, next_pow2(plan.col_tiles), f.layer_norm,
-                     f.has_weight, f.per_head_weight, f.has_bias, has_dres_in, store_dres,
-                     f.has_offset, plan.dependent_launch)
-        return BoundKernel(_compiled_for(fn, plan), grid, constants, plan.dependent_launch,
-                           first, (sums, plan.col_tiles))
-    constants = (1.0 / plan.cols, plan.tile_rows, plan.tile_heads, plan.tile_cols,
-                 f.layer_norm, f.has_weight, f.per_head_weight, f.has_bias, has_dres_in,
-                 store_dres, f.has_offset, plan.dependent_launch) + _split_constant(plan)
-    return BoundKernel(_compiled_for(fn, plan), grid, constants, plan.dependent_launch)
-
-
-def bind_reduce(plan: RowNormPlan, groups: int) -> BoundKernel:
-    """The fixed-order reduction of ``groups`` (1: dgamma or dbeta, 2: both) partial sums;
-    runtime arguments ``(partial, out_a, out_b)``: the partial buffer (:func:`partial_shape`)
-    as (slots, groups, heads * cols), the outputs flat."""
-    return BoundKernel(column_sums, (plan.reduce_grid, groups, 1),
-                       plan.reduce_tile + (plan.dependent_reduce,), plan.dependent_reduce)
-
-
-def partial_shape(plan: RowNormPlan, groups: int) -> tuple[int, int, int]:
-    """(slots, groups * heads, cols): dgamma's and dbeta's partial sums side by side, each the
-    backward kernel's (slots, heads, cols) partial operand (with one group, the buffer
-    itself: no view to take per call)."""
-    slots, heads, cols = plan.partial_shape
-    return slots, groups * heads, cols
-
-
-def gradient_groups(dweight: torch.Tensor | None, dbias: torch.Tensor | None) -> int:
-    """The partial buffer's groups: one for each of dweight and dbias that is computed."""
-    return (dweight is not None) + (dbias is not None)
-
-
-def partial_buffer(plan: RowNormPlan, dweight: torch.Tensor | None,
-                   dbias: torch.Tensor | None, fill: float | None = None) -> torch.Tensor | None:
-    """The fp32 partial buffer of a backward that writes ``dweight`` and/or ``dbias`` (None
-    when it writes neither), on their device; ``fill`` poisons it for tests."""
-    groups = gradient_groups(dweight, dbias)
-    if not groups:
-        return None
-    device = (dweight if dweight is not None else dbias).device
-    shape = partial_shape(plan, groups)
-    if fill is None:
-        return torch.empty(shape, dtype=torch.float32, device=device)
-    return torch.full(shape, fill, dtype=torch.float32, device=device)
-
-
-@functools.cache
-def placeholders(device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Stand-ins for the operands a compiled variant never touches (no weight, no residual,
-    ...), indexed by slot: one buffer per slot so that no two kernel arguments alias."""
-    return tuple(torch.empty(1, dtype=torch.float32, device=device) for _ in range(8))
-
-
-def stream_handle(device: torch.device) -> int:
-    """The current stream's raw handle (torch.cuda.current_stream() costs ~4 us a call)."""
-    return torch._C._cuda_getCurrentRawStream(device.index)
-
-
-def run_forward(kernel: BoundKernel, stream: int, ph: tuple, x, residual, weight, bias, y,
-                residual_out, mean, rstd, eps: float, offset: float) -> None:
-    """Launch a bound forward; absent operands (None) become placeholders. x, residual, y and
-    residual_out are (rows, heads, cols) views; weight and bias (1, heads or 1, cols); mean
-    and rstd (rows, heads) fp32. Every element of the outputs is written."""
-    kernel.launch(stream, x, ph[0] if residual is None else residual,
-                  ph[1] if weight is None else weight, ph[2] if bias is None else bias, y,
-                  ph[3] if residual_out is None else residual_out,
-                  ph[4] if mean is None else mean, rstd, eps, offset)
-
-
-def run_backward(kernel: BoundKernel, reduce: BoundKernel | None, stream: int, ph: tuple, dy,
-                 h, weight, mean, rstd, dres_in, dx, dres, partial, dweight, dbias,
-                 offset: float) -> None:
-    """Launch a bound backward and its dgamma/dbeta reduction (``reduce``, bound for as many
-    groups as there are of dweight and dbias). ``h`` is the normalized input (x, or the
-    residual output of a fused residual add); ``dres_in`` the gradient that reached the
-    residual output; ``dres`` a second gradient output in the residual's dtype (when it
-    differs from x's). ``partial`` is fp32 of :func:`partial_shape` (None without dweight and
-    dbias), dgamma's group first; dweight and dbias have the weight's shape. Nothing needs
-    zeroing."""
-    partial_w = partial_b = partial
-    if partial is not None and dweight is not None and dbias is not None:
-        heads = partial.shape[1] // 2
-        partial_w, partial_b = partial[:, :heads], partial[:, heads:]
-    weight = ph[1] if weight is None else weight
-    mean = ph[4] if mean is None else mean
-    stats = (rstd,)
-    if kernel.first is not None:
-        row_sums = torch.empty(h.shape[:2] + kernel.workspace, dtype=torch.float32,
-                               device=h.device)
-        kernel.first.launch(stream, dy, h, weight, mean, rstd, row_sums, offset)
-        stats = (rstd, row_sums)
-    kernel.launch(stream, dy, h, weight, mean, *stats, ph[0] if dres_in is None else dres_in,
-                  dx, ph[3] if dres is None else dres,
-                  ph[5] if dweight is None else partial_w, ph[6] if dbias is None else partial_b,
-                  offset)
-    if partial is not None:
-        run_reduce(reduce, stream, ph, partial, dweight, dbias)
-
-
-def run_reduce(reduce: BoundKernel, stream: int, ph: tuple, partial: torch.Tensor,
-               dweight: torch.Tensor | None, dbias: torch.Tensor | None) -> None:
-    """Add up a backward's fp32 partial buffer (slots, groups * heads, cols), dgamma's group
-    first, into dweight and dbias (those that are not None) in a fixed order."""
-    outs = [t if t.dim() == 1 else t.view(-1) for t in (dweight, dbias) if t is not None]
-    groups = len(outs)
-    slots, rows, cols = partial.shape
-    if rows != groups:  # per-head weights: each group's (heads, cols) flattened
-        partial = partial.view(slots, groups, rows // groups * cols)
-    reduce.launch(stream, partial, outs[0], outs[-1] if groups == 2 else ph[7])
-
-
-def forward(plan: RowNormPlan, features: NormFeatures, *, x: torch.Tensor,
-            weight: torch.Tensor | None, bias: torch.Tensor | None,
-            residual: torch.Tensor | None, y: torch.Tensor, residual_out: torch.Tensor | None,
-            mean: torch.Tensor | None, rstd: torch.Tensor, eps: float,
-            offset: float = 0.0) -> None:
-    """Bind and launch the forward for ``plan`` (see :func:`run_forward`)."""
-    run_forward(bind_forward(plan, features), stream_handle(x.device), placeholders(x.device),
-                x, residual, weight, bias, y, residual_out, mean, rstd, float(eps),
-                float(offset))
-
-
-def backward(plan: RowNormPlan, features: NormFeatures, *, dy: torch.Tensor, h: torch.Tensor,
-             weight: torch.Tensor | None, mean: torch.Tensor | None, rstd: torch.Tensor,
-             dres_in: torch.Tensor | None, dx: torch.Tensor, dres: torch.Tensor | None,
-             partial: torch.Tensor | None, dweight: torch.Tensor | None,
-             dbias: torch.Tensor | None, offset: float = 0.0) -> None:
-    """Bind and launch the backward and its reduction for ``plan`` (see
-    :func:`run_backward`)."""
-    groups = gradient_groups(dweight, dbias)
-    run_backward(bind_backward(plan, features, dres_in is not None, dres is not None),
-                 bind_reduce(plan, groups) if groups else None, stream_handle(h.device),
-                 placeholders(h.device), dy, h, weight, mean, rstd, dres_in, dx, dres, partial,
-                 dweight, dbias, float(offset))

@@ -1,12 +1,12 @@
 """Row-norm backward in the CuTe DSL: dx, and dgamma / dbeta folded into the partial buffer,
 with the next rows' loads in flight while a row is reduced.
 
-The cuTile backward (tilenorm/cutile/norm.py) loads a row, reduces it, and only then loads the
-next: a cuTile persistent loop cannot carry a loaded tile (bench/NOTES.md, #8, #22), so an SM
-has loads in flight only while one of its two resident programs is between reductions. That
-holds the LayerNorm backward at 32768 x 4096 to ~90% of copy bandwidth on an H200. Here each
-thread keeps ``stages`` rows of its 16-byte vectors in registers: the loads of row
-``r + (stages - 1) * grid`` are issued before row ``r`` is reduced (#38).
+The cuTile backward (tilenorm/kernels/cutile_row_norm.py) loads a row, reduces it, and only
+then loads the next: a cuTile persistent loop cannot carry a loaded tile (bench/NOTES.md, #8,
+#22), so an SM has loads in flight only while one of its two resident programs is between
+reductions. That holds the LayerNorm backward at 32768 x 4096 to ~90% of copy bandwidth on an
+H200. Here each thread keeps ``stages`` rows of its 16-byte vectors in registers: the loads of
+row ``r + (stages - 1) * grid`` are issued before row ``r`` is reduced (#38).
 
 Layout: program ``p`` of ``grid`` takes rows ``p, p + grid, ...`` (one program per row at a
 time; ``threads`` threads, each holding ``reps`` 16-byte vectors of the row, a block of
@@ -18,19 +18,11 @@ bit-for-bit reproducible, and so are dgamma and dbeta, whose per-program sums th
 
 from __future__ import annotations
 
-import functools
 import operator
-from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-import torch
 from cutlass import Float32, Int32, const_expr
-
-from tilenorm.planner import CUTE_BACKWARD, CuteBackwardPlan
-
-_DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
-           torch.float32: cutlass.Float32}
 
 
 class RowNormBackward:
@@ -176,109 +168,3 @@ class RowNormBackward:
 
 #: Shared memory per SM on Hopper and Blackwell datacenter parts (228 KB).
 _SMEM_PER_SM = 233472
-
-
-@dataclass(frozen=True)
-class BackwardKey:
-    """What selects a compiled variant of the kernel. The row count is one of them: with it
-    a runtime value, the loop's bounds cost the registers that two CTAs per SM leave, the
-    kernel spills, and it runs at 87.5% of copy bandwidth instead of 97.8% (H200, #38)."""
-
-    rows: int
-    dtype: torch.dtype
-    weight_dtype: torch.dtype | None
-    has_bias: bool
-    layer_norm: bool
-    cols: int
-    threads: int
-    stages: int
-    ctas_per_sm: int
-
-    @classmethod
-    def of(cls, plan: CuteBackwardPlan, dtype: torch.dtype, weight_dtype: torch.dtype | None,
-           has_bias: bool, layer_norm: bool) -> BackwardKey:
-        return cls(plan.rows, dtype, weight_dtype, has_bias, layer_norm, plan.cols,
-                   plan.threads, plan.stages, plan.ctas_per_sm)
-
-
-def _fake(dtype, shape, stride, align):
-    return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
-
-
-def compile_backward(key: BackwardKey, arch: str | None = None):
-    """Compile ``key``'s kernel; ``arch`` (e.g. ``"sm_90a"``) compiles without a GPU, for
-    that architecture. The result is called as ``fn(h, dy, weight, mean, rstd, dx, partial,
-    grid)`` with torch tensors (None for the absent ones) on torch's current stream."""
-    dtype = _DTYPES[key.dtype]
-    weight_dtype = None if key.weight_dtype is None else _DTYPES[key.weight_dtype]
-    kernel = RowNormBackward(dtype, weight_dtype, key.cols, key.threads, key.stages,
-                             key.ctas_per_sm, key.layer_norm, key.has_bias)
-    rows, slots = key.rows, cute.sym_int()
-    # Rows contiguous, so that a row's offset is a multiple of a compile-time stride: a
-    # runtime 64-bit stride costs the registers that keep two CTAs resident (#38).
-    x, dy, dx = (_fake(dtype, (rows, key.cols), (key.cols, 1), 16) for _ in range(3))
-    weight = None if weight_dtype is None else _fake(weight_dtype, (key.cols,), (1,), 16)
-    mean = _fake(Float32, (rows,), (1,), 4) if key.layer_norm else None
-    rstd = _fake(Float32, (rows,), (1,), 4)
-    groups = int(weight_dtype is not None) + int(key.has_bias)
-    partial = (_fake(Float32, (slots, groups, key.cols), (groups * key.cols, key.cols, 1), 16)
-               if groups else None)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
-    return cute.compile(kernel, x, dy, weight, mean, rstd, dx, partial, Int32(1), stream,
-                        options=options)
-
-
-#: Architectures the ahead-of-time build targets: Hopper and Blackwell datacenter parts.
-AOT_ARCHS = ("sm_90a", "sm_100a")
-#: Row count of the ahead-of-time builds (kernels are compiled per row count).
-AOT_ROWS = 32768
-
-
-def aot_keys(all_dtypes: bool = False) -> list[BackwardKey]:
-    """Every variant the planner's CuTe DSL entries can run: each weight dtype (or none),
-    with and without a bias, in bf16 (and fp16 with ``all_dtypes``)."""
-    dtypes = (torch.bfloat16, torch.float16) if all_dtypes else (torch.bfloat16,)
-    return [BackwardKey(AOT_ROWS, dtype, weight_dtype, has_bias, op == "layer_norm", cols,
-                        *config)
-            for op, widths in CUTE_BACKWARD.items() for cols, config in widths.items()
-            for dtype in dtypes for weight_dtype in (None, dtype, torch.float32)
-            for has_bias in ((False, True) if op == "layer_norm" else (False,))]
-
-
-#: Compiled variants kept per process: a new row count compiles in ~2 s.
-MAX_COMPILED = 256
-
-
-@functools.lru_cache(maxsize=MAX_COMPILED)
-def compiled_backward(key: BackwardKey):
-    """``key``'s kernel for this process's GPU, compiled once."""
-    return compile_backward(key)
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with contiguous, 16-byte aligned storage (a copy only when it is not)."""
-    if t.is_contiguous() and t.data_ptr() % 16 == 0:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
-def takes(h: torch.Tensor, dy: torch.Tensor) -> bool:
-    """Whether the kernel can read ``h`` and ``dy`` (rows, cols) as they are: contiguous and
-    16-byte aligned."""
-    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (h, dy))
-
-
-def run_backward(plan: CuteBackwardPlan, h: torch.Tensor, dy: torch.Tensor,
-                 weight: torch.Tensor | None, bias: torch.Tensor | None,
-                 mean: torch.Tensor | None, rstd: torch.Tensor, dx: torch.Tensor,
-                 partial: torch.Tensor | None) -> None:
-    """Launch the backward on torch's current stream: ``h``, ``dy``, ``dx`` are (rows, cols)
-    as :func:`takes` accepts; ``mean`` (LayerNorm) and ``rstd``
-    are (rows,) fp32; ``partial`` is fp32 (plan.grid, groups, cols), dgamma's group first
-    (None without weight and bias). ``bias`` is read only for its presence."""
-    key = BackwardKey.of(plan, h.dtype, None if weight is None else weight.dtype,
-                         bias is not None, mean is not None)
-    fn = compiled_backward(key)
-    fn(h, dy, None if weight is None else _aligned(weight),
-       None if mean is None else mean.contiguous(), rstd.contiguous(), dx, partial, plan.grid)

@@ -1,1 +1,0 @@
-"""cuTile kernels: one module per op, plus the shared fixed-order reduction."""

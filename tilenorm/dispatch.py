@@ -1,0 +1,194 @@
+"""The one place that decides what runs: for a forward, the cuTile plan or the reference path;
+for a backward, the CuTe DSL kernel, the cuTile plan (re-planned with 64-bit offsets where a
+strided operand needs them) or the reference path. :func:`tilenorm.explain` prints exactly
+these decisions. Framework-neutral: dtypes are named ("bfloat16", ...), devices are a kind
+and an index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+from tilenorm import validation
+from tilenorm.device import DeviceInfo, device_info
+from tilenorm.launch import cute
+from tilenorm.launch.cutile import REDUCE_KERNEL_NAME, kernel_names
+from tilenorm.planner import (
+    MAX_INT32_OFFSET,
+    CuteBackwardPlan,
+    Op,
+    RowNormPlan,
+    UnsupportedShape,
+    plan_cute_backward,
+    plan_row_norm,
+)
+from tilenorm.validation import CUTE_NORM, CUTILE_NORM, KernelFamily
+
+#: Element types the kernels take.
+KERNEL_DTYPES = ("bfloat16", "float16", "float32")
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+#: The CuTe DSL backward's name in decisions.
+CUTE_BACKWARD_NAME = "RowNormBackward (CuTe DSL)"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One normalization as the kernels see it: ``rows x heads`` vectors of ``cols``
+    elements. ``dtypes`` names every operand's and output's dtype, x's first;
+    ``max_offset`` is the largest element offset any operand of the forward reaches."""
+
+    op: Op
+    device_type: str
+    device_index: int | None
+    dtypes: tuple[str, ...]
+    rows: int
+    heads: int
+    cols: int
+    per_head_weight: bool
+    max_offset: int
+    allow_experimental: bool
+
+
+@dataclass(frozen=True)
+class BackwardFacts:
+    """What one backward call brings beyond its problem: whether the forward had a fused
+    residual add, whether the gradient that reached its h is an input, a weight offset,
+    whether dy, h and dx share x's dtype, whether h and dy are contiguous rows on
+    16-byte-aligned storage, and the largest offset its operands reach."""
+
+    has_residual: bool
+    has_dres_in: bool
+    has_offset: bool
+    same_dtypes: bool
+    dense_aligned: bool
+    max_offset: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What runs for one problem, and why (``str()`` it). ``forward`` and ``backward`` are
+    the cuTile plans (None on the reference path); ``cute_backward`` the CuTe DSL plan that
+    a backward call takes where :func:`backward_kernel` allows it."""
+
+    op: str
+    reason: str
+    family: KernelFamily | None = None
+    forward: RowNormPlan | None = None
+    backward: RowNormPlan | None = None
+    cute_backward: CuteBackwardPlan | None = None
+    device: DeviceInfo | None = None
+
+    @property
+    def uses_kernel(self) -> bool:
+        return self.family is not None
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        """Every kernel the decision may launch, in launch order."""
+        if not self.uses_kernel:
+            return ()
+        cute_name = (CUTE_BACKWARD_NAME,) if self.cute_backward else ()
+        return (kernel_names(self.forward) + kernel_names(self.backward) + cute_name
+                + (REDUCE_KERNEL_NAME,))
+
+    @property
+    def status(self) -> str:
+        if self.family is None:
+            return "torch reference"
+        families = (self.family,) + ((CUTE_NORM,) if self.cute_backward else ())
+        return "; ".join(f"{family.name} {_family_status(family)}" for family in families)
+
+    def __str__(self) -> str:
+        if not self.uses_kernel:
+            return f"{self.op}: reference path, because {self.reason}"
+        lines = [
+            f"{self.op}: {self.family.language} kernels ({self.family.name}) on "
+            f"{self.device.name} ({self.device.sm}, {self.device.sm_count} SMs)",
+            f"  status:   {self.status}",
+            f"  kernels:  {', '.join(self.kernels)}",
+            f"  forward:  {self.forward.describe()}",
+            f"  backward: {self.backward.describe()}",
+        ]
+        if self.cute_backward:
+            lines.append(f"  backward of contiguous, aligned rows without a fused residual "
+                         f"or weight offset (CuTe DSL): {self.cute_backward.describe()}")
+        lines.append(f"  why:      {self.reason}")
+        return "\n".join(lines)
+
+
+def _family_status(family: KernelFamily) -> str:
+    record = validation.validation_record(family)
+    if record is None:
+        return "experimental (not validated on a GPU at this source)"
+    return (f"stable (validated on {record['device']}, {record['date']}, "
+            f"commit {record['commit']})")
+
+
+def _reference(op: str, reason: str) -> Decision:
+    return Decision(op=op, reason=reason)
+
+
+def _cute_backward(p: Problem, info: DeviceInfo) -> CuteBackwardPlan | None:
+    """The CuTe DSL backward where the planner has one for the shape, x's dtype is that of
+    every other operand or fp32, and the kernels may run (installed; validated or allowed)."""
+    if not (validation.is_stable(CUTE_NORM) or p.allow_experimental) or not cute.available():
+        return None
+    if any(d not in (p.dtypes[0], "float32") for d in p.dtypes[1:]):
+        return None
+    return plan_cute_backward(p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]],
+                              sm_count=info.sm_count, arch=info.arch, op=p.op, heads=p.heads,
+                              max_offset=p.max_offset)
+
+
+@functools.lru_cache(maxsize=4096)
+def decide(p: Problem) -> Decision:
+    """What runs for problem ``p``: kernels where they cover it and may run, else the
+    reference path, with the reason."""
+    if p.device_type != "cuda":
+        return _reference(p.op, f"x is on {p.device_type}; the kernels run on CUDA devices")
+    odd = [d for d in p.dtypes if d not in KERNEL_DTYPES]
+    if odd:
+        return _reference(p.op, f"an operand is {odd[0]}; the kernels take bfloat16, float16 "
+                                f"and float32")
+    if p.rows * p.heads * p.cols == 0:
+        return _reference(p.op, "x is empty: there is nothing to launch")
+    family = CUTILE_NORM
+    stable = validation.is_stable(family)
+    if not stable and not p.allow_experimental:
+        return _reference(
+            p.op, f"the {family.language} kernels ({family.name}) are experimental (not yet "
+                  f"validated on a GPU at this source) and experimental kernels are off; "
+                  f"enable them with TILENORM_EXPERIMENTAL=1, tilenorm.set_experimental(True) "
+                  f"or `with tilenorm.experimental():`")
+    info = device_info(p.device_index)
+    try:
+        fwd, bwd = (plan_row_norm(p.rows, p.cols, heads=p.heads,
+                                  per_head_weight=p.per_head_weight,
+                                  itemsize=ITEMSIZE[p.dtypes[0]], sm_count=info.sm_count,
+                                  arch=info.arch, direction=d, max_offset=p.max_offset,
+                                  op=p.op)
+                    for d in ("forward", "backward"))
+    except UnsupportedShape as e:
+        return _reference(p.op, str(e))
+    reason = ("validated kernels cover this case" if stable
+              else "experimental kernels are enabled")
+    return Decision(op=p.op, reason=reason, family=family, forward=fwd, backward=bwd,
+                    cute_backward=_cute_backward(p, info), device=info)
+
+
+def backward_kernel(decision: Decision, call: BackwardFacts
+                    ) -> CuteBackwardPlan | RowNormPlan:
+    """The kernel plan that runs one backward call of a decision that uses kernels: the CuTe
+    DSL backward where it has a plan and the call allows it (no fused residual, no weight
+    offset, dx in x's dtype, contiguous rows on 16-byte-aligned storage), else the cuTile
+    backward, with 64-bit offsets where the call's strided operands pass 2^31 - 1."""
+    cute_plan = decision.cute_backward
+    if (cute_plan is not None and not call.has_residual and not call.has_dres_in
+            and not call.has_offset and call.same_dtypes and call.dense_aligned):
+        return cute_plan
+    plan = decision.backward
+    if plan.index_bits == 32 and call.max_offset > MAX_INT32_OFFSET:
+        return dataclasses.replace(plan, index_bits=64)
+    return plan

@@ -1,0 +1,149 @@
+"""The CuTe DSL backward (:mod:`tilenorm.kernels.cute_row_norm_backward`): compiled per
+launch plan and called through TVM-FFI, which takes DLPack arrays (torch tensors among them)
+and launches on the caller's current stream.
+
+The DSL is an optional part of the install: :func:`available` says whether it imports, and
+nothing here imports it before a kernel is compiled. It comes as ``nvidia-cutlass-dsl-libs-*``
+wheels (the CUDA 13 libraries only); the ``nvidia-cutlass-dsl`` wheel, which tilenorm does not
+require because it also pulls the CUDA 12 libraries, adds only a ``.pth`` file that puts the
+DSL's package folder on ``sys.path``, so :func:`_dsl_on_path` does that itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+
+from tilenorm.planner import CuteBackwardPlan
+from tilenorm.settings import SM90
+
+#: What the kernels import: the CuTe DSL and the TVM-FFI path they are called through.
+REQUIRED_MODULES = ("cutlass.cute", "tvm_ffi")
+
+
+def _dsl_on_path() -> None:
+    """Put the DSL's package folder (``nvidia_cutlass_dsl/dsl_packages``) on ``sys.path``
+    where no ``.pth`` file did."""
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    if spec is None or not spec.submodule_search_locations:
+        return
+    for root in spec.submodule_search_locations:
+        folder = os.path.join(root, "dsl_packages")
+        if os.path.isdir(folder) and folder not in sys.path:
+            sys.path.insert(0, folder)  # where the .pth file puts it
+
+
+@functools.cache
+def available() -> bool:
+    """True when the DSL and TVM-FFI import."""
+    _dsl_on_path()
+    try:
+        for module in REQUIRED_MODULES:
+            importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+def _dtypes():
+    import cutlass
+
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16,
+            "float32": cutlass.Float32}
+
+
+@dataclass(frozen=True)
+class BackwardKey:
+    """What selects a compiled variant of the kernel: dtypes by name ("bfloat16", ...). The
+    row count is one of them: with it a runtime value, the loop's bounds cost the registers
+    that two CTAs per SM leave, the kernel spills, and it runs at 87.5% of copy bandwidth
+    instead of 97.8% (H200, bench/NOTES.md #38)."""
+
+    rows: int
+    dtype: str
+    weight_dtype: str | None
+    has_bias: bool
+    layer_norm: bool
+    cols: int
+    threads: int
+    stages: int
+    ctas_per_sm: int
+
+    @classmethod
+    def of(cls, plan: CuteBackwardPlan, dtype: str, weight_dtype: str | None,
+           has_bias: bool, layer_norm: bool) -> BackwardKey:
+        return cls(plan.rows, dtype, weight_dtype, has_bias, layer_norm, plan.cols,
+                   plan.threads, plan.stages, plan.ctas_per_sm)
+
+    @property
+    def groups(self) -> int:
+        """Gradient groups in the partial buffer: dgamma and/or dbeta."""
+        return int(self.weight_dtype is not None) + int(self.has_bias)
+
+
+def compile_backward(key: BackwardKey, arch: str | None = None):
+    """Compile ``key``'s kernel; ``arch`` (e.g. ``"sm_90a"``) compiles without a GPU, for
+    that architecture. The result is called as ``fn(h, dy, weight, mean, rstd, dx, partial,
+    grid)`` with DLPack arrays (None for the absent ones) on the current stream."""
+    if not available():
+        raise RuntimeError("the CuTe DSL kernels need nvidia-cutlass-dsl-libs-cu13 and "
+                           "apache-tvm-ffi")
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from tilenorm.kernels.cute_row_norm_backward import RowNormBackward
+
+    dtypes = _dtypes()
+    dtype = dtypes[key.dtype]
+    weight_dtype = None if key.weight_dtype is None else dtypes[key.weight_dtype]
+    kernel = RowNormBackward(dtype, weight_dtype, key.cols, key.threads, key.stages,
+                             key.ctas_per_sm, key.layer_norm, key.has_bias)
+
+    def fake(dt, shape, stride, align):
+        return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=align)
+
+    rows, slots = key.rows, cute.sym_int()
+    # Rows contiguous, so that a row's offset is a multiple of a compile-time stride: a
+    # runtime 64-bit stride costs the registers that keep two CTAs resident (#38).
+    x, dy, dx = (fake(dtype, (rows, key.cols), (key.cols, 1), 16) for _ in range(3))
+    weight = None if weight_dtype is None else fake(weight_dtype, (key.cols,), (1,), 16)
+    mean = fake(Float32, (rows,), (1,), 4) if key.layer_norm else None
+    rstd = fake(Float32, (rows,), (1,), 4)
+    groups = key.groups
+    partial = (fake(Float32, (slots, groups, key.cols), (groups * key.cols, key.cols, 1), 16)
+               if groups else None)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
+    return cute.compile(kernel, x, dy, weight, mean, rstd, dx, partial, Int32(1), stream,
+                        options=options)
+
+
+#: Architectures the ahead-of-time build targets: Hopper and Blackwell datacenter parts.
+AOT_ARCHS = ("sm_90a", "sm_100a")
+#: Row count of the ahead-of-time builds (kernels are compiled per row count).
+AOT_ROWS = 32768
+
+
+def aot_keys(all_dtypes: bool = False) -> list[BackwardKey]:
+    """Every variant the settings' CuTe DSL entries can run: each weight dtype (or none),
+    with and without a bias, in bf16 (and fp16 with ``all_dtypes``)."""
+    dtypes = ("bfloat16", "float16") if all_dtypes else ("bfloat16",)
+    return [BackwardKey(AOT_ROWS, dtype, weight_dtype, has_bias, op == "layer_norm", cols,
+                        *config)
+            for op, widths in SM90.cute_backward.items() for cols, config in widths.items()
+            for dtype in dtypes for weight_dtype in (None, dtype, "float32")
+            for has_bias in ((False, True) if op == "layer_norm" else (False,))]
+
+
+#: Compiled variants kept per process: a new row count compiles in ~2 s.
+MAX_COMPILED = 256
+
+
+@functools.lru_cache(maxsize=MAX_COMPILED)
+def compiled_backward(key: BackwardKey):
+    """``key``'s kernel for this process's GPU, compiled once."""
+    return compile_backward(key)

@@ -1,0 +1,587 @@
+"""Prepared calls: what a forward or a backward with one layout of operands runs, computed
+once and looked up by the operands' layout after that.
+
+A layout is every operand's shape, strides, dtype and device plus the call's options. The
+first call with a layout checks the operands, asks :mod:`tilenorm.dispatch` what runs, works
+out each operand's (rows, heads, cols) view and binds the kernels to raw-pointer launchers
+(:mod:`tilenorm.launch.driver`); a later call allocates its outputs, reads the data pointers
+and launches: no views, no checks, no argument inspection (bench/NOTES.md #39).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tilenorm import dispatch
+from tilenorm._experimental import experimental_enabled
+from tilenorm.dispatch import BackwardFacts, Decision, Problem
+from tilenorm.launch import cutile
+from tilenorm.launch.cutile import NormFeatures
+from tilenorm.launch.driver import ArrayLayout, DriverLaunch
+from tilenorm.layout import contiguous_strides, max_offset, view_3d
+from tilenorm.planner import CuteBackwardPlan, RowNormPlan
+from tilenorm.pytorch import reference
+
+#: Layouts remembered; past this the cache starts over (a long-running job with ever new
+#: shapes must not grow without bound).
+MAX_CALLS = 4096
+_CALLS: dict = {}
+
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16",
+               torch.float32: "float32", torch.float64: "float64"}
+
+
+def lookup(key):
+    """What was prepared for ``key``, or None."""
+    return _CALLS.get(key)
+
+
+def store(key, prepared) -> None:
+    if len(_CALLS) >= MAX_CALLS:
+        _CALLS.clear()
+    _CALLS[key] = prepared
+
+
+def cached(key, build):
+    """The prepared call for ``key``, built by ``build()`` the first time."""
+    found = _CALLS.get(key)
+    if found is None:
+        found = build()
+        store(key, found)
+    return found
+
+
+def meta(t: torch.Tensor | None):
+    """A tensor's layout as a cache key."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+# --- layouts -------------------------------------------------------------------------------
+
+
+def _fold_trailing(shape: tuple[int, ...], strides: tuple[int, ...], dims: int
+                   ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(shape, strides) with the last ``dims`` dimensions folded into one, or None when their
+    strides do not allow a view."""
+    if dims == 1:
+        return shape, strides
+    inner = list(zip(shape[-dims:], strides[-dims:], strict=True))
+    for (size, stride), (size_in, stride_in) in zip(inner, inner[1:], strict=False):
+        if size != 1 and stride != stride_in * size_in:
+            return None
+    return shape[:-dims] + (math.prod(shape[-dims:]),), strides[:-dims] + (strides[-1],)
+
+
+def kernel_view(t: torch.Tensor, dims: int, keep_heads: bool
+                ) -> tuple[tuple[int, int, int], tuple[int, int, int]] | None:
+    """(shape, strides) of ``t`` as (rows, heads, cols) with its last ``dims`` dimensions as
+    the columns, or None when it takes a contiguous copy."""
+    folded = _fold_trailing(tuple(t.shape), t.stride(), dims)
+    if folded is None:
+        return None
+    return view_3d(*folded, keep_heads=keep_heads)
+
+
+def _view_strides(shape3: tuple[int, ...], strides3: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides ``torch.Tensor.view`` gives a (rows, heads, cols) view: a dimension of
+    size one takes the stride of the dimension inside it times that dimension's size. Its
+    value addresses nothing; cuTile specializes on it, so the lean launch keeps torch's."""
+    out = list(strides3)
+    for d in range(len(shape3) - 2, -1, -1):
+        if shape3[d] == 1:
+            out[d] = out[d + 1] * shape3[d + 1]
+    return tuple(out)
+
+
+def _layout(dtype: torch.dtype, shape3, strides3=None) -> ArrayLayout:
+    strides3 = contiguous_strides(shape3) if strides3 is None else strides3
+    return ArrayLayout(DTYPE_NAMES[dtype], tuple(shape3), _view_strides(shape3, strides3))
+
+
+def _param_layout(p: torch.Tensor, heads: int, cols: int) -> ArrayLayout:
+    """A weight or bias, (N,) or (H, N), as the kernels' (1, H or 1, N)."""
+    last = p.stride(-1)
+    row = p.stride(0) if heads > 1 else cols * last
+    return ArrayLayout(DTYPE_NAMES[p.dtype], (1, heads, cols),
+                       _view_strides((1, heads, cols), (heads * row, row, last)))
+
+
+#: Stand-ins for the operands a compiled variant never touches (no weight, no residual, ...),
+#: by slot: one buffer per slot, so that no two kernel arguments alias.
+_PLACEHOLDER = ArrayLayout("float32", (1,), (1,))
+_PLACEHOLDERS: dict = {}
+
+
+def placeholders(device: torch.device) -> tuple[torch.Tensor, ...]:
+    found = _PLACEHOLDERS.get(device)
+    if found is None:
+        found = _PLACEHOLDERS[device] = tuple(
+            torch.empty(1, dtype=torch.float32, device=device) for _ in range(8))
+    return found
+
+
+def _on_device(device: torch.device):
+    """cuTile's own launch and the driver's loads act on the current context: x's device."""
+    if device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+def _driver_launch(bound: cutile.BoundKernel, layouts: dict, device: torch.device,
+                   arch: tuple[int, int]) -> DriverLaunch | None:
+    """``bound`` ready to launch from pointers: ``layouts`` maps the arrays it reads or
+    writes to their layouts; the others are placeholders. None where a layout overlaps
+    itself (cuTile's own launch compiles for that)."""
+    ph = placeholders(device)
+    fixed = {i: ph[i % len(ph)].data_ptr() for i, name in enumerate(bound.arrays)
+             if name not in layouts}
+    arrays = tuple(layouts.get(name, _PLACEHOLDER) for name in bound.arrays)
+    if not all(a.disjoint for a in arrays):
+        return None
+    with _on_device(device):
+        return DriverLaunch(bound, arrays, arch, fixed_arrays=fixed)
+
+
+# --- forward -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """The op and how its operands are read: LayerNorm or RMSNorm, over the last ``dims``
+    dimensions, with one weight per head (``per_head``: x is (..., H, N), the weight
+    (H, N))."""
+
+    op: str
+    layer_norm: bool
+    dims: int = 1
+    per_head: bool = False
+
+
+@dataclass
+class ForwardCall:
+    """A forward with one operand layout: the decision, and either the reference path or the
+    kernels with their launchers."""
+
+    spec: NormSpec
+    decision: Decision
+    features: NormFeatures
+    out_dtype: torch.dtype
+    h_dtype: torch.dtype | None
+    out_shape: torch.Size
+    stat_shape: torch.Size
+    device: torch.device
+    shape3: tuple[int, int, int] = (0, 0, 0)
+    copy_x: bool = False
+    copy_residual: bool = False
+    bound: cutile.BoundKernel | None = None
+    launch: object = None
+
+    def run(self, x, weight, bias, residual, eps: float, offset: float):
+        """(y, h, mean, rstd); h is x without a residual, mean None for RMSNorm; mean and
+        rstd have x's shape without the normalized dimensions."""
+        if not self.decision.uses_kernel:
+            return reference.norm_forward(x, weight, bias, eps, layer_norm=self.spec.layer_norm,
+                                          offset=offset, residual=residual,
+                                          residual_dtype=self.h_dtype, out_dtype=self.out_dtype,
+                                          dims=self.spec.dims)
+        dev = self.device
+        y = torch.empty(self.out_shape, dtype=self.out_dtype, device=dev)
+        rstd = torch.empty(self.stat_shape, dtype=torch.float32, device=dev)
+        mean = (torch.empty(self.stat_shape, dtype=torch.float32, device=dev)
+                if self.features.layer_norm else None)
+        h = (torch.empty(self.out_shape, dtype=self.h_dtype, device=dev)
+             if residual is not None else None)
+        xs = x.reshape(self.shape3) if self.copy_x else x
+        rs = residual.reshape(self.shape3) if self.copy_residual else residual
+        stream = torch._C._cuda_getCurrentRawStream(dev.index)
+        pointers = [xs.data_ptr()]
+        if rs is not None:
+            pointers.append(rs.data_ptr())
+        if weight is not None:
+            pointers.append(weight.data_ptr())
+        if bias is not None:
+            pointers.append(bias.data_ptr())
+        pointers.append(y.data_ptr())
+        if h is not None:
+            pointers.append(h.data_ptr())
+        if mean is not None:
+            pointers.append(mean.data_ptr())
+        pointers.append(rstd.data_ptr())
+        if self.launch is None or not self.launch(stream, *pointers, eps, offset):
+            self._launch_through_cutile(stream, xs, rs, weight, bias, y, h, mean, rstd, eps,
+                                        offset)
+        return y, (x if h is None else h), mean, rstd
+
+    def _launch_through_cutile(self, stream, x, residual, weight, bias, y, h, mean, rstd, eps,
+                               offset):
+        """cuTile's own launch, on (rows, heads, cols) views: for operands whose storage is not
+        16-byte aligned (cuTile compiles a variant for them) or that overlap themselves."""
+        shape3, ph = self.shape3, placeholders(self.device)
+        cols = shape3[2]
+        views = [x.view(shape3) if x.dim() != 3 or x.shape != shape3 else x,
+                 ph[0] if residual is None else _as_shape3(residual, shape3),
+                 ph[1] if weight is None else weight.view(1, -1, cols),
+                 ph[2] if bias is None else bias.view(1, -1, cols),
+                 y.view(shape3), ph[3] if h is None else h.view(shape3),
+                 ph[4] if mean is None else mean.view(shape3[:2]), rstd.view(shape3[:2])]
+        with _on_device(self.device):
+            self.bound.launch(stream, *views, float(eps), float(offset))
+
+
+def _as_shape3(t: torch.Tensor, shape3) -> torch.Tensor:
+    try:
+        return t.view(shape3)
+    except RuntimeError:  # strides that do not fold like x's: the kernels read a copy
+        return t.reshape(shape3)
+
+
+def problem(spec: NormSpec, x: torch.Tensor, shape3, offsets: list[int],
+            dtypes: tuple[torch.dtype, ...]) -> Problem:
+    return Problem(op=spec.op, device_type=x.device.type, device_index=x.device.index,
+                   dtypes=tuple(DTYPE_NAMES.get(d, str(d)) for d in dtypes),
+                   rows=shape3[0], heads=shape3[1], cols=shape3[2],
+                   per_head_weight=spec.per_head, max_offset=max(offsets),
+                   allow_experimental=experimental_enabled())
+
+
+def shape3_of(spec: NormSpec, x: torch.Tensor) -> tuple[tuple[int, int, int], bool, list[int]]:
+    """(the (rows, heads, cols) shape of x, whether the kernels read a copy, the largest
+    offset of the view they read)."""
+    view = kernel_view(x, spec.dims, spec.per_head)
+    if view is None:
+        cols = math.prod(x.shape[x.dim() - spec.dims:])
+        heads = x.shape[-2] if spec.per_head else 1
+        shape3 = (x.numel() // (heads * cols) if cols and heads else 0, heads, cols)
+        return shape3, True, x.numel() - 1
+    return view[0], False, max_offset(*view)
+
+
+def build_forward(spec: NormSpec, x, weight, bias, residual, out_dtype, residual_dtype
+                  ) -> ForwardCall:
+    """The prepared forward for these (already checked) operands."""
+    shape3, copy_x, x_offset = shape3_of(spec, x)
+    offsets = [x_offset]
+    copy_residual = False
+    r_view = None
+    if residual is not None:
+        r_view = kernel_view(residual, spec.dims, spec.per_head)
+        copy_residual = r_view is None
+        offsets.append(residual.numel() - 1 if copy_residual else max_offset(*r_view))
+    dtypes = tuple(t.dtype for t in (x, weight, bias, residual) if t is not None)
+    dtypes += tuple(d for d in (out_dtype, residual_dtype) if d is not None)
+    decision = dispatch.decide(problem(spec, x, shape3, offsets, dtypes))
+    features = NormFeatures(layer_norm=spec.layer_norm, has_weight=weight is not None,
+                            per_head_weight=spec.per_head, has_bias=bias is not None,
+                            has_residual=residual is not None)
+    stat_shape = x.shape[:x.dim() - spec.dims]
+    call = ForwardCall(spec=spec, decision=decision, features=features,
+                       out_dtype=out_dtype or x.dtype, h_dtype=residual_dtype,
+                       out_shape=x.shape, stat_shape=stat_shape, device=x.device,
+                       shape3=shape3, copy_x=copy_x, copy_residual=copy_residual)
+    if not decision.uses_kernel:
+        return call
+    call.bound = cutile.bind_forward(decision.forward, features)
+    heads, cols = shape3[1], shape3[2]
+    layouts = {"x": _layout(x.dtype, shape3, None if copy_x else kernel_view(
+        x, spec.dims, spec.per_head)[1]),
+               "y": _layout(call.out_dtype, shape3),
+               "rstd": _layout(torch.float32, shape3[:2])}
+    if residual is not None:
+        layouts["residual"] = _layout(residual.dtype, shape3,
+                                      None if copy_residual else r_view[1])
+        layouts["residual_out"] = _layout(residual_dtype, shape3)
+    if spec.layer_norm:
+        layouts["mean"] = _layout(torch.float32, shape3[:2])
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None:
+            layouts[name] = _param_layout(p, heads if spec.per_head else 1, cols)
+    call.launch = _launch_or_none(call.bound, layouts, x.device, decision.device.arch)
+    return call
+
+
+def _launch_or_none(bound, layouts, device, arch):
+    launcher = _driver_launch(bound, layouts, device, arch)
+    return None if launcher is None else launcher.launch
+
+
+# --- backward ------------------------------------------------------------------------------
+
+
+@dataclass
+class BackwardCall:
+    """A backward with one operand layout: the cuTile kernels (with the CuTe DSL kernel where
+    the decision allows it for aligned operands), or the reference path."""
+
+    spec: NormSpec
+    decision: Decision
+    features: NormFeatures
+    x_dtype: torch.dtype
+    residual_dtype: torch.dtype | None
+    device: torch.device
+    shape3: tuple[int, int, int] = (0, 0, 0)
+    copy: tuple[bool, bool, bool] = (False, False, False)  # dy, h, dres_in
+    plan: RowNormPlan | None = None
+    cute: CuteBackwardPlan | None = None
+    row_kernel: cutile.BoundKernel | None = None
+    launch_first: object = None
+    launch_row: object = None
+    reduce: cutile.BoundKernel | None = None
+    launch_reduce: object = None
+    groups: int = 0
+    partial_shape: tuple[int, int, int] = (0, 0, 0)
+    split: bool = False
+    cute_reduce: object = None
+
+    def run(self, dy, dres_in, h, weight, bias, mean, rstd, offset: float):
+        """(dx, dres, dweight, dbias): dres (the residual's gradient) is dx itself when the
+        residual has x's dtype, None without a residual."""
+        if not self.decision.uses_kernel:
+            dx, dh, dweight, dbias = reference.norm_backward(
+                dy, dres_in, h, weight, bias, mean, rstd, offset=offset, x_dtype=self.x_dtype,
+                dims=self.spec.dims)
+            dres = None if self.residual_dtype is None else dh.to(self.residual_dtype)
+            return dx, dres, dweight, dbias
+        dev = self.device
+        if self.cute is not None and not (h.data_ptr() | dy.data_ptr()) & 15:
+            return self._run_cute(dy, h, weight, bias, mean, rstd)
+        dx = torch.empty(h.shape, dtype=self.x_dtype, device=dev)
+        dres = torch.empty(h.shape, dtype=self.residual_dtype, device=dev) \
+            if self.split else None
+        dweight = None if weight is None else torch.empty(weight.shape, dtype=weight.dtype,
+                                                          device=dev)
+        dbias = None if bias is None else torch.empty(bias.shape, dtype=bias.dtype, device=dev)
+        partial = torch.empty(self.partial_shape, dtype=torch.float32, device=dev) \
+            if self.groups else None
+        copy_dy, copy_h, copy_dres = self.copy
+        dys = dy.reshape(self.shape3) if copy_dy else dy
+        hs = h.reshape(self.shape3) if copy_h else h
+        dreses = dres_in.reshape(self.shape3) if copy_dres and dres_in is not None else dres_in
+        stream = torch._C._cuda_getCurrentRawStream(dev.index)
+        self._launch(stream, dys, hs, weight, mean, rstd, dreses, dx, dres, partial, dweight,
+                     dbias, offset)
+        if self.residual_dtype is not None and not self.split:
+            dres = dx
+        return dx, dres, dweight, dbias
+
+    def _launch(self, stream, dy, h, weight, mean, rstd, dres_in, dx, dres, partial, dweight,
+                dbias, offset):
+        row_sums = None
+        if self.row_kernel.first is not None:
+            row_sums = torch.empty(self.shape3[:2] + self.row_kernel.workspace,
+                                   dtype=torch.float32, device=self.device)
+        head_bytes = self.shape3[1] * self.shape3[2] * 4 if self.spec.per_head else \
+            self.shape3[2] * 4
+        p_w = p_b = None
+        if partial is not None:
+            base = partial.data_ptr()
+            p_w = base if dweight is not None else None
+            p_b = (base + head_bytes if dweight is not None else base) \
+                if dbias is not None else None
+        common = [dy.data_ptr(), h.data_ptr()]
+        if weight is not None:
+            common.append(weight.data_ptr())
+        if mean is not None:
+            common.append(mean.data_ptr())
+        common.append(rstd.data_ptr())
+        launched = True
+        if row_sums is not None:
+            launched = self.launch_first is not None and self.launch_first(
+                stream, *common, row_sums.data_ptr(), offset)
+        row = common + ([row_sums.data_ptr()] if row_sums is not None else [])
+        if dres_in is not None:
+            row.append(dres_in.data_ptr())
+        row.append(dx.data_ptr())
+        if dres is not None:
+            row.append(dres.data_ptr())
+        row += [p for p in (p_w, p_b) if p is not None]
+        launched = launched and self.launch_row is not None and self.launch_row(
+            stream, *row, offset)
+        if not launched:
+            self._launch_through_cutile(stream, dy, h, weight, mean, rstd, dres_in, dx, dres,
+                                        partial, dweight, dbias, offset)
+        elif partial is not None:
+            outs = [t.data_ptr() for t in (dweight, dbias) if t is not None]
+            if not self.launch_reduce(stream, partial.data_ptr(), *outs):
+                self._reduce_through_cutile(stream, partial, dweight, dbias)
+
+    def _launch_through_cutile(self, stream, dy, h, weight, mean, rstd, dres_in, dx, dres,
+                               partial, dweight, dbias, offset):
+        """cuTile's own launches on views, for storage that is not 16-byte aligned."""
+        shape3, ph = self.shape3, placeholders(self.device)
+        stat = shape3[:2]
+        weight3 = ph[1] if weight is None else weight.view(1, -1, shape3[2])
+        mean2 = ph[4] if mean is None else mean.view(stat)
+        dy3, h3 = _as_shape3(dy, shape3), _as_shape3(h, shape3)
+        partial_w = partial_b = partial
+        if partial is not None and dweight is not None and dbias is not None:
+            heads = partial.shape[1] // 2
+            partial_w, partial_b = partial[:, :heads], partial[:, heads:]
+        stats = (rstd.view(stat),)
+        kernel = self.row_kernel
+        with _on_device(self.device):
+            if kernel.first is not None:
+                row_sums = torch.empty(stat + kernel.workspace, dtype=torch.float32,
+                                       device=self.device)
+                kernel.first.launch(stream, dy3, h3, weight3, mean2, stats[0], row_sums,
+                                    float(offset))
+                stats = (stats[0], row_sums)
+            kernel.launch(stream, dy3, h3, weight3, mean2, *stats,
+                          ph[0] if dres_in is None else _as_shape3(dres_in, shape3),
+                          dx.view(shape3), ph[3] if dres is None else dres.view(shape3),
+                          ph[5] if dweight is None else partial_w,
+                          ph[6] if dbias is None else partial_b, float(offset))
+        if partial is not None:
+            self._reduce_through_cutile(stream, partial, dweight, dbias)
+
+    def _reduce_through_cutile(self, stream, partial, dweight, dbias):
+        outs = [t.view(-1) for t in (dweight, dbias) if t is not None]
+        slots, rows, cols = partial.shape
+        flat = partial.view(slots, self.groups, rows // self.groups * cols)
+        with _on_device(self.device):
+            self.reduce.launch(stream, flat, outs[0],
+                               outs[-1] if self.groups == 2 else placeholders(self.device)[7])
+
+    def _run_cute(self, dy, h, weight, bias, mean, rstd):
+        """The CuTe DSL backward on (rows, cols) views; its partial buffer is reduced by
+        cuTile's fixed-order kernel."""
+        from tilenorm.launch import cute
+
+        rows, cols = self.cute.rows, self.cute.cols
+        dev = self.device
+        dx = torch.empty(h.shape, dtype=h.dtype, device=dev)
+        dweight = None if weight is None else torch.empty(weight.shape, dtype=weight.dtype,
+                                                          device=dev)
+        dbias = None if bias is None else torch.empty(bias.shape, dtype=bias.dtype, device=dev)
+        partial = torch.empty((self.cute.partial_rows, self.groups, cols),
+                              dtype=torch.float32, device=dev) if self.groups else None
+        key = cute.BackwardKey.of(self.cute, DTYPE_NAMES[h.dtype],
+                                  None if weight is None else DTYPE_NAMES[weight.dtype],
+                                  bias is not None, mean is not None)
+        fn = cute.compiled_backward(key)
+        with _on_device(dev):
+            fn(h.view(rows, cols), dy.view(rows, cols),
+               None if weight is None else _aligned(weight),
+               None if mean is None else mean.reshape(rows), rstd.reshape(rows),
+               dx.view(rows, cols), partial, self.cute.grid)
+            if partial is not None:
+                stream = torch._C._cuda_getCurrentRawStream(dev.index)
+                outs = [t.data_ptr() for t in (dweight, dbias) if t is not None]
+                if not self.cute_reduce(stream, partial.data_ptr(), *outs):
+                    self._reduce_through_cutile(stream, partial, dweight, dbias)
+        return dx, None, dweight, dbias
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with contiguous, 16-byte aligned storage (a copy only when it is not)."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
+                   x_dtype: torch.dtype, residual_dtype: torch.dtype | None) -> BackwardCall:
+    """The prepared backward over the normalized input ``h`` (x, or the residual stream of a
+    fused residual add) for these (already checked) operands."""
+    shape3, copy_h, h_offset = shape3_of(spec, h)
+    views = [kernel_view(t, spec.dims, spec.per_head) if t is not None else None
+             for t in (dy, dres_in)]
+    copy = (views[0] is None, copy_h, dres_in is not None and views[1] is None)
+    offsets = [h_offset] + [t.numel() - 1 if v is None else max_offset(*v)
+                            for t, v in zip((dy, dres_in), views, strict=True) if t is not None]
+    dtypes = tuple(t.dtype for t in (h, weight, bias) if t is not None)
+    # The forward's decision: its problem is h's (x, or the residual stream).
+    decision = dispatch.decide(problem(spec, h, shape3, [h_offset], dtypes))
+    features = NormFeatures(layer_norm=spec.layer_norm, has_weight=weight is not None,
+                            per_head_weight=spec.per_head, has_bias=bias is not None,
+                            has_offset=offset != 0)
+    split = residual_dtype is not None and residual_dtype != x_dtype
+    call = BackwardCall(spec=spec, decision=decision, features=features, x_dtype=x_dtype,
+                        residual_dtype=residual_dtype, device=h.device, shape3=shape3,
+                        copy=copy, split=split)
+    if not decision.uses_kernel:
+        return call
+    groups = (weight is not None) + (bias is not None)
+    call.groups = groups
+    dense = not any(copy) and h.is_contiguous() and dy.is_contiguous()
+    facts = dict(has_residual=residual_dtype is not None, has_dres_in=dres_in is not None,
+                 has_offset=offset != 0, same_dtypes=x_dtype == h.dtype == dy.dtype,
+                 max_offset=max(offsets))
+    chosen = dispatch.backward_kernel(decision, BackwardFacts(dense_aligned=dense, **facts))
+    # Unaligned storage is known only per call: the plan for it is the one without the CuTe
+    # DSL kernel.
+    plan = dispatch.backward_kernel(decision, BackwardFacts(dense_aligned=False, **facts))
+    arch = decision.device.arch
+    if isinstance(chosen, CuteBackwardPlan):
+        call.cute = chosen
+        if groups:
+            reduce = cutile.bind_reduce(decision.backward, groups)
+            call.cute_reduce = _launch_or_none(reduce, {
+                "partial": ArrayLayout("float32", (chosen.partial_rows, groups, shape3[2]),
+                                       contiguous_strides((chosen.partial_rows, groups,
+                                                           shape3[2]))),
+                **_reduce_outputs(weight, bias)}, h.device, arch)
+    call.plan = plan
+    call.partial_shape = cutile.partial_shape(plan, groups)
+    call.row_kernel = cutile.bind_backward(plan, features, dres_in is not None, split)
+    heads, cols = shape3[1], shape3[2]
+    layouts = {"dy": _layout(dy.dtype, shape3, None if copy[0] else views[0][1]),
+               "h": _layout(h.dtype, shape3, None if copy_h else kernel_view(
+                   h, spec.dims, spec.per_head)[1]),
+               "rstd": _layout(torch.float32, shape3[:2]),
+               "dx": _layout(x_dtype, shape3)}
+    if weight is not None:
+        layouts["weight"] = _param_layout(weight, heads if spec.per_head else 1, cols)
+    if spec.layer_norm:
+        layouts["mean"] = _layout(torch.float32, shape3[:2])
+    if dres_in is not None:
+        layouts["dres_in"] = _layout(dres_in.dtype, shape3, None if copy[2] else views[1][1])
+    if split:
+        layouts["dres"] = _layout(residual_dtype, shape3)
+    slots, rows, pcols = call.partial_shape
+    partial_layout = ArrayLayout("float32", (slots, rows // max(groups, 1), pcols),
+                                 (rows * pcols, pcols, 1))
+    if weight is not None:
+        layouts["partial_w"] = partial_layout
+    if bias is not None:
+        layouts["partial_b"] = partial_layout
+    first = call.row_kernel.first
+    if first is not None:
+        layouts["row_sums"] = _layout(torch.float32, shape3[:2] + call.row_kernel.workspace)
+        call.launch_first = _launch_or_none(first, layouts, h.device, arch)
+    call.launch_row = _launch_or_none(call.row_kernel, layouts, h.device, arch)
+    if groups:
+        call.reduce = cutile.bind_reduce(plan, groups)
+        call.launch_reduce = _launch_or_none(call.reduce, {
+            "partial": ArrayLayout("float32", (slots, groups, rows // groups * pcols),
+                                   contiguous_strides((slots, groups, rows // groups * pcols))),
+            **_reduce_outputs(weight, bias)}, h.device, arch)
+    return call
+
+
+def forward_call(spec: NormSpec, x, weight, bias, residual, out_dtype, residual_dtype
+                 ) -> ForwardCall:
+    """The prepared forward for these operands' layout (operands checked by the caller)."""
+    key = ("forward", spec, meta(x), meta(weight), meta(bias), meta(residual), out_dtype,
+           residual_dtype, experimental_enabled())
+    return cached(key, lambda: build_forward(spec, x, weight, bias, residual, out_dtype,
+                                             residual_dtype))
+
+
+def backward_call(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
+                  x_dtype: torch.dtype, residual_dtype: torch.dtype | None) -> BackwardCall:
+    """The prepared backward for these operands' layout (operands checked by the caller)."""
+    key = ("backward", spec, meta(dy), meta(dres_in), meta(h), meta(weight), meta(bias),
+           offset != 0, x_dtype, residual_dtype, experimental_enabled())
+    return cached(key, lambda: build_backward(spec, dy, dres_in, h, weight, bias, offset,
+                                              x_dtype, residual_dtype))
+
+
+def _reduce_outputs(weight, bias) -> dict:
+    outs = [t for t in (weight, bias) if t is not None]
+    return {name: ArrayLayout(DTYPE_NAMES[t.dtype], (t.numel(),), (1,))
+            for name, t in zip(("out_a", "out_b"), outs, strict=False)}
+

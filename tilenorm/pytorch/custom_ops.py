@@ -1,0 +1,101 @@
+"""The ``torch.library`` custom ops: what ``torch.compile`` and ``torch.export`` see.
+
+``tilenorm::norm_fwd`` and ``tilenorm::norm_bwd`` have fake implementations and registered
+autograd, so a compiled graph holds them without a break (``fullgraph=True``, dynamic shapes,
+CUDA graphs); inside, they run the same prepared calls as eager mode, which pick kernel or
+reference at run time. Eager calls do not come here: the dispatcher costs ~8 us a call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tilenorm.pytorch import checks, reference
+from tilenorm.pytorch.calls import NormSpec, backward_call, forward_call
+
+
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=like.dtype, device=like.device)
+
+
+def _spec(layer_norm: bool, dims: int, per_head: bool) -> NormSpec:
+    return NormSpec("layer_norm" if layer_norm else "rms_norm", layer_norm, dims, per_head)
+
+
+@torch.library.custom_op("tilenorm::norm_fwd", mutates_args=())
+def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+             residual: torch.Tensor | None, eps: float, offset: float, layer_norm: bool,
+             dims: int, per_head: bool, out_dtype: torch.dtype | None,
+             residual_dtype: torch.dtype | None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, h, mean, rstd); h is empty without a residual and mean empty for RMSNorm. Under
+    ``torch.compile`` eps and offset may have been symbolic when traced: they are checked
+    here, where they are numbers."""
+    spec = _spec(layer_norm, dims, per_head)
+    checks.check_eps(spec.op, eps)
+    checks.check_offset(spec.op, offset, weight)
+    call = forward_call(spec, x, weight, bias, residual, out_dtype, residual_dtype)
+    y, h, mean, rstd = call.run(x, weight, bias, residual, eps, offset)
+    return (y, _empty(x) if residual is None else h, _empty(rstd) if mean is None else mean,
+            rstd)
+
+
+@norm_fwd.register_fake
+def _(x, weight, bias, residual, eps, offset, layer_norm, dims, per_head, out_dtype,
+      residual_dtype):
+    acc = reference.compute_dtype(x.dtype)
+    rstd = torch.empty(x.shape[:x.dim() - dims], dtype=acc, device=x.device)
+    mean = torch.empty_like(rstd) if layer_norm else rstd.new_empty(0)
+    h = x.new_empty(0) if residual is None else torch.empty(
+        x.shape, dtype=residual_dtype or residual.dtype, device=x.device)
+    return torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device), h, mean, rstd
+
+
+@torch.library.custom_op("tilenorm::norm_bwd", mutates_args=())
+def norm_bwd(dy: torch.Tensor, dres_in: torch.Tensor | None, h: torch.Tensor,
+             weight: torch.Tensor | None, bias: torch.Tensor | None,
+             mean: torch.Tensor | None, rstd: torch.Tensor, offset: float, dims: int,
+             per_head: bool, x_dtype: torch.dtype, residual_dtype: torch.dtype | None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dres, dweight, dbias); absent ones are empty tensors."""
+    spec = _spec(mean is not None, dims, per_head)
+    call = backward_call(spec, dy, dres_in, h, weight, bias, offset, x_dtype, residual_dtype)
+    dx, dres, dweight, dbias = call.run(dy, dres_in, h, weight, bias, mean, rstd, offset)
+    if dres is dx:
+        dres = dx.clone()  # custom-op outputs may not alias each other
+    return (dx, _empty(dx) if dres is None else dres,
+            _empty(dx) if dweight is None else dweight, _empty(dx) if dbias is None else dbias)
+
+
+@norm_bwd.register_fake
+def _(dy, dres_in, h, weight, bias, mean, rstd, offset, dims, per_head, x_dtype,
+      residual_dtype):
+    def like(p):  # a fresh tensor each: outputs must not alias
+        return h.new_empty(0, dtype=x_dtype) if p is None else torch.empty_like(p)
+
+    return (torch.empty(h.shape, dtype=x_dtype, device=h.device),
+            like(None) if residual_dtype is None else torch.empty(
+                h.shape, dtype=residual_dtype, device=h.device),
+            like(weight), like(bias))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, residual, _eps, offset, layer_norm, dims, per_head, _out, _res = inputs
+    _, h, mean, rstd = output
+    ctx.save_for_backward(x if residual is None else h, weight, bias,
+                          mean if layer_norm else None, rstd)
+    ctx.offset, ctx.x_dtype, ctx.dims, ctx.per_head = offset, x.dtype, dims, per_head
+    ctx.residual_dtype = None if residual is None else residual.dtype
+
+
+def _backward(ctx, dy, dh, _dmean, _drstd):
+    h, weight, bias, mean, rstd = ctx.saved_tensors
+    has_residual = ctx.residual_dtype is not None
+    dx, dres, dweight, dbias = torch.ops.tilenorm.norm_bwd(
+        dy, dh if has_residual else None, h, weight, bias, mean, rstd, ctx.offset, ctx.dims,
+        ctx.per_head, ctx.x_dtype, ctx.residual_dtype)
+    return (dx, dweight if weight is not None else None, dbias if bias is not None else None,
+            dres if has_residual else None, None, None, None, None, None, None, None)
+
+
+norm_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,108 @@
+"""Measured launch settings of the row-norm kernels, per GPU architecture.
+
+Every number here was chosen by a measurement on an H200 (sm_90) that ``bench/NOTES.md``
+records; :mod:`tilenorm.planner` turns them into launch plans. They are part of what a GPU
+validation record pins (:mod:`tilenorm.validation`): a change here changes what the kernels
+are launched with, so it needs a GPU run before the kernels count as stable again.
+
+Architectures without settings of their own (Blackwell, sm_100/sm_120) take Hopper's until
+they are measured there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: (widest tile_cols, occupancy, worker warps, persistent): the first entry whose width
+#: reaches a single-pass tile's applies.
+Hint = tuple[int, int, "int | None", bool]
+
+
+@dataclass(frozen=True, eq=False)
+class RowNormSettings:
+    """One architecture's settings. Compared and hashed by identity: plans are cached per
+    settings object. Per-direction tables are keyed ``[direction][op]``."""
+
+    #: The widest row, in bytes of x, kept whole in one tile; wider rows are walked in chunks.
+    #: LayerNorm holds more per element (the centered row, dbias) and spills sooner (#16).
+    max_single_pass_bytes: dict = field(default_factory=lambda: {
+        "forward": {"rms_norm": 65536, "layer_norm": 32768},
+        "backward": {"rms_norm": 32768, "layer_norm": 16384},
+    })
+    #: (rows, cols) of the tile for rows wider than the single-pass limit. The forward walks a
+    #: row in chunks of it, twice (the second pass reads the row back from L2). The backward
+    #: is column split: a program owns one column block of a strided set of rows, so every SM
+    #: streams however few rows there are (#35: 1.8 -> 2.5 TB/s at 4096 x 32768).
+    chunk_tile: dict = field(default_factory=lambda: {"forward": (1, 4096),
+                                                      "backward": (1, 4096)})
+    #: Narrower rows are padded to this many columns: 16 bf16 elements are one 32-byte sector.
+    min_tile_cols: int = 16
+    #: Elements per single-pass (rows, heads, cols) tile: narrow rows are packed up to this.
+    tile_elements: dict = field(default_factory=lambda: {"forward": 8192, "backward": 4096})
+    #: Single-pass hints (:data:`Hint`) per direction and op. Occupancy is the resident
+    #: programs per SM the kernel is compiled for; worker warps its num_worker_warps hint
+    #: (None: the compiler's choice). Occupancy 1 with 8 warps gives each thread twice the
+    #: registers: the widest tiles stop spilling (#13). A forward that is not persistent gives
+    #: every row tile its own program: for narrow rows, four 16 KB tiles in flight per SM beat
+    #: a loop over tiles (#15). The backward is always persistent: its partial buffer has a
+    #: row per program; 8 warps lift its 4096-element tiles from 512 columns up (LayerNorm's
+    #: only at 4096), but slow the narrowest ones where the data sits in L2 (#17). Split rows
+    #: look up their span, the sum of their two pieces: 5120 and 6144 have entries (#29).
+    single_pass_hints: dict = field(default_factory=lambda: {
+        "forward": {
+            "rms_norm": ((2048, 4, None, False), (4096, 2, 8, True), (6144, 4, 4, True),
+                         (8192, 2, None, True), (32768, 1, 8, True)),
+            "layer_norm": ((2048, 4, None, False), (4096, 2, 8, True), (8192, 2, None, True),
+                           (32768, 1, 8, True))},
+        "backward": {
+            "rms_norm": ((256, 2, None, True), (4096, 2, 8, True), (5120, 2, None, True),
+                         (6144, 2, 8, True), (16384, 1, 8, True)),
+            "layer_norm": ((2048, 2, None, True), (4096, 2, 8, True), (6144, 2, None, True),
+                           (16384, 1, 8, True))},
+    })
+    #: Tiles of several heads look here first: a program per tile measured slower (#15).
+    multi_head_hints: dict = field(default_factory=lambda: {
+        "forward": ((2048, 1, 8, True),), "backward": ()})
+    #: (occupancy, worker warps) of the chunked forward and the column-split backward.
+    chunked_hints: dict = field(default_factory=lambda: {"forward": (2, None),
+                                                         "backward": (2, None)})
+    #: Single-pass rows at most ``split_max_fill`` of their power-of-two tile (5120 of 8192)
+    #: are split into two power-of-two pieces (4096 + 1024) instead of padded, from this
+    #: padded width on, per direction and op. An op absent is never split: the split
+    #: LayerNorm forward lost to the padded one at 3000, 5120 and 6144, and so did the RMSNorm
+    #: forward at 3000 (#29).
+    min_split_tile_cols: dict = field(default_factory=lambda: {
+        "forward": {"rms_norm": 8192},
+        "backward": {"rms_norm": 2048, "layer_norm": 2048}})
+    #: (numerator, denominator): a row is split when it fills at most this fraction of its
+    #: padded power-of-two tile; the second piece is the power of two covering the rest (#32).
+    split_max_fill: tuple[int, int] = (3, 4)
+    #: Tile of the fixed-order dgamma reduction over the partial buffer (#20).
+    reduce_tile: tuple[int, int] = (64, 64)
+    #: From this compute capability on, the dgamma/dbeta reduction is launched as a
+    #: programmatic dependent of the backward kernel, and so are the row kernels whose rows
+    #: are a whole number of 16-element groups, up to a width: with a ragged row tileiras 13.4
+    #: builds a different pipeline around the grid-dependency instructions, and the backward
+    #: at N = 1000 never finished on an H200 (#25, #27); wider rows gain nothing and the
+    #: backward loses 5% at 16384, 27% at 131072 (#30).
+    dependent_launch_arch: tuple[int, int] = (9, 0)
+    dependent_launch_cols_multiple: int = 16
+    dependent_launch_max_cols: int = 8192
+    #: Backwards the CuTe DSL kernel runs instead of cuTile's, per op and row width:
+    #: (threads, stages, CTAs per SM). Each thread holds ``stages`` rows of its 16-byte
+    #: vectors, so the next rows' loads are in flight while a row is reduced, which a cuTile
+    #: loop cannot do: LayerNorm at 32768 x 4096 on an H200, 90.0% -> 98.2% of copy bandwidth
+    #: for the row kernel (#38). Widths absent here were not measured to gain.
+    cute_backward: dict = field(default_factory=lambda: {"layer_norm": {4096: (256, 2, 2)}})
+    #: Element sizes the CuTe backward takes: bf16 and fp16, eight to a 16-byte vector.
+    cute_backward_itemsizes: tuple[int, ...] = (2,)
+
+
+#: Hopper (H100, H200): every setting above was measured on an H200.
+SM90 = RowNormSettings()
+
+
+def settings_for(arch: tuple[int, int]) -> RowNormSettings:
+    """The settings for compute capability ``arch``: Hopper's for every architecture until
+    another one is measured."""
+    return SM90
