@@ -24,7 +24,13 @@ class NormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh=None):
         h, weight, bias, mean, rstd = ctx.saved_tensors
-        bwd = backward_call(ctx.call.spec, dy, dh, h, weight, bias, ctx.offset, ctx.x_dtype,
-                            ctx.residual_dtype)
+        call = ctx.call
+        # The saved operands' layouts are the forward call's: only the gradients' can vary.
+        key = (dy.shape, dy.stride(), dy.dtype, None if dh is None else (dh.stride(), dh.dtype),
+               ctx.offset != 0)
+        bwd = call.backward_calls.get(key)
+        if bwd is None:
+            bwd = call.backward_calls[key] = backward_call(
+                call.spec, dy, dh, h, weight, bias, ctx.offset, ctx.x_dtype, ctx.residual_dtype)
         dx, dres, dweight, dbias = bwd.run(dy, dh, h, weight, bias, mean, rstd, ctx.offset)
         return None, dx, dweight, dbias, dres, None, None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -179,6 +179,10 @@ class ForwardCall:
     copy_residual: bool = False
     bound: cutile.BoundKernel | None = None
     launch: object = None
+    #: y is allocated like x (x dense and contiguous, y in x's dtype): the cheapest allocation.
+    y_like_x: bool = False
+    #: The backward calls of this forward's saved operands, by the gradients' layouts.
+    backward_calls: dict = field(default_factory=dict)
 
     def run(self, x, weight, bias, residual, eps: float, offset: float):
         """(y, h, mean, rstd); h is x without a residual, mean None for RMSNorm; mean and
@@ -189,7 +193,8 @@ class ForwardCall:
                                           residual_dtype=self.h_dtype, out_dtype=self.out_dtype,
                                           dims=self.spec.dims)
         dev = self.device
-        y = torch.empty(self.out_shape, dtype=self.out_dtype, device=dev)
+        y = torch.empty_like(x) if self.y_like_x else torch.empty(
+            self.out_shape, dtype=self.out_dtype, device=dev)
         rstd = torch.empty(self.stat_shape, dtype=torch.float32, device=dev)
         mean = (torch.empty(self.stat_shape, dtype=torch.float32, device=dev)
                 if self.features.layer_norm else None)
@@ -277,11 +282,12 @@ def build_forward(spec: NormSpec, x, weight, bias, residual, out_dtype, residual
     features = NormFeatures(layer_norm=spec.layer_norm, has_weight=weight is not None,
                             per_head_weight=spec.per_head, has_bias=bias is not None,
                             has_residual=residual is not None)
-    stat_shape = x.shape[:x.dim() - spec.dims]
+    stat_shape = tuple(x.shape[:x.dim() - spec.dims])
     call = ForwardCall(spec=spec, decision=decision, features=features,
                        out_dtype=out_dtype or x.dtype, h_dtype=residual_dtype,
-                       out_shape=x.shape, stat_shape=stat_shape, device=x.device,
-                       shape3=shape3, copy_x=copy_x, copy_residual=copy_residual)
+                       out_shape=tuple(x.shape), stat_shape=stat_shape, device=x.device,
+                       shape3=shape3, copy_x=copy_x, copy_residual=copy_residual,
+                       y_like_x=x.is_contiguous() and (out_dtype or x.dtype) == x.dtype)
     if not decision.uses_kernel:
         return call
     call.bound = cutile.bind_forward(decision.forward, features)
@@ -335,6 +341,8 @@ class BackwardCall:
     partial_shape: tuple[int, int, int] = (0, 0, 0)
     split: bool = False
     cute_reduce: object = None
+    #: dx is allocated like h (h contiguous, dx in h's dtype): the cheapest allocation.
+    dx_like_h: bool = False
 
     def run(self, dy, dres_in, h, weight, bias, mean, rstd, offset: float):
         """(dx, dres, dweight, dbias): dres (the residual's gradient) is dx itself when the
@@ -348,7 +356,8 @@ class BackwardCall:
         dev = self.device
         if self.cute is not None and not (h.data_ptr() | dy.data_ptr()) & 15:
             return self._run_cute(dy, h, weight, bias, mean, rstd)
-        dx = torch.empty(h.shape, dtype=self.x_dtype, device=dev)
+        dx = torch.empty_like(h) if self.dx_like_h else torch.empty(
+            h.shape, dtype=self.x_dtype, device=dev)
         dres = torch.empty(h.shape, dtype=self.residual_dtype, device=dev) \
             if self.split else None
         dweight = None if weight is None else torch.empty(weight.shape, dtype=weight.dtype,
@@ -501,7 +510,8 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
     split = residual_dtype is not None and residual_dtype != x_dtype
     call = BackwardCall(spec=spec, decision=decision, features=features, x_dtype=x_dtype,
                         residual_dtype=residual_dtype, device=h.device, shape3=shape3,
-                        copy=copy, split=split)
+                        copy=copy, split=split,
+                        dx_like_h=h.is_contiguous() and h.dtype == x_dtype)
     if not decision.uses_kernel:
         return call
     groups = (weight is not None) + (bias is not None)

@@ -1,0 +1,102 @@
+"""torch.compile in every mode and torch.export, over a model built of tilenorm modules and
+ops: forward and backward equal to eager, for row counts that change between calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilenorm
+from tilenorm.testing import fresh_generator, rel_error
+
+gpu = pytest.mark.gpu
+
+
+class Block(torch.nn.Module):
+    """RMSNorm module, a fused residual add, per-head QK-norm and a LayerNorm module."""
+
+    def __init__(self, n=64, heads=4, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.norm = tilenorm.RMSNorm(n, eps=1e-6, **kw)
+        self.post = tilenorm.RMSNorm(n, **kw)  # eps=None: torch's rule
+        self.q_norm = torch.nn.Parameter(torch.rand(heads, n // heads, **kw) + 0.5)
+        self.proj = torch.nn.Linear(n, n, **kw)
+        self.out = tilenorm.LayerNorm(n, **kw)
+        self.heads = heads
+
+    def forward(self, x, residual):
+        y = self.norm(x)
+        y, h = tilenorm.rms_norm(self.proj(y), self.post.weight, None, residual=residual,
+                                 prenorm=True)
+        q = y.unflatten(-1, (self.heads, -1))
+        q = tilenorm.rms_norm(q, self.q_norm, per_head=True).flatten(-2)
+        return self.out(q) + h
+
+
+def _run(model, batch, g, device, dtype):
+    x = torch.randn(batch, 7, 64, generator=g, device=device).to(dtype).requires_grad_()
+    r = torch.randn(batch, 7, 64, generator=g, device=device).to(dtype).requires_grad_()
+    out = model(x, r)
+    out.backward(torch.randn(out.shape, generator=g, device=device).to(dtype))
+    return out, x, r
+
+
+def check_compiled_matches_eager(device, dtype, tol, **compile_kw):
+    g, seed = fresh_generator(device)
+    model = Block(device=device, dtype=dtype)
+    compiled = torch.compile(model, fullgraph=True, **compile_kw)
+    for batch in (3, 5, 11):
+        state = g.get_state()
+        out, x, r = _run(compiled, batch, g, device, dtype)
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        g.set_state(state)
+        ref, x_ref, r_ref = _run(model, batch, g, device, dtype)
+        for got, want in ((out, ref), (x.grad, x_ref.grad), (r.grad, r_ref.grad),
+                          *zip(grads, [p.grad for p in model.parameters()], strict=True)):
+            assert rel_error(got, want) <= tol, (batch, seed)
+        model.zero_grad()
+
+
+@pytest.mark.parametrize("dynamic", [True, None])
+def test_fullgraph_compile_on_cpu_for_changing_row_counts(dynamic):
+    check_compiled_matches_eager("cpu", torch.float32, 1e-5, dynamic=dynamic)
+
+
+def test_max_autotune_on_cpu():
+    check_compiled_matches_eager("cpu", torch.float32, 1e-5, dynamic=True,
+                                 mode="max-autotune-no-cudagraphs")
+
+
+def test_export_keeps_the_custom_ops_and_runs():
+    g, _ = fresh_generator()
+    model = Block()
+    x, r = torch.randn(4, 7, 64, generator=g), torch.randn(4, 7, 64, generator=g)
+    batch = torch.export.Dim("batch")
+    program = torch.export.export(model, (x, r), dynamic_shapes=({0: batch}, {0: batch}))
+    ops = [n.target for n in program.graph.nodes if "tilenorm" in str(n.target)]
+    assert len(ops) == 4, ops
+    for rows in (4, 9):
+        x, r = torch.randn(rows, 7, 64, generator=g), torch.randn(rows, 7, 64, generator=g)
+        torch.testing.assert_close(program.module()(x, r), model(x, r))
+
+
+def test_compiled_call_still_rejects_bad_eps():
+    """Under torch.compile eps may be symbolic when traced: the custom op checks it."""
+    x = torch.randn(4, 64)
+    for eps in (-1.0, float("nan")):
+        with pytest.raises((ValueError, RuntimeError), match="eps"):
+            torch.compile(lambda x, e: tilenorm.rms_norm(x, eps=e), fullgraph=True,
+                          dynamic=True)(x, eps)
+        torch._dynamo.reset()
+
+
+@gpu
+@pytest.mark.parametrize("mode,dynamic", [(None, True), ("reduce-overhead", None),
+                                          ("max-autotune", None), ("max-autotune", True)])
+def test_compile_modes_on_gpu_run_the_kernels(mode, dynamic):
+    with tilenorm.experimental():
+        x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
+        assert tilenorm.explain(x).uses_kernel
+        check_compiled_matches_eager("cuda", torch.bfloat16, 1e-2, mode=mode, dynamic=dynamic)
