@@ -29,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common  # noqa: E402
-from tilenorm import reference  # noqa: E402
+from tilenorm.pytorch import reference  # noqa: E402
 
 EPS = 1e-6
 HEADS = 32
@@ -82,20 +82,6 @@ def bytes_moved(p: Problem) -> tuple[int, int]:
     if p.op == "rms_norm_residual":  # fwd: x, r -> y, h; bwd: dy, dh, h -> dx (= dresidual)
         return 4 * mn + params + stats, 4 * mn + 2 * params + stats
     return 2 * mn + params + stats, 3 * mn + 2 * params + stats
-
-
-def float64_outputs(p: Problem, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, dx) in float64 for the first rows, through autograd of the reference."""
-    x = p.x[rows].double().requires_grad_()
-    r = None if p.r is None else p.r[rows].double()
-    y, h = reference.norm(x, p.w.double(), None if p.b is None else p.b.double(), _eps(p),
-                          layer_norm=p.op == "layer_norm", offset=p.offset, residual=r)
-    outs, grads = [y], [p.dy[rows].double()]
-    if p.dh is not None:
-        outs.append(h)
-        grads.append(p.dh[rows].double())
-    torch.autograd.backward(outs, grads)
-    return y.detach(), x.grad
 
 
 def _eps(p: Problem) -> float:
@@ -292,10 +278,11 @@ def measure(op: str, name: str, m: int, n: int, dtype: torch.dtype, modes: list[
     p = make_problem(op, m, n, dtype)
     prepared = PROVIDERS[name](p)
     y, dx = prepared.outputs()
-    rows = slice(0, min(m, max(1, (1 << 22) // n)))
-    y64, dx64 = float64_outputs(p, rows)
-    fwd_err = common.rel_error(y[rows], y64)
-    bwd_err = None if dx is None else common.rel_error(dx[rows], dx64)
+    # float64 (tilenorm.testing) on the first rows: y, and dx (= dresidual) through h.
+    err = common.float64_errors(
+        {"y": y, "dx": dx}, p.x, p.w, p.b, _eps(p), layer_norm=op == "layer_norm",
+        offset=p.offset, residual=p.r, dy=p.dy, dh=p.dh, rows=slice(0, max(1, (1 << 22) // n)))
+    fwd_err, bwd_err = err["y"], err.get("dx")
     del y, dx
     fwd_bytes, bwd_bytes = bytes_moved(p)
     return common.timed_rows(prepared, fwd_bytes, bwd_bytes, modes, {

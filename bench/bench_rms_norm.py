@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common  # noqa: E402
-from tilenorm import reference  # noqa: E402
+from tilenorm.pytorch import reference  # noqa: E402
 
 SWEEP_N = [128, 256, 512, 1024, 2048, 4096, 5120, 7168, 8192, 16384, 32768, 65536, 131072]
 LATENCY_SHAPES = [(32768, 128), (4096, 4096)]
@@ -210,13 +210,6 @@ def bytes_moved(m: int, n: int, itemsize: int, w_itemsize: int) -> tuple[int, in
     return fwd, bwd
 
 
-def float64_reference(x, w, dy):
-    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
-    y = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + EPS) * w64
-    dx, dw = torch.autograd.grad(y, (x64, w64), dy.double())
-    return y.detach(), dx, dw
-
-
 def measure(provider: Provider, m: int, n: int, dtype: torch.dtype, modes: list[str]
             ) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(m * 131 + n)
@@ -225,14 +218,11 @@ def measure(provider: Provider, m: int, n: int, dtype: torch.dtype, modes: list[
     w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(dtype)
     prepared = provider.prepare(x, w, dy)
     y, dx, dw = prepared.outputs()
-    ref_rows = slice(0, min(m, max(1, (1 << 24) // n)))  # a float64 check of the first rows
-    y64, dx64, _ = float64_reference(x[ref_rows], w, dy[ref_rows])
-    fwd_err = common.rel_error(y[ref_rows], y64)
-    bwd_err = common.rel_error(dx[ref_rows], dx64)
-    dw64 = (dy.double() * x.double() * torch.rsqrt(
-        x.double().square().mean(-1, keepdim=True) + EPS)).sum(0) if m * n <= 1 << 28 else None
-    if dw64 is not None:
-        bwd_err = max(bwd_err, common.rel_error(dw, dw64))
+    # y and dx on the first rows, dweight over every row: float64 (tilenorm.testing).
+    err = common.float64_errors({"y": y, "dx": dx, "dweight": dw}, x, w, eps=EPS, dy=dy,
+                                rows=slice(0, max(1, (1 << 24) // n)))
+    fwd_err = err["y"]
+    bwd_err = max(err["dx"], err["dweight"])
     del y, dx, dw
     fwd_bytes, bwd_bytes = bytes_moved(m, n, x.element_size(), w.element_size())
     return common.timed_rows(prepared, fwd_bytes, bwd_bytes, modes, {

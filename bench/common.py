@@ -1,4 +1,6 @@
-"""Helpers shared by the per-op benchmarks: the package's timers, errors, result records."""
+"""Helpers shared by the benchmarks: the package's timers, the float64 check
+(:mod:`tilenorm.testing`, the one reference of tests, bench and ``python -m tilenorm``),
+result records, and kernel launches at launch level for the planner tools."""
 
 from __future__ import annotations
 
@@ -13,10 +15,11 @@ from pathlib import Path
 import torch
 
 from tilenorm.benchmark import copy_gbps, eager_ms, graph_ms, host_us
+from tilenorm.testing import RelError, float64_norm, rel_error, row_blocks
 
-__all__ = ["Prepared", "add_run_args", "copy_gbps", "device_slug", "eager_ms", "git_commit",
-           "graph_ms", "host_us", "new_record", "parse_shapes", "print_table", "rel_error",
-           "timed_rows", "write_record"]
+__all__ = ["Prepared", "add_run_args", "copy_gbps", "device_slug", "eager_ms", "float64_errors",
+           "git_commit", "graph_ms", "host_us", "kernel_launcher", "new_record", "parse_shapes",
+           "print_table", "rel_error", "timed_rows", "write_record"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -49,8 +52,78 @@ def timed_rows(prepared: Prepared, fwd_bytes: int, bwd_bytes: int, modes: list[s
     return rows
 
 
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref).norm() / ref.norm()).item()
+def float64_errors(outs: dict[str, torch.Tensor | None], x: torch.Tensor,
+                   weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                   eps: float = 1e-6, *, layer_norm: bool = False, offset: float = 0.0,
+                   residual: torch.Tensor | None = None, dy: torch.Tensor | None = None,
+                   dh: torch.Tensor | None = None, rows: slice | None = None
+                   ) -> dict[str, float]:
+    """Relative errors (:func:`tilenorm.testing.rel_error`) of ``outs`` against
+    :func:`tilenorm.testing.float64_norm` of the same arguments, by the reference's field
+    names (``y``, ``h``, ``dx``, ``dresidual``, ``dweight``, ``dbias``; None values are
+    skipped). Rows (x's first dimension) are walked in blocks
+    (:func:`tilenorm.testing.row_blocks`) so that large problems fit in float64; ``rows``
+    limits the check to those rows, except for ``dweight`` and ``dbias``, which sum over
+    every row."""
+    outs = {k: v for k, v in outs.items() if v is not None}
+    m = x.shape[0]
+    per_row = {k: RelError() for k in outs if k not in ("dweight", "dbias")}
+    sums = {k: 0 for k in outs if k in ("dweight", "dbias")}
+    limit = range(m)[rows] if rows is not None else range(m)
+    for block in row_blocks(m, x[:1].numel()):
+        need_rows = bool(per_row) and (block.start < limit.stop and block.stop > limit.start)
+        if not (need_rows or sums):
+            continue
+
+        def part(t, block=block):
+            return None if t is None else t[block]
+
+        ref = float64_norm(x[block], weight, bias, eps, layer_norm=layer_norm, offset=offset,
+                           residual=part(residual), dy=part(dy), dh=part(dh))
+        if need_rows:
+            lo, hi = max(block.start, limit.start), min(block.stop, limit.stop)
+            sub = slice(lo - block.start, hi - block.start)
+            for name, err in per_row.items():
+                err.add(outs[name][lo:hi], getattr(ref, name)[sub])
+        for name in sums:
+            sums[name] = sums[name] + getattr(ref, name)
+        del ref
+    errors = {name: err.value for name, err in per_row.items()}
+    errors.update({name: rel_error(outs[name], total) for name, total in sums.items()})
+    return errors
+
+
+def kernel_launcher(bound, arrays: dict[str, torch.Tensor | None]) -> Callable[..., None]:
+    """``bound`` (a :class:`tilenorm.launch.cutile.BoundKernel`) ready to launch as the ops
+    launch it: compiled for the layouts of ``arrays`` (by the kernel's array names; absent or
+    None ones get placeholders) and called from their raw pointers through
+    :class:`tilenorm.launch.driver.DriverLaunch`. The returned function takes the runtime
+    scalars and launches on the current stream (read per call, so that graph capture
+    records it)."""
+    from tilenorm.device import device_info
+    from tilenorm.launch.driver import ArrayLayout, DriverLaunch
+    from tilenorm.pytorch.calls import DTYPE_NAMES, placeholders
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    ph = placeholders(device)
+    layouts, fixed, pointers = [], {}, []
+    for i, name in enumerate(bound.arrays):
+        t = arrays.get(name)
+        if t is None:
+            layouts.append(ArrayLayout("float32", (1,), (1,)))
+            fixed[i] = ph[i % len(ph)].data_ptr()
+        else:
+            layouts.append(ArrayLayout(DTYPE_NAMES[t.dtype], tuple(t.shape), t.stride()))
+            pointers.append(t.data_ptr())
+    launcher = DriverLaunch(bound, tuple(layouts), device_info(device.index).arch,
+                            fixed_arrays=fixed)
+
+    def launch(*scalars: float) -> None:
+        stream = torch.cuda.current_stream().cuda_stream
+        if not launcher.launch(stream, *pointers, *scalars):
+            raise RuntimeError(f"{bound.name}: operands not 16-byte aligned")
+
+    return launch
 
 
 def git_commit() -> str:

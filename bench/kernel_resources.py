@@ -1,7 +1,8 @@
 """Registers, spills and shared memory of every kernel configuration the planner chooses, read
 off the cubins on a machine without a GPU (bench/NOTES.md, #13). The kernels are exported ahead
-of time with the constraints cuTile derives at run time for contiguous tensors, so the code is
-the code that runs; ``cuobjdump`` (pip: nvidia-cuda-cuobjdump) reads the resource usage.
+of time (:mod:`tilenorm.launch.aot`) with the signature the ops' lean launch compiles for
+contiguous tensors, so the code is the code that runs; ``cuobjdump`` reads the resource usage
+and the SASS (pip: nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm).
 
     python bench/kernel_resources.py [--gpu-code sm_90] [--ops rms,layer_norm]
 """
@@ -9,6 +10,7 @@ the code that runs; ``cuobjdump`` (pip: nvidia-cuda-cuobjdump) reads the resourc
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -18,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tilenorm.cutile import export  # noqa: E402
+from tilenorm.launch import aot  # noqa: E402
 
 
 def cuobjdump() -> str:
@@ -27,19 +29,27 @@ def cuobjdump() -> str:
         return found
     try:
         import nvidia.cu13
-    except ImportError as e:
-        raise SystemExit("cuobjdump not found: pip install nvidia-cuda-cuobjdump") from e
-    return str(Path(nvidia.cu13.__path__[0]) / "bin" / "cuobjdump")
+
+        tool = Path(nvidia.cu13.__path__[0]) / "bin" / "cuobjdump"
+    except ImportError:
+        tool = None
+    if tool is None or not tool.exists():
+        raise SystemExit("cuobjdump not found: pip install nvidia-cuda-cuobjdump "
+                         "nvidia-cuda-nvdisasm")
+    return str(tool)
 
 
-def resources(job: export.ExportJob, gpu_code: str, tool: str) -> dict:
+def resources(job: aot.ExportJob, gpu_code: str, tool: str) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(export.export(job, gpu_code))
+        f.write(aot.export(job, gpu_code))
         f.flush()
+        # cuobjdump -sass runs nvdisasm, found on PATH: the wheels put it beside cuobjdump.
+        env = {**os.environ, "PATH": os.pathsep.join([str(Path(tool).parent),
+                                                      os.environ.get("PATH", "")])}
         usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
+                               check=True, env=env).stdout
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
+                              check=True, env=env).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", usage)
     return {"registers": int(m[1]), "stack": int(m[2]), "shared": int(m[3]),
             "spill_stores": len(re.findall(r"\bSTL\b", sass)),
@@ -55,9 +65,9 @@ def main() -> None:
     print(f"{'kernel':>44} {'hints':>18} {'regs':>5} {'stack':>6} {'smem':>7} {'STL/LDL':>8}")
     for direction in ("forward", "backward"):
         for name in args.ops.split(","):
-            v = export.OP_VARIANTS[name]
-            for plan in export.plans(direction, export.op_of(v)):
-                for job in export.plan_jobs(plan, v):
+            v = aot.OP_VARIANTS[name]
+            for plan in aot.plans(direction, aot.op_of(v)):
+                for job in aot.plan_jobs(plan, v):
                     r = resources(job, args.gpu_code, tool)
                     hints = f"occ {plan.occupancy}, warps {plan.worker_warps or '-'}"
                     flag = "  SPILLS" if r["stack"] else ""

@@ -1,21 +1,30 @@
 """Planner experiments for the norm kernels: GB/s, error and rerun repeatability of each
 variant on each case, and (``--host``) the host time of the launch-level functions. Results
-feed bench/NOTES.md; the winners become planner defaults.
+feed bench/NOTES.md; the winners become settings in ``tilenorm/settings.py``.
 
-A variant is a JSON object of planner module settings to override (lists for tuples),
-e.g. ``{"SINGLE_PASS_HINTS": {"forward": {"rms_norm": [[2048, 4, null, false], [32768, 1, 8,
-true]], "layer_norm": [[32768, 1, 8, true]]}, "backward": {...}}}`` or ``{"TILE_ELEMENTS":
-{"forward": 16384, "backward": 4096}}``: the planner derives grids and partial buffers as it
-does for users. A case is ``op:N`` or ``op:N:M`` with op one of rms, layer_norm, offset,
-residual, per_head (32 heads of N / 32); M defaults to making x 256 MiB.
+A variant is a JSON object of :class:`tilenorm.settings.RowNormSettings` fields to replace in
+the architecture's settings (``SM90``; lists for tuples; the old upper-case planner names such
+as ``SINGLE_PASS_HINTS`` are accepted too, so recorded variants rerun), e.g.
+``{"single_pass_hints": {"forward": {"rms_norm": [[2048, 4, null, false], [32768, 1, 8,
+true]], "layer_norm": [[32768, 1, 8, true]]}, "backward": {...}}}`` or ``{"tile_elements":
+{"forward": 16384, "backward": 4096}}``: the planner derives grids and partial buffers from
+them as it does for users (``plan_row_norm(..., settings=variant)``). A case is ``op:N`` or
+``op:N:M`` with op one of rms, layer_norm, offset, residual, per_head (32 heads of N / 32,
+one weight shared by the heads); M defaults to making x 256 MiB.
+
+The kernels are the cuTile ones (forward; backward with its dgamma/dbeta reduction), bound
+to the plans and launched from raw pointers as the ops launch them; the CuTe DSL backward,
+which the ops take for some LayerNorm widths, is not in this tool. Every output is checked
+against the float64 reference of :mod:`tilenorm.testing`, every row of it.
 
     python bench/tune_norm.py --cases rms:4096,layer_norm:4096 \\
-        --variants '[{}, {"CHUNKED_HINTS": {"forward": [2, null], "backward": [1, 8]}}]'
+        --variants '[{}, {"chunked_hints": {"forward": [2, null], "backward": [1, 8]}}]'
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Iterator
@@ -25,11 +34,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tilenorm import planner, reference  # noqa: E402
+from bench import common  # noqa: E402
+from tilenorm import planner  # noqa: E402
 from tilenorm.benchmark import graph_ms, host_us  # noqa: E402
-from tilenorm.cutile import norm as kernels  # noqa: E402
-from tilenorm.cutile.norm import NormFeatures  # noqa: E402
 from tilenorm.device import device_info  # noqa: E402
+from tilenorm.launch import cutile  # noqa: E402
+from tilenorm.launch.cutile import NormFeatures  # noqa: E402
+from tilenorm.settings import SM90, RowNormSettings  # noqa: E402
 
 DEFAULT_CASES = "rms:128,rms:1024,rms:4096,rms:8192,rms:16384,rms:65536"
 FEATURES = {
@@ -40,31 +51,31 @@ FEATURES = {
     "per_head": NormFeatures(),
 }
 X_BYTES = 256 << 20
+EPS = 1e-6
 
 
 def _tuples(value):
-    """JSON lists as the tuples the planner's settings are."""
+    """JSON values as the settings hold them: lists as tuples, digit keys as ints (widths)."""
     if isinstance(value, list):
         return tuple(_tuples(v) for v in value)
     if isinstance(value, dict):
-        return {k: _tuples(v) for k, v in value.items()}
+        return {int(k) if isinstance(k, str) and k.isdigit() else k: _tuples(v)
+                for k, v in value.items()}
     return value
 
 
-def with_overrides(overrides: dict) -> dict:
-    """Set planner module settings; returns the previous values."""
-    saved = {k: getattr(planner, k) for k in overrides}
-    for key, value in overrides.items():
-        setattr(planner, key, _tuples(value))
-    planner.plan_row_norm.cache_clear()
-    return saved
+def variant_settings(variant: dict, base: RowNormSettings = SM90) -> RowNormSettings:
+    """``base`` with the fields ``variant`` names replaced."""
+    fields = {f.name for f in dataclasses.fields(RowNormSettings)}
+    changes = {key.lower(): _tuples(value) for key, value in variant.items()}
+    unknown = sorted(set(changes) - fields)
+    if unknown:
+        raise SystemExit(f"unknown settings {unknown}; RowNormSettings has {sorted(fields)}")
+    return dataclasses.replace(base, **changes)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def measure_case(info, op: str, n: int, m: int | None = None) -> dict:
+def measure_case(info, settings: RowNormSettings, op: str, n: int, m: int | None = None
+                 ) -> dict:
     heads = 32 if op == "per_head" else 1
     cols = n // heads
     m = m or X_BYTES // (2 * n)
@@ -81,7 +92,7 @@ def measure_case(info, op: str, n: int, m: int | None = None) -> dict:
     kind = "layer_norm" if f.layer_norm else "rms_norm"
     fwd, bwd = (planner.plan_row_norm(m, cols, heads=heads, itemsize=2,
                                       sm_count=info.sm_count, arch=info.arch, direction=d,
-                                      op=kind)
+                                      op=kind, settings=settings)
                 for d in ("forward", "backward"))
     y, dx = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
     h = torch.full_like(x, float("nan")) if f.has_residual else x
@@ -89,28 +100,41 @@ def measure_case(info, op: str, n: int, m: int | None = None) -> dict:
     rstd = torch.empty(m, heads, device="cuda")
     dw = torch.empty_like(w)
     db = torch.empty_like(w) if f.has_bias else None
-    partial = kernels.partial_buffer(bwd, dw, db)
+    groups = 1 + f.has_bias
+    partial = torch.empty(cutile.partial_shape(bwd, groups), device="cuda")
+    slots, prows, pcols = partial.shape
+    row_kernel = cutile.bind_backward(bwd, f, f.has_residual, False)
+    operands = dict(dy=dy, h=h, weight=w, mean=mean, rstd=rstd, dres_in=dres_in, dx=dx,
+                    partial_w=partial[:, :prows // groups],
+                    partial_b=partial[:, prows // groups:] if f.has_bias else None)
+    launch_first = None
+    if row_kernel.first is not None:  # a column-split backward's row sums
+        operands["row_sums"] = torch.empty((m, heads) + row_kernel.workspace, device="cuda")
+        launch_first = common.kernel_launcher(row_kernel.first, operands)
+    launch_fwd = common.kernel_launcher(cutile.bind_forward(fwd, f), dict(
+        x=x, residual=r, weight=w, bias=b, y=y, residual_out=h if f.has_residual else None,
+        mean=mean, rstd=rstd))
+    launch_row = common.kernel_launcher(row_kernel, operands)
+    launch_reduce = common.kernel_launcher(cutile.bind_reduce(bwd, groups), dict(
+        partial=partial.view(slots, groups, prows // groups * pcols), out_a=dw.view(-1),
+        out_b=None if db is None else db.view(-1)))
 
     def forward():
-        kernels.forward(fwd, f, x=x, weight=w, bias=b, residual=r, y=y,
-                        residual_out=h if f.has_residual else None, mean=mean, rstd=rstd,
-                        eps=1e-6, offset=offset)
+        launch_fwd(EPS, offset)
 
     def backward():
-        kernels.backward(bwd, f, dy=dy, h=h, weight=w, mean=mean, rstd=rstd, dres_in=dres_in,
-                         dx=dx, dres=None, partial=partial, dweight=dw, dbias=db,
-                         offset=offset)
+        if launch_first is not None:
+            launch_first(offset)
+        launch_row(offset)
+        launch_reduce()
 
     forward()
     backward()
-    ref_y, ref_h, ref_mean, ref_rstd = reference.norm_forward(
-        x, w.view(-1), None if b is None else b.view(-1), 1e-6, layer_norm=f.layer_norm,
-        offset=offset, residual=r)
-    ref_dx, _, ref_dw, _ = reference.norm_backward(
-        dy, dres_in, ref_h, w.view(-1), None, ref_mean, ref_rstd, offset=offset)
-    errors = {"fwd_err": _rel(y, ref_y), "bwd_err": _rel(dx, ref_dx),
-              "dw_err": _rel(dw.view(-1), ref_dw)}
-    del ref_y, ref_h, ref_mean, ref_rstd, ref_dx
+    err = common.float64_errors(
+        {"y": y, "dx": dx, "dweight": dw.view(-1)}, x, w.view(-1),
+        None if b is None else b.view(-1), EPS, layer_norm=f.layer_norm, offset=offset,
+        residual=r, dy=dy, dh=dres_in)
+    errors = {"fwd_err": err["y"], "bwd_err": err["dx"], "dw_err": err["dweight"]}
     arrays = x.numel() * 2
     fwd_bytes = arrays * (4 if f.has_residual else 2)
     bwd_bytes = arrays * (4 if f.has_residual else 3)
@@ -138,43 +162,47 @@ def _time_once(key, fn) -> float:
 
 def run_variant(variant: dict, cases: list[tuple]) -> Iterator[dict]:
     """Each case's row under ``variant``, as soon as it is measured."""
-    saved = with_overrides(variant)
+    settings = variant_settings(variant)
     info = device_info(torch.cuda.current_device())
-    try:
-        for case in cases:
-            yield {"variant": variant, **measure_case(info, *case)}
-    finally:
-        with_overrides(saved)
+    for case in cases:
+        yield {"variant": variant, **measure_case(info, settings, *case)}
+        torch.cuda.empty_cache()
 
 
 def host_breakdown(calls: int = 3000) -> dict:
-    """Microseconds per call of the public launch-level functions on a tiny shape."""
+    """Microseconds per call of the public launch-level functions on a tiny shape (the
+    maintained host benchmark, beside every peer, is bench/bench_host.py)."""
     import tilenorm
 
     x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
-    w = torch.ones(1024, device="cuda", dtype=torch.bfloat16)
-    _, h, rstd = tilenorm.rms_norm_forward(x, w, 1e-6)
+    dy = torch.randn_like(x)
+    w = (1 + 0.5 * torch.randn(1024, device="cuda")).to(torch.bfloat16)
+    _, h, rstd = tilenorm.rms_norm_forward(x, w, EPS)
     steps = {
         "empty_like": lambda: torch.empty_like(x),
-        "rms_norm_forward": lambda: tilenorm.rms_norm_forward(x, w, 1e-6),
-        "rms_norm_backward": lambda: tilenorm.rms_norm_backward(x, h, w, rstd),
-        "rms_norm (autograd off)": lambda: tilenorm.rms_norm(x, w, 1e-6),
+        "rms_norm_forward": lambda: tilenorm.rms_norm_forward(x, w, EPS),
+        "rms_norm_backward": lambda: tilenorm.rms_norm_backward(dy, h, w, rstd),
+        "rms_norm (autograd off)": lambda: tilenorm.rms_norm(x, w, EPS),
     }
     return {name: host_us(fn, calls) for name, fn in steps.items()}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", default="[{}]", help="JSON list of variants")
     parser.add_argument("--cases", default=DEFAULT_CASES)
     parser.add_argument("--host", action="store_true", help="also time the host path")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     cases = [(op, *map(int, sizes)) for op, *sizes in (c.split(":") for c in args.cases.split(","))]
-    results = {"host_us": host_breakdown() if args.host else {}, "rows": []}
+    variants = json.loads(args.variants)
+    for variant in variants:  # a typo fails now, not after the first variant's cases
+        variant_settings(variant)
+    results = {"device": torch.cuda.get_device_name(), "commit": common.git_commit(),
+               "host_us": host_breakdown() if args.host else {}, "rows": []}
     for name, us in results["host_us"].items():
         print(f"host {name:>24}: {us:6.2f} us")
-    for variant in json.loads(args.variants):
+    for variant in variants:
         for row in run_variant(variant, cases):
             results["rows"].append(row)
             changed = row["changed_on_rerun"]

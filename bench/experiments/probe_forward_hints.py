@@ -2,7 +2,10 @@
 load ``latency``, TMA on or off for loads and stores, ``num_worker_warps`` and occupancy.
 Prints one JSON line per variant with GB/s and the error against fp32 torch per shape.
 
-    python bench/probe_forward_hints.py [max variants]
+    python bench/experiments/probe_forward_hints.py [max variants]
+
+One-off (added at ebef680): its kernel is its own, not tilenorm's, so it still runs as it
+did; the result is NOTES #9, its lead (TMA-free stores) #10.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 import cuda.tile as ct
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tilenorm.benchmark import graph_ms  # noqa: E402
 

@@ -4,9 +4,13 @@ compare processes in the same state (torch.empty_like is printed as the yardstic
 lands in a fast or a slow state).
 
     for i in 1 2 3 4 5 6; do
-      PYTHONPATH=/old/tree taskset -c 3 python3 bench/host_overhead_ab.py old
-      PYTHONPATH=$PWD taskset -c 3 python3 bench/host_overhead_ab.py new
+      PYTHONPATH=/old/tree taskset -c 3 python3 bench/experiments/host_overhead_ab.py old
+      PYTHONPATH=$PWD taskset -c 3 python3 bench/experiments/host_overhead_ab.py new
     done
+
+One-off A/B (added at 94cabc9) on the public launch-level API only, so it runs against any
+tree that has it (NOTES #21, #26; records bench/results/host-ab-*.json). The maintained host
+benchmark, every provider in one process, is bench/bench_host.py.
 """
 
 from __future__ import annotations

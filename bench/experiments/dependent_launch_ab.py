@@ -1,11 +1,13 @@
 """Programmatic dependent launch as planned against ordinary launches, on the same inputs in
-one process: CUDA-graph kernel time of the forward, the backward (with its dgamma/dbeta
-reduction) and the two back to back, and whether every mode gives bit-identical outputs.
-Modes: ``ordinary`` (no kernel waits on its predecessor; the grid-dependency instructions are
+one process (bench/NOTES.md #27, #30): CUDA-graph kernel time of the forward, the backward
+(with its dgamma/dbeta reduction) and the two back to back, whether every mode gives
+bit-identical outputs, and dx's error against tilenorm.testing's float64 reference. Modes:
+``ordinary`` (no kernel waits on its predecessor; the grid-dependency instructions are
 compiled out), ``reduce`` (only the reduction is a dependent launch), ``planned`` (what the
-planner chooses: the row kernels too where their rows are whole 16-element groups).
+planner chooses: the row kernels too where their rows are whole 16-element groups, up to the
+settings' width). The cuTile kernels, launched from raw pointers as the ops launch them.
 
-    python bench/dependent_launch_ab.py [--cases rms:32768:128,layer_norm:32768:4096] [--out F]
+    python bench/experiments/dependent_launch_ab.py [--cases rms:32768:128,layer_norm:32768:4096]
 """
 
 from __future__ import annotations
@@ -18,18 +20,18 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tilenorm import planner, reference  # noqa: E402
+from bench import common  # noqa: E402
+from tilenorm import planner  # noqa: E402
 from tilenorm.benchmark import graph_ms  # noqa: E402
-from tilenorm.cutile import norm as kernels  # noqa: E402
-from tilenorm.cutile.norm import NormFeatures  # noqa: E402
 from tilenorm.device import device_info  # noqa: E402
+from tilenorm.launch import cutile  # noqa: E402
+from tilenorm.launch.cutile import NormFeatures  # noqa: E402
 
 DEFAULT_CASES = "rms:32768:128,rms:32768:4096,layer_norm:32768:4096,layer_norm:131072:1024"
-
-
 MODES = ("ordinary", "reduce", "planned")
+EPS = 1e-5
 
 
 def with_mode(plan: planner.RowNormPlan, mode: str) -> planner.RowNormPlan:
@@ -37,7 +39,7 @@ def with_mode(plan: planner.RowNormPlan, mode: str) -> planner.RowNormPlan:
                                dependent_reduce=plan.dependent_reduce and mode != "ordinary")
 
 
-def run_mode(plans, f, x, dy, w, b, ref_dx, mode: str) -> tuple[dict, list]:
+def run_mode(plans, f, x, dy, w, b, mode: str) -> tuple[dict, list]:
     """Times and outputs of one launch mode."""
     fwd, bwd = (with_mode(p, mode) for p in plans)
     m, ln = x.shape[0], f.layer_norm
@@ -46,15 +48,32 @@ def run_mode(plans, f, x, dy, w, b, ref_dx, mode: str) -> tuple[dict, list]:
     mean = torch.empty(m, 1, device="cuda") if ln else None
     rstd = torch.empty(m, 1, device="cuda")
     dw, db = torch.empty_like(w), (torch.empty_like(w) if ln else None)
-    partial = kernels.partial_buffer(bwd, dw, db)
+    groups = 1 + ln
+    partial = torch.empty(cutile.partial_shape(bwd, groups), device="cuda")
+    slots, prows, pcols = partial.shape
+    row_kernel = cutile.bind_backward(bwd, f, False, False)
+    operands = dict(dy=dy, h=x, weight=w, mean=mean, rstd=rstd, dx=dx,
+                    partial_w=partial[:, :prows // groups],
+                    partial_b=partial[:, prows // groups:] if ln else None)
+    first = None
+    if row_kernel.first is not None:
+        operands["row_sums"] = torch.empty((m, 1) + row_kernel.workspace, device="cuda")
+        first = common.kernel_launcher(row_kernel.first, operands)
+    launch_fwd = common.kernel_launcher(cutile.bind_forward(fwd, f), dict(
+        x=x, weight=w, bias=b, y=y, mean=mean, rstd=rstd))
+    launch_row = common.kernel_launcher(row_kernel, operands)
+    launch_reduce = common.kernel_launcher(cutile.bind_reduce(bwd, groups), dict(
+        partial=partial.view(slots, groups, prows // groups * pcols), out_a=dw.view(-1),
+        out_b=None if db is None else db.view(-1)))
 
     def forward():
-        kernels.forward(fwd, f, x=x, weight=w, bias=b, residual=None, y=y, residual_out=None,
-                        mean=mean, rstd=rstd, eps=1e-5)
+        launch_fwd(EPS, 0.0)
 
     def backward():
-        kernels.backward(bwd, f, dy=dy, h=x, weight=w, mean=mean, rstd=rstd, dres_in=None,
-                         dx=dx, dres=None, partial=partial, dweight=dw, dbias=db)
+        if first is not None:
+            first(0.0)
+        launch_row(0.0)
+        launch_reduce()
 
     def both():
         forward()
@@ -62,7 +81,8 @@ def run_mode(plans, f, x, dy, w, b, ref_dx, mode: str) -> tuple[dict, list]:
 
     both()
     torch.cuda.synchronize()
-    err = ((dx.double() - ref_dx).norm() / ref_dx.norm()).item()
+    err = common.float64_errors({"dx": dx}, x, w.view(-1), None if b is None else b.view(-1),
+                                EPS, layer_norm=ln, dy=dy)["dx"]
     times = {name: graph_ms(fn) * 1e3 for name, fn in
              (("fwd_us", forward), ("bwd_us", backward), ("fwd_bwd_us", both))}
     outputs = [t.clone() for t in (y, dx, dw) + (() if db is None else (db,))]
@@ -80,11 +100,7 @@ def measure(op: str, m: int, n: int) -> list[dict]:
     kind = "layer_norm" if ln else "rms_norm"
     plans = [planner.plan_row_norm(m, n, itemsize=2, sm_count=info.sm_count, arch=info.arch,
                                    direction=d, op=kind) for d in ("forward", "backward")]
-    _, _, ref_mean, ref_rstd = reference.norm_forward(
-        x, w.view(-1), None if b is None else b.view(-1), 1e-5, layer_norm=ln)
-    ref_dx, _, _, _ = reference.norm_backward(
-        dy, None, x, w.view(-1), None if b is None else b.view(-1), ref_mean, ref_rstd)
-    runs = [run_mode(plans, f, x, dy, w, b, ref_dx, mode) for mode in MODES]
+    runs = [run_mode(plans, f, x, dy, w, b, mode) for mode in MODES]
     base = runs[0][1]
     return [{"op": op, "M": m, "N": n, **row, "bit_identical_to_ordinary":
              all(torch.equal(a, c) for a, c in zip(base, out, strict=True))}
@@ -92,11 +108,11 @@ def measure(op: str, m: int, n: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default=DEFAULT_CASES)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    result = {"device": torch.cuda.get_device_name(), "rows": []}
+    result = {"device": torch.cuda.get_device_name(), "commit": common.git_commit(), "rows": []}
     for case in args.cases.split(","):
         op, m, n = case.split(":")
         for row in measure(op, int(m), int(n)):
