@@ -63,6 +63,21 @@ def test_signature_keeps_runtime_scalars_and_bakes_constants():
                      ).symbol.startswith("column_sums")
 
 
+def test_lean_launch_compiles_each_layout_once_on_the_cpu():
+    from tilenorm.launch.driver import compiled_cubin
+
+    forward, reduce = _bound_kernels()
+    x = ArrayLayout("bfloat16", (1000, 1, 1024), (1024, 1024, 1))
+    stat = ArrayLayout("float32", (1000, 1), (1, 1))
+    ph = ArrayLayout("float32", (1,), (1,))
+    layouts = (x, ph, ArrayLayout("bfloat16", (1, 1, 1024), (1024, 1024, 1)), ph, x, ph, ph,
+               stat)
+    symbol, cubin = compiled_cubin(forward, layouts, (9, 0))
+    assert cubin[:4] == b"\x7fELF" and symbol.encode() in cubin
+    assert compiled_cubin(forward, layouts, (9, 0))[1] is cubin, "compiled once"
+    assert compiled_cubin(forward, layouts, (10, 0))[1] != cubin
+
+
 # --- GPU ---------------------------------------------------------------------------------
 
 

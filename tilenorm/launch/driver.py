@@ -114,11 +114,28 @@ def signature(bound: BoundKernel, layouts: tuple[ArrayLayout, ...]) -> KernelSig
         fn.__name__)
 
 
-@functools.lru_cache(maxsize=1024)
-def _cubin(kernel: ct.kernel, sig: KernelSignature, gpu_code: str) -> bytes:
-    out = io.BytesIO()
-    export_kernel(kernel, [sig], out, gpu_code=gpu_code, output_format="cubin")
-    return out.getvalue()
+#: Cubins by (kernel, mangled symbol, GPU code): the symbol spells out every constraint of
+#: the signature, constants included. Bounded like the per-layout calls that hold them.
+_CUBINS: dict = {}
+MAX_CUBINS = 1024
+
+
+def compiled_cubin(bound: BoundKernel, layouts: tuple[ArrayLayout, ...],
+                   arch: tuple[int, int]) -> tuple[str, bytes]:
+    """(entry symbol, cubin) of ``bound`` for arrays of ``layouts`` on compute capability
+    ``arch``: cuTile's compiler with the kernel's own options and cuTile's disk cache. Runs
+    without a GPU."""
+    sig = signature(bound, layouts)
+    gpu_code = f"sm_{arch[0]}{arch[1]}"
+    key = (bound.kernel, sig.symbol, gpu_code)
+    cubin = _CUBINS.get(key)
+    if cubin is None:
+        out = io.BytesIO()
+        export_kernel(bound.kernel, [sig], out, gpu_code=gpu_code, output_format="cubin")
+        if len(_CUBINS) >= MAX_CUBINS:
+            _CUBINS.clear()
+        cubin = _CUBINS[key] = out.getvalue()
+    return sig.symbol, cubin
 
 
 class _LaunchAttribute(ctypes.Structure):
@@ -213,16 +230,14 @@ class DriverLaunch:
         if not all(layout.disjoint for layout in layouts):
             raise ValueError("overlapping arrays take cuTile's own launch")
         fixed_arrays, fixed_scalars = dict(fixed_arrays or {}), dict(fixed_scalars or {})
-        sig = signature(bound, layouts)
-        self.symbol = sig.symbol
-        self.cubin = _cubin(bound.kernel, sig, f"sm_{arch[0]}{arch[1]}")
+        self.symbol, self.cubin = compiled_cubin(bound, layouts, arch)
         cu, launch = _driver()
-        self.library, self.kernel = _kernel_handle(self.cubin, sig.symbol)
+        self.library, self.kernel = _kernel_handle(self.cubin, self.symbol)
         function = ctypes.c_void_p()  # loads it into the current context now, not mid-capture
         _check(cu.cuKernelGetFunction(ctypes.byref(function), self.kernel),
                "cuKernelGetFunction")
 
-        fields = _fields(sig, layouts)
+        fields = _fields(signature(bound, layouts), layouts)
         params_type = type("Params", (ctypes.Structure,),
                            {"_fields_": [(name, ty) for name, ty, _ in fields]})
         self.params = params = params_type()
@@ -232,7 +247,7 @@ class DriverLaunch:
                                            ctypes.byref(size)), "cuKernelGetParamInfo")
             if (offset.value, size.value) != (getattr(params_type, name).offset,
                                               ctypes.sizeof(ty)):
-                raise RuntimeError(f"{sig.symbol}: parameter {index} is at "
+                raise RuntimeError(f"{self.symbol}: parameter {index} is at "
                                    f"{offset.value}+{size.value} in the cubin, not where "
                                    f"cuTile's calling convention puts it")
         runtime, own = _scalars(bound)

@@ -267,7 +267,10 @@ def shape3_of(spec: NormSpec, x: torch.Tensor) -> tuple[tuple[int, int, int], bo
 
 def build_forward(spec: NormSpec, x, weight, bias, residual, out_dtype, residual_dtype
                   ) -> ForwardCall:
-    """The prepared forward for these (already checked) operands."""
+    """The prepared forward for these (already checked) operands; h is stored in
+    ``residual_dtype``, default the residual's dtype."""
+    if residual is not None and residual_dtype is None:
+        residual_dtype = residual.dtype
     shape3, copy_x, x_offset = shape3_of(spec, x)
     offsets = [x_offset]
     copy_residual = False

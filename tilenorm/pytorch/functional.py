@@ -134,8 +134,6 @@ def _prepare(op, x, weight, bias, residual, eps, offset, normalized_shape, per_h
     eps = checks.check_eps(op, default_eps(x.dtype) if eps is None else eps)
     offset = checks.check_offset(op, offset, weight)
     spec = NormSpec(op, op == LAYER_NORM, dims, per_head)
-    if residual is not None and residual_dtype is None:
-        residual_dtype = residual.dtype
     call = calls.build_forward(spec, x, weight, bias, residual, out_dtype, residual_dtype)
     return _Prepared(call, eps, offset, prenorm)
 
