@@ -101,12 +101,13 @@ def measure_case(info, settings: RowNormSettings, op: str, n: int, m: int | None
     dw = torch.empty_like(w)
     db = torch.empty_like(w) if f.has_bias else None
     groups = 1 + f.has_bias
-    partial = torch.empty(cutile.partial_shape(bwd, groups), device="cuda")
-    slots, prows, pcols = partial.shape
+    buffer = cutile.PartialBuffer.of(bwd, groups)
+    partial = torch.empty(buffer.shape, device="cuda")
     row_kernel = cutile.bind_backward(bwd, f, f.has_residual, False)
     operands = dict(dy=dy, h=h, weight=w, mean=mean, rstd=rstd, dres_in=dres_in, dx=dx,
-                    partial_w=partial[:, :prows // groups],
-                    partial_b=partial[:, prows // groups:] if f.has_bias else None)
+                    partial_w=partial.as_strided(*buffer.group(), 0),
+                    partial_b=partial.as_strided(*buffer.group(), buffer.group_size)
+                    if f.has_bias else None)
     launch_first = None
     if row_kernel.first is not None:  # a column-split backward's row sums
         operands["row_sums"] = torch.empty((m, heads) + row_kernel.workspace, device="cuda")
@@ -116,7 +117,7 @@ def measure_case(info, settings: RowNormSettings, op: str, n: int, m: int | None
         mean=mean, rstd=rstd))
     launch_row = common.kernel_launcher(row_kernel, operands)
     launch_reduce = common.kernel_launcher(cutile.bind_reduce(bwd, groups), dict(
-        partial=partial.view(slots, groups, prows // groups * pcols), out_a=dw.view(-1),
+        partial=partial.as_strided(*buffer.reduced()), out_a=dw.view(-1),
         out_b=None if db is None else db.view(-1)))
 
     def forward():

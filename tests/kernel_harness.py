@@ -75,23 +75,23 @@ def _run(fwd, bwd, f, x, w, b, r, dy, dh, eps, offset, out_dtype, res_dtype):
     db = poisoned(b.shape, b.dtype) if b is not None else None
     groups = (w is not None) + (b is not None)
     kernel = cutile.bind_backward(bwd, f, dh is not None, split)
-    partial = poisoned(cutile.partial_shape(bwd, groups), torch.float32) if groups else None
-    heads_w = partial.shape[1] // groups if groups else 0
+    buffer = cutile.PartialBuffer.of(bwd, groups)
+    partial = poisoned(buffer.shape, torch.float32) if groups else None
     operands = dict(dy=dy, h=h, weight=w3, mean=mean, rstd=rstd, dres_in=dh, dx=dx, dres=dres)
-    if w is not None:
-        operands["partial_w"] = partial[:, :heads_w]
-    if b is not None:
-        operands["partial_b"] = partial[:, heads_w * (w is not None):][:, :heads_w]
+    if groups:
+        parts = [partial.as_strided(*buffer.group(), g * buffer.group_size)
+                 for g in range(groups)]
+        operands.update(partial_w=parts[0] if w is not None else None,
+                        partial_b=parts[-1] if b is not None else None)
     if kernel.first is not None:
         operands["row_sums"] = torch.empty((m, heads) + kernel.workspace, dtype=torch.float32,
                                            device="cuda")
         launch(kernel.first, operands, offset)
     launch(kernel, operands, offset)
     if groups:
-        slots, rows, cols = partial.shape
         outs = [t.view(-1) for t in (dw, db) if t is not None]
         launch(cutile.bind_reduce(bwd, groups),
-               dict(partial=partial.view(slots, groups, rows // groups * cols), out_a=outs[0],
+               dict(partial=partial.as_strided(*buffer.reduced()), out_a=outs[0],
                     out_b=outs[1] if groups == 2 else None))
     outs = {"y": y, "h": h_out, "mean": mean, "rstd": rstd, "dx": dx, "dres": dres,
             "dweight": dw, "dbias": db}

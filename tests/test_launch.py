@@ -78,6 +78,21 @@ def test_lean_launch_compiles_each_layout_once_on_the_cpu():
     assert compiled_cubin(forward, layouts, (10, 0))[1] != cubin
 
 
+def test_a_weight_offset_is_compiled_into_the_forward_it_prepares():
+    """A nonzero offset must reach the kernel as HAS_OFFSET (else the kernel ignores it)."""
+    from tilenorm.pytorch import calls, functional
+    from tilenorm.pytorch.calls import NormSpec
+
+    x, w = torch.randn(4, 64), torch.randn(64)
+    spec = NormSpec("rms_norm", False)
+    assert calls.build_forward(spec, x, w, None, None, None, None, True).features.has_offset
+    assert not calls.forward_call(spec, x, w, None, None, None, None, False).features.has_offset
+    assert calls.forward_call(spec, x, w, None, None, None, None, True).features.has_offset
+    prepared = functional._prepared("rms_norm", x, w, None, None, 1e-6, 1.0, None, False,
+                                    False, None, None)
+    assert prepared.call.features.has_offset and prepared.offset == 1.0
+
+
 # --- GPU ---------------------------------------------------------------------------------
 
 

@@ -120,9 +120,9 @@ def plan_jobs(plan: RowNormPlan, v: Variant) -> Iterator[ExportJob]:
         layouts["dres_in"] = _dense(res, rows3)
     if split:
         layouts["dres"] = _dense(res, rows3)
-    # dgamma's and dbeta's partial sums lie side by side in one buffer (partial_shape).
-    slots, rows, cols = cutile.partial_shape(plan, max(1, f.has_weight + f.has_bias))
-    partial = ArrayLayout("float32", plan.partial_shape, (rows * cols, cols, 1))
+    # dgamma's and dbeta's partial sums lie side by side in one buffer (PartialBuffer).
+    partial = ArrayLayout("float32", *cutile.PartialBuffer.of(
+        plan, max(1, f.has_weight + f.has_bias)).group())
     if f.has_weight:
         layouts["partial_w"] = partial
     if f.has_bias:
@@ -192,12 +192,12 @@ def jobs() -> Iterator[ExportJob]:
             wide = [p for p in plans(direction, heads=2, per_head=per_head) if not p.single_pass]
             yield from plan_jobs(wide[0], Variant(f"rms 2 heads {label}", features, heads=2))
     plan = plans("backward")[0]
-    slots, heads, cols = plan.partial_shape
+    _, heads, cols = plan.partial_shape
     for groups in (1, 2):
         for w_name in ("bfloat16", "float16", "float32"):
             out = _dense(w_name, (heads * cols,))
-            layouts = {"partial": _dense("float32", (slots, groups, heads * cols)),
-                       "out_a": out}
+            layouts = {"partial": ArrayLayout(
+                "float32", *cutile.PartialBuffer.of(plan, groups).reduced()), "out_a": out}
             if groups == 2:
                 layouts["out_b"] = out
             yield _job(f"column_sums {groups} -> {w_name}", cutile.bind_reduce(plan, groups),

@@ -186,15 +186,49 @@ def bind_backward(plan: RowNormPlan, features: NormFeatures, has_dres_in: bool,
 
 def bind_reduce(plan: RowNormPlan, groups: int) -> BoundKernel:
     """The fixed-order reduction of ``groups`` (1: dgamma or dbeta, 2: both) partial sums;
-    runtime arguments ``(partial, out_a, out_b)``: the partial buffer
-    (:func:`partial_shape`) as (slots, groups, heads * cols), the outputs flat."""
+    runtime arguments ``(partial, out_a, out_b)``: the partial buffer as
+    :meth:`PartialBuffer.reduced` lays it out, the outputs flat."""
     return BoundKernel(column_sums, column_sums._pyfunc, ARRAYS[column_sums._pyfunc],
                        (plan.reduce_grid, groups, 1),
                        plan.reduce_tile + (plan.dependent_reduce,), plan.dependent_reduce, 32)
 
 
-def partial_shape(plan: RowNormPlan, groups: int) -> tuple[int, int, int]:
-    """(slots, groups * heads, cols): dgamma's and dbeta's partial sums side by side, each the
-    backward kernel's (slots, heads, cols) partial operand."""
-    slots, heads, cols = plan.partial_shape
-    return slots, groups * heads, cols
+@dataclass(frozen=True)
+class PartialBuffer:
+    """The backward's fp32 partial buffer: dgamma's and dbeta's per-program sums side by side
+    in one allocation of :attr:`shape`, (slots, groups, group size). Each group is the row
+    kernel's (slots, heads, cols) operand and starts on a 16-byte boundary (its size rounded
+    up to 4 elements), so every operand's base is aligned whatever the width."""
+
+    slots: int
+    groups: int
+    heads: int
+    cols: int
+
+    @classmethod
+    def of(cls, plan: RowNormPlan, groups: int) -> PartialBuffer:
+        slots, heads, cols = plan.partial_shape
+        return cls(slots, groups, heads, cols)
+
+    @property
+    def group_size(self) -> int:
+        return -(-self.heads * self.cols // 4) * 4
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.slots, self.groups, self.group_size
+
+    def group(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(shape, strides) of one group as the row kernel's partial operand."""
+        return ((self.slots, self.heads, self.cols),
+                (self.groups * self.group_size, self.cols, 1))
+
+    def group_offset(self, index: int) -> int:
+        """Bytes from the buffer's base to group ``index``."""
+        return index * self.group_size * 4
+
+    def reduced(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(shape, strides) of the buffer as the reduction reads it: (slots, groups,
+        heads * cols)."""
+        return ((self.slots, self.groups, self.heads * self.cols),
+                (self.groups * self.group_size, self.group_size, 1))

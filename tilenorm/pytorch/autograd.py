@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import torch
 
-from tilenorm.pytorch.calls import ForwardCall, backward_call
+from tilenorm.pytorch.calls import backward_call
 
 
 class NormFunction(torch.autograd.Function):
     """Returns y, or (y, h) with a fused residual add."""
 
     @staticmethod
-    def forward(ctx, call: ForwardCall, x, weight, bias, residual, eps, offset):
-        y, h, mean, rstd = call.run(x, weight, bias, residual, eps, offset)
+    def forward(ctx, prepared, x, weight, bias, residual):
+        """``prepared``: the call's :class:`ForwardCall` (``.call``) with its eps and
+        offset."""
+        call, offset = prepared.call, prepared.offset
+        y, h, mean, rstd = call.run(x, weight, bias, residual, prepared.eps, offset)
         ctx.save_for_backward(h, weight, bias, mean, rstd)
         ctx.call, ctx.offset, ctx.x_dtype = call, offset, x.dtype
         ctx.residual_dtype = None if residual is None else residual.dtype
@@ -33,4 +36,4 @@ class NormFunction(torch.autograd.Function):
             bwd = call.backward_calls[key] = backward_call(
                 call.spec, dy, dh, h, weight, bias, ctx.offset, ctx.x_dtype, ctx.residual_dtype)
         dx, dres, dweight, dbias = bwd.run(dy, dh, h, weight, bias, mean, rstd, ctx.offset)
-        return None, dx, dweight, dbias, dres, None, None
+        return None, dx, dweight, dbias, dres

@@ -265,8 +265,8 @@ def shape3_of(spec: NormSpec, x: torch.Tensor) -> tuple[tuple[int, int, int], bo
     return view[0], False, max_offset(*view)
 
 
-def build_forward(spec: NormSpec, x, weight, bias, residual, out_dtype, residual_dtype
-                  ) -> ForwardCall:
+def build_forward(spec: NormSpec, x, weight, bias, residual, out_dtype, residual_dtype,
+                  has_offset: bool) -> ForwardCall:
     """The prepared forward for these (already checked) operands; h is stored in
     ``residual_dtype``, default the residual's dtype."""
     if residual is not None and residual_dtype is None:
@@ -284,7 +284,7 @@ def build_forward(spec: NormSpec, x, weight, bias, residual, out_dtype, residual
     decision = dispatch.decide(problem(spec, x, shape3, offsets, dtypes))
     features = NormFeatures(layer_norm=spec.layer_norm, has_weight=weight is not None,
                             per_head_weight=spec.per_head, has_bias=bias is not None,
-                            has_residual=residual is not None)
+                            has_residual=residual is not None, has_offset=has_offset)
     stat_shape = tuple(x.shape[:x.dim() - spec.dims])
     call = ForwardCall(spec=spec, decision=decision, features=features,
                        out_dtype=out_dtype or x.dtype, h_dtype=residual_dtype,
@@ -341,7 +341,7 @@ class BackwardCall:
     reduce: cutile.BoundKernel | None = None
     launch_reduce: object = None
     groups: int = 0
-    partial_shape: tuple[int, int, int] = (0, 0, 0)
+    partial: cutile.PartialBuffer | None = None
     split: bool = False
     cute_reduce: object = None
     #: dx is allocated like h (h contiguous, dx in h's dtype): the cheapest allocation.
@@ -363,10 +363,11 @@ class BackwardCall:
             h.shape, dtype=self.x_dtype, device=dev)
         dres = torch.empty(h.shape, dtype=self.residual_dtype, device=dev) \
             if self.split else None
-        dweight = None if weight is None else torch.empty(weight.shape, dtype=weight.dtype,
-                                                          device=dev)
-        dbias = None if bias is None else torch.empty(bias.shape, dtype=bias.dtype, device=dev)
-        partial = torch.empty(self.partial_shape, dtype=torch.float32, device=dev) \
+        dweight = None if weight is None else torch.empty_like(
+            weight, memory_format=torch.contiguous_format)
+        dbias = None if bias is None else torch.empty_like(
+            bias, memory_format=torch.contiguous_format)
+        partial = torch.empty(self.partial.shape, dtype=torch.float32, device=dev) \
             if self.groups else None
         copy_dy, copy_h, copy_dres = self.copy
         dys = dy.reshape(self.shape3) if copy_dy else dy
@@ -385,13 +386,11 @@ class BackwardCall:
         if self.row_kernel.first is not None:
             row_sums = torch.empty(self.shape3[:2] + self.row_kernel.workspace,
                                    dtype=torch.float32, device=self.device)
-        head_bytes = self.shape3[1] * self.shape3[2] * 4 if self.spec.per_head else \
-            self.shape3[2] * 4
         p_w = p_b = None
         if partial is not None:
             base = partial.data_ptr()
             p_w = base if dweight is not None else None
-            p_b = (base + head_bytes if dweight is not None else base) \
+            p_b = base + self.partial.group_offset(int(dweight is not None)) \
                 if dbias is not None else None
         common = [dy.data_ptr(), h.data_ptr()]
         if weight is not None:
@@ -418,7 +417,8 @@ class BackwardCall:
         elif partial is not None:
             outs = [t.data_ptr() for t in (dweight, dbias) if t is not None]
             if not self.launch_reduce(stream, partial.data_ptr(), *outs):
-                self._reduce_through_cutile(stream, partial, dweight, dbias)
+                self._reduce_through_cutile(
+                    stream, partial.as_strided(*self.partial.reduced()), dweight, dbias)
 
     def _launch_through_cutile(self, stream, dy, h, weight, mean, rstd, dres_in, dx, dres,
                                partial, dweight, dbias, offset):
@@ -428,10 +428,14 @@ class BackwardCall:
         weight3 = ph[1] if weight is None else weight.view(1, -1, shape3[2])
         mean2 = ph[4] if mean is None else mean.view(stat)
         dy3, h3 = _as_shape3(dy, shape3), _as_shape3(h, shape3)
-        partial_w = partial_b = partial
-        if partial is not None and dweight is not None and dbias is not None:
-            heads = partial.shape[1] // 2
-            partial_w, partial_b = partial[:, :heads], partial[:, heads:]
+        partial_w = partial_b = None
+        if partial is not None:
+            shape, strides = self.partial.group()
+            size = self.partial.group_size
+            groups = [partial.as_strided(shape, strides, g * size)
+                      for g in range(self.groups)]
+            partial_w = groups[0] if dweight is not None else None
+            partial_b = groups[-1] if dbias is not None else None
         stats = (rstd.view(stat),)
         kernel = self.row_kernel
         with _on_device(self.device):
@@ -447,12 +451,13 @@ class BackwardCall:
                           ph[5] if dweight is None else partial_w,
                           ph[6] if dbias is None else partial_b, float(offset))
         if partial is not None:
-            self._reduce_through_cutile(stream, partial, dweight, dbias)
+            self._reduce_through_cutile(
+                stream, partial.as_strided(*self.partial.reduced()), dweight, dbias)
 
-    def _reduce_through_cutile(self, stream, partial, dweight, dbias):
+    def _reduce_through_cutile(self, stream, flat, dweight, dbias):
+        """cuTile's own launch of the reduction over ``flat``, the partial buffer as
+        (slots, groups, heads * cols)."""
         outs = [t.view(-1) for t in (dweight, dbias) if t is not None]
-        slots, rows, cols = partial.shape
-        flat = partial.view(slots, self.groups, rows // self.groups * cols)
         with _on_device(self.device):
             self.reduce.launch(stream, flat, outs[0],
                                outs[-1] if self.groups == 2 else placeholders(self.device)[7])
@@ -465,9 +470,10 @@ class BackwardCall:
         rows, cols = self.cute.rows, self.cute.cols
         dev = self.device
         dx = torch.empty(h.shape, dtype=h.dtype, device=dev)
-        dweight = None if weight is None else torch.empty(weight.shape, dtype=weight.dtype,
-                                                          device=dev)
-        dbias = None if bias is None else torch.empty(bias.shape, dtype=bias.dtype, device=dev)
+        dweight = None if weight is None else torch.empty_like(
+            weight, memory_format=torch.contiguous_format)
+        dbias = None if bias is None else torch.empty_like(
+            bias, memory_format=torch.contiguous_format)
         partial = torch.empty((self.cute.partial_rows, self.groups, cols),
                               dtype=torch.float32, device=dev) if self.groups else None
         key = cute.BackwardKey.of(self.cute, DTYPE_NAMES[h.dtype],
@@ -538,7 +544,7 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
                                                            shape3[2]))),
                 **_reduce_outputs(weight, bias)}, h.device, arch)
     call.plan = plan
-    call.partial_shape = cutile.partial_shape(plan, groups)
+    call.partial = cutile.PartialBuffer.of(plan, groups)
     call.row_kernel = cutile.bind_backward(plan, features, dres_in is not None, split)
     heads, cols = shape3[1], shape3[2]
     layouts = {"dy": _layout(dy.dtype, shape3, None if copy[0] else views[0][1]),
@@ -554,9 +560,7 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
         layouts["dres_in"] = _layout(dres_in.dtype, shape3, None if copy[2] else views[1][1])
     if split:
         layouts["dres"] = _layout(residual_dtype, shape3)
-    slots, rows, pcols = call.partial_shape
-    partial_layout = ArrayLayout("float32", (slots, rows // max(groups, 1), pcols),
-                                 (rows * pcols, pcols, 1))
+    partial_layout = ArrayLayout("float32", *call.partial.group())
     if weight is not None:
         layouts["partial_w"] = partial_layout
     if bias is not None:
@@ -569,19 +573,19 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
     if groups:
         call.reduce = cutile.bind_reduce(plan, groups)
         call.launch_reduce = _launch_or_none(call.reduce, {
-            "partial": ArrayLayout("float32", (slots, groups, rows // groups * pcols),
-                                   contiguous_strides((slots, groups, rows // groups * pcols))),
+            "partial": ArrayLayout("float32", *call.partial.reduced()),
             **_reduce_outputs(weight, bias)}, h.device, arch)
     return call
 
 
-def forward_call(spec: NormSpec, x, weight, bias, residual, out_dtype, residual_dtype
-                 ) -> ForwardCall:
-    """The prepared forward for these operands' layout (operands checked by the caller)."""
+def forward_call(spec: NormSpec, x, weight, bias, residual, out_dtype, residual_dtype,
+                 has_offset: bool) -> ForwardCall:
+    """The prepared forward for these operands' layout (operands checked by the caller); the
+    weight offset is compiled in only where it is not 0."""
     key = ("forward", spec, meta(x), meta(weight), meta(bias), meta(residual), out_dtype,
-           residual_dtype, experimental_enabled())
+           residual_dtype, has_offset, experimental_enabled())
     return cached(key, lambda: build_forward(spec, x, weight, bias, residual, out_dtype,
-                                             residual_dtype))
+                                             residual_dtype, has_offset))
 
 
 def backward_call(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,

@@ -34,7 +34,8 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     spec = _spec(layer_norm, dims, per_head)
     checks.check_eps(spec.op, eps)
     checks.check_offset(spec.op, offset, weight)
-    call = forward_call(spec, x, weight, bias, residual, out_dtype, residual_dtype)
+    call = forward_call(spec, x, weight, bias, residual, out_dtype, residual_dtype,
+                        offset != 0)
     y, h, mean, rstd = call.run(x, weight, bias, residual, eps, offset)
     return (y, _empty(x) if residual is None else h, _empty(rstd) if mean is None else mean,
             rstd)

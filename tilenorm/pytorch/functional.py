@@ -134,23 +134,22 @@ def _prepare(op, x, weight, bias, residual, eps, offset, normalized_shape, per_h
     eps = checks.check_eps(op, default_eps(x.dtype) if eps is None else eps)
     offset = checks.check_offset(op, offset, weight)
     spec = NormSpec(op, op == LAYER_NORM, dims, per_head)
-    call = calls.build_forward(spec, x, weight, bias, residual, out_dtype, residual_dtype)
+    call = calls.build_forward(spec, x, weight, bias, residual, out_dtype, residual_dtype,
+                               offset != 0)
     return _Prepared(call, eps, offset, prenorm)
-
-
-def _key(op, x, weight, bias, residual, eps, offset, normalized_shape, per_head, prenorm,
-         out_dtype, residual_dtype):
-    return (op, meta(x), meta(weight), meta(bias), meta(residual), eps, offset,
-            normalized_shape, per_head, prenorm, out_dtype, residual_dtype,
-            calls.experimental_enabled())
 
 
 def _prepared(op, x, weight, bias, residual, eps, offset, normalized_shape, per_head, prenorm,
               out_dtype, residual_dtype) -> _Prepared:
-    """The prepared call for these arguments: looked up, or checked and prepared."""
+    """The prepared call for these arguments: looked up by their layout (the hot path: no
+    checks), or checked and prepared the first time."""
     try:
-        key = _key(op, x, weight, bias, residual, eps, offset, normalized_shape, per_head,
-                   prenorm, out_dtype, residual_dtype)
+        key = (op, x.shape, x.stride(), x.dtype, x.device,
+               None if weight is None else (weight.shape, weight.stride(), weight.dtype,
+                                            weight.device),
+               None if bias is None else meta(bias), None if residual is None else meta(residual),
+               eps, offset, normalized_shape, per_head, prenorm, out_dtype, residual_dtype,
+               calls.experimental_enabled())
         found = calls.lookup(key)
     except (AttributeError, TypeError):  # not tensors, or an unhashable normalized_shape
         found = key = None
@@ -182,7 +181,7 @@ def _apply(op, x, weight, bias, eps, normalized_shape, per_head, offset, residua
     if not _needs_grad(x, weight, bias, residual):
         y, h, _, _ = call.run(x, weight, bias, residual, p.eps, p.offset)
     elif call.decision.uses_kernel:
-        out = NormFunction.apply(call, x, weight, bias, residual, p.eps, p.offset)
+        out = NormFunction.apply(p, x, weight, bias, residual)
         y, h = (out, x) if residual is None else out
     else:
         y, h = reference.norm(x, weight, bias, p.eps, layer_norm=call.spec.layer_norm,
