@@ -115,7 +115,7 @@ def kernel_launcher(bound, arrays: dict[str, torch.Tensor | None]) -> Callable[.
         else:
             layouts.append(ArrayLayout(DTYPE_NAMES[t.dtype], tuple(t.shape), t.stride()))
             pointers.append(t.data_ptr())
-    launcher = DriverLaunch(bound, tuple(layouts), device_info(device.index).arch,
+    launcher = DriverLaunch(bound, tuple(layouts), device.index, device_info(device.index).arch,
                             fixed_arrays=fixed)
 
     def launch(*scalars: float) -> None:

@@ -50,7 +50,8 @@ def launch(bound: BoundKernel, arrays: dict[str, torch.Tensor], *scalars: float)
         else:
             layouts.append(ArrayLayout(DTYPE_NAMES[t.dtype], tuple(t.shape), t.stride()))
             pointers.append(t.data_ptr())
-    launcher = DriverLaunch(bound, tuple(layouts), device_info(device.index).arch,
+    launcher = DriverLaunch(bound, tuple(layouts), device.index,
+                            device_info(device.index).arch,
                             fixed_arrays=fixed)
     stream = torch.cuda.current_stream().cuda_stream
     assert launcher.launch(stream, *pointers, *scalars), "16-byte aligned operands"

@@ -115,7 +115,8 @@ def _native_and_driver(bound, arrays, scalars):
                     layouts.append(ArrayLayout(DTYPE_NAMES[t.dtype], tuple(t.shape),
                                                t.stride()))
                     pointers.append(t.data_ptr())
-            launcher = DriverLaunch(bound, tuple(layouts), torch.cuda.get_device_capability(),
+            launcher = DriverLaunch(bound, tuple(layouts), torch.cuda.current_device(),
+                                    torch.cuda.get_device_capability(),
                                     fixed_arrays=fixed)
             assert launcher.launch(stream, *pointers, *scalars)
         else:
@@ -173,7 +174,8 @@ def test_lean_launch_declines_unaligned_storage():
         ArrayLayout("float32", (1,), (1,)) for _ in range(2)) + (
         ArrayLayout("float32", (1000, 1), (1, 1)),)
     ph = placeholders(device)
-    launcher = DriverLaunch(forward, layouts, torch.cuda.get_device_capability(),
+    launcher = DriverLaunch(forward, layouts, torch.cuda.current_device(),
+                            torch.cuda.get_device_capability(),
                             fixed_arrays={i: ph[i].data_ptr() for i in (1, 2, 3, 5, 6)})
     y = torch.empty(1000, 1024, device="cuda", dtype=torch.bfloat16)
     rstd = torch.empty(1000, device="cuda")
@@ -181,3 +183,32 @@ def test_lean_launch_declines_unaligned_storage():
     assert not launcher.launch(stream, x[1:].data_ptr(), y.data_ptr(), rstd.data_ptr(),
                                1e-6, 0.0)
     assert launcher.launch(stream, x.data_ptr(), y.data_ptr(), rstd.data_ptr(), 1e-6, 0.0)
+
+
+@gpu
+def test_a_thread_that_has_not_touched_cuda_prepares_and_launches():
+    """Autograd runs backward on a thread of its own: preparing a new layout there must find
+    the device's context (the lean launch loads its kernel into it)."""
+    import threading
+
+    import tilenorm
+
+    g, seed = fresh_generator("cuda")
+    x = torch.randn(333, 1, 640, generator=g, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(640, generator=g, device="cuda", dtype=torch.bfloat16)
+    out, errors = {}, []
+
+    def work():
+        try:
+            with tilenorm.experimental():
+                out["y"] = tilenorm.rms_norm_forward(x, w)[0]
+        except Exception as e:  # reported below, in the test's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    from tilenorm.testing import float64_norm, rel_error
+
+    assert rel_error(out["y"], float64_norm(x, w).y) <= 1e-2, seed

@@ -18,6 +18,7 @@ cuTile's own launch, which compiles for what it is given.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import io
@@ -168,6 +169,11 @@ def _driver():
     cu.cuKernelGetParamInfo.argtypes = [vp, ctypes.c_size_t, p(ctypes.c_size_t),
                                         p(ctypes.c_size_t)]
     cu.cuGetErrorString.argtypes = [ctypes.c_int, p(ctypes.c_char_p)]
+    cu.cuDeviceGet.argtypes = [p(ctypes.c_int), ctypes.c_int]
+    cu.cuDevicePrimaryCtxRetain.argtypes = [p(vp), ctypes.c_int]
+    cu.cuDevicePrimaryCtxRelease_v2.argtypes = [ctypes.c_int]
+    cu.cuCtxPushCurrent_v2.argtypes = [vp]
+    cu.cuCtxPopCurrent_v2.argtypes = [p(vp)]
     launch = ctypes.PyDLL("libcuda.so.1").cuLaunchKernelEx
     launch.argtypes = [vp, vp, vp, vp]
     launch.restype = ctypes.c_int
@@ -194,6 +200,26 @@ def _kernel_handle(cubin: bytes, symbol: str) -> tuple:
     return library, kernel
 
 
+@contextlib.contextmanager
+def _primary_context(device_index: int):
+    """Device ``device_index``'s primary context (the one torch and cuTile use) current on
+    this thread for the block: a thread that has not touched CUDA yet (autograd's backward
+    thread, say) has none."""
+    cu, _ = _driver()
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    _check(cu.cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
+    _check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(context), device),
+           "cuDevicePrimaryCtxRetain")
+    try:
+        _check(cu.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
+        try:
+            yield
+        finally:
+            _check(cu.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
+    finally:
+        cu.cuDevicePrimaryCtxRelease_v2(device)
+
+
 def _fields(sig: KernelSignature, layouts: tuple[ArrayLayout, ...]) -> list[tuple]:
     """(field name, ctypes type, role) per kernel parameter; roles: ("ptr", i),
     ("dim", value) for a shape or stride, ("scalar", i)."""
@@ -215,14 +241,16 @@ def _fields(sig: KernelSignature, layouts: tuple[ArrayLayout, ...]) -> list[tupl
 
 
 class DriverLaunch:
-    """``bound``'s kernel compiled for arrays of ``layouts`` on a GPU of compute capability
-    ``arch``, ready to launch from raw pointers. Arrays whose index is in ``fixed_arrays``
+    """``bound``'s kernel compiled for arrays of ``layouts`` on GPU ``device_index`` of compute
+    capability ``arch``, ready to launch from raw pointers. Arrays whose index is in
+    ``fixed_arrays``
     and the scalars past the runtime ones (the bound's own, such as 1/N) are written once;
     :attr:`launch` takes ``(stream, *pointers, *scalars)`` for the rest, in order, and
     returns False, launching nothing, when a pointer is not 16-byte aligned."""
 
     def __init__(self, bound: BoundKernel, layouts: tuple[ArrayLayout, ...],
-                 arch: tuple[int, int], fixed_arrays: dict[int, int] | None = None,
+                 device_index: int, arch: tuple[int, int],
+                 fixed_arrays: dict[int, int] | None = None,
                  fixed_scalars: dict[int, float] | None = None):
         if len(layouts) != len(bound.arrays):
             raise ValueError(f"{bound.name} takes {len(bound.arrays)} arrays, got "
@@ -233,9 +261,10 @@ class DriverLaunch:
         self.symbol, self.cubin = compiled_cubin(bound, layouts, arch)
         cu, launch = _driver()
         self.library, self.kernel = _kernel_handle(self.cubin, self.symbol)
-        function = ctypes.c_void_p()  # loads it into the current context now, not mid-capture
-        _check(cu.cuKernelGetFunction(ctypes.byref(function), self.kernel),
-               "cuKernelGetFunction")
+        function = ctypes.c_void_p()  # loads it into the context now, not mid-capture
+        with _primary_context(device_index):
+            _check(cu.cuKernelGetFunction(ctypes.byref(function), self.kernel),
+                   "cuKernelGetFunction")
 
         fields = _fields(signature(bound, layouts), layouts)
         params_type = type("Params", (ctypes.Structure,),

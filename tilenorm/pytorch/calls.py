@@ -143,7 +143,7 @@ def _driver_launch(bound: cutile.BoundKernel, layouts: dict, device: torch.devic
     if not all(a.disjoint for a in arrays):
         return None
     with _on_device(device):
-        return DriverLaunch(bound, arrays, arch, fixed_arrays=fixed)
+        return DriverLaunch(bound, arrays, device.index, arch, fixed_arrays=fixed)
 
 
 # --- forward -------------------------------------------------------------------------------
