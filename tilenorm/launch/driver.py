@@ -261,24 +261,23 @@ class DriverLaunch:
         self.symbol, self.cubin = compiled_cubin(bound, layouts, arch)
         cu, launch = _driver()
         self.library, self.kernel = _kernel_handle(self.cubin, self.symbol)
-        function = ctypes.c_void_p()  # loads it into the context now, not mid-capture
-        with _primary_context(device_index):
-            _check(cu.cuKernelGetFunction(ctypes.byref(function), self.kernel),
-                   "cuKernelGetFunction")
-
         fields = _fields(signature(bound, layouts), layouts)
         params_type = type("Params", (ctypes.Structure,),
                            {"_fields_": [(name, ty) for name, ty, _ in fields]})
         self.params = params = params_type()
-        for index, (name, ty, _) in enumerate(fields):  # the driver's view of the layout
-            offset, size = ctypes.c_size_t(), ctypes.c_size_t()
-            _check(cu.cuKernelGetParamInfo(self.kernel, index, ctypes.byref(offset),
-                                           ctypes.byref(size)), "cuKernelGetParamInfo")
-            if (offset.value, size.value) != (getattr(params_type, name).offset,
-                                              ctypes.sizeof(ty)):
-                raise RuntimeError(f"{self.symbol}: parameter {index} is at "
-                                   f"{offset.value}+{size.value} in the cubin, not where "
-                                   f"cuTile's calling convention puts it")
+        with _primary_context(device_index):
+            function = ctypes.c_void_p()  # loads it into the context now, not mid-capture
+            _check(cu.cuKernelGetFunction(ctypes.byref(function), self.kernel),
+                   "cuKernelGetFunction")
+            for index, (name, ty, _) in enumerate(fields):  # the driver's view of the layout
+                offset, size = ctypes.c_size_t(), ctypes.c_size_t()
+                _check(cu.cuKernelGetParamInfo(self.kernel, index, ctypes.byref(offset),
+                                               ctypes.byref(size)), "cuKernelGetParamInfo")
+                if (offset.value, size.value) != (getattr(params_type, name).offset,
+                                                  ctypes.sizeof(ty)):
+                    raise RuntimeError(f"{self.symbol}: parameter {index} is at "
+                                       f"{offset.value}+{size.value} in the cubin, not where "
+                                       f"cuTile's calling convention puts it")
         runtime, own = _scalars(bound)
         for pos, value in enumerate(own):
             fixed_scalars[runtime + pos] = value
