@@ -174,6 +174,7 @@ def _driver():
     cu.cuDevicePrimaryCtxRelease_v2.argtypes = [ctypes.c_int]
     cu.cuCtxPushCurrent_v2.argtypes = [vp]
     cu.cuCtxPopCurrent_v2.argtypes = [p(vp)]
+    cu.cuCtxSetCurrent.argtypes = [vp]
     launch = ctypes.PyDLL("libcuda.so.1").cuLaunchKernelEx
     launch.argtypes = [vp, vp, vp, vp]
     launch.restype = ctypes.c_int
@@ -216,6 +217,25 @@ def _primary_context(device_index: int):
             yield
         finally:
             _check(cu.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
+    finally:
+        cu.cuDevicePrimaryCtxRelease_v2(device)
+
+
+#: cuda.h: CUDA_ERROR_INVALID_CONTEXT.
+_INVALID_CONTEXT = 201
+
+
+def _make_primary_context_current(device_index: int) -> None:
+    """Make device ``device_index``'s primary context current on this thread for good, as
+    the CUDA runtime does on a thread's first runtime call: a launch on the legacy default
+    stream takes the thread's current context."""
+    cu, _ = _driver()
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    _check(cu.cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
+    _check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(context), device),
+           "cuDevicePrimaryCtxRetain")
+    try:
+        _check(cu.cuCtxSetCurrent(context), "cuCtxSetCurrent")
     finally:
         cu.cuDevicePrimaryCtxRelease_v2(device)
 
@@ -308,11 +328,23 @@ class DriverLaunch:
         source = (f"def launch({args}):\n{aligned}{body}"
                   f"    config.hStream = stream\n"
                   f"    result = cuLaunchKernelEx(config_address, kernel, kernel_params, None)\n"
-                  f"    if result:\n        check(result, 'cuLaunchKernelEx')\n"
+                  f"    if result:\n        relaunch(result)\n"
                   f"    return True\n")
+        self.device_index = device_index
+        self._launch_ex = launch
         namespace = {"params": params, "config": self.config, "kernel": self.kernel,
                      "config_address": ctypes.addressof(self.config),
                      "kernel_params": self.kernel_params, "cuLaunchKernelEx": launch,
-                     "check": _check}
+                     "relaunch": self._relaunch}
         exec(compile(source, f"<tilenorm launch {bound.name}>", "exec"), namespace)
         self.launch = namespace["launch"]
+
+    def _relaunch(self, result: int) -> None:
+        """After a failed launch (parameters as written): on a thread with no current context
+        (autograd's backward thread, launching on the legacy default stream) make the
+        device's primary context current and launch again; any other error raises."""
+        if result == _INVALID_CONTEXT:
+            _make_primary_context_current(self.device_index)
+            result = self._launch_ex(ctypes.addressof(self.config), self.kernel,
+                                     self.kernel_params, None)
+        _check(result, "cuLaunchKernelEx")
