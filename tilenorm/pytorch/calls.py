@@ -124,13 +124,6 @@ def placeholders(device: torch.device) -> tuple[torch.Tensor, ...]:
     return found
 
 
-def allocation_template(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A one-element tensor expanded to ``shape``: ``torch.empty_like`` of it allocates a
-    contiguous tensor of that shape, dtype and device, with less argument parsing than
-    ``torch.empty`` (1.9 against 3.1 us on the H200 host, bench/NOTES.md #39)."""
-    return torch.empty(1, dtype=dtype, device=device).expand(shape)
-
-
 def _on_device(device: torch.device):
     """cuTile's own launch and the driver's loads act on the current context: x's device."""
     if device.index == torch.cuda.current_device():
@@ -186,10 +179,8 @@ class ForwardCall:
     copy_residual: bool = False
     bound: cutile.BoundKernel | None = None
     launch: object = None
-    #: Allocation templates (:func:`allocation_template`) of y, the statistics and h.
-    y_like: torch.Tensor | None = None
-    stat_like: torch.Tensor | None = None
-    h_like: torch.Tensor | None = None
+    #: y is allocated like x (x dense and contiguous, y in x's dtype): the cheapest allocation.
+    y_like_x: bool = False
     #: The backward calls of this forward's saved operands, by the gradients' layouts.
     backward_calls: dict = field(default_factory=dict)
 
@@ -202,11 +193,13 @@ class ForwardCall:
                                           residual_dtype=self.h_dtype, out_dtype=self.out_dtype,
                                           dims=self.spec.dims)
         dev = self.device
-        empty_like = torch.empty_like
-        y = empty_like(self.y_like)
-        rstd = empty_like(self.stat_like)
-        mean = empty_like(self.stat_like) if self.features.layer_norm else None
-        h = empty_like(self.h_like) if residual is not None else None
+        y = torch.empty_like(x) if self.y_like_x else torch.empty(
+            self.out_shape, dtype=self.out_dtype, device=dev)
+        rstd = torch.empty(self.stat_shape, dtype=torch.float32, device=dev)
+        mean = (torch.empty(self.stat_shape, dtype=torch.float32, device=dev)
+                if self.features.layer_norm else None)
+        h = (torch.empty(self.out_shape, dtype=self.h_dtype, device=dev)
+             if residual is not None else None)
         xs = x.reshape(self.shape3) if self.copy_x else x
         rs = residual.reshape(self.shape3) if self.copy_residual else residual
         stream = torch._C._cuda_getCurrentRawStream(dev.index)
@@ -296,14 +289,11 @@ def build_forward(spec: NormSpec, x, weight, bias, residual, out_dtype, residual
     call = ForwardCall(spec=spec, decision=decision, features=features,
                        out_dtype=out_dtype or x.dtype, h_dtype=residual_dtype,
                        out_shape=tuple(x.shape), stat_shape=stat_shape, device=x.device,
-                       shape3=shape3, copy_x=copy_x, copy_residual=copy_residual)
+                       shape3=shape3, copy_x=copy_x, copy_residual=copy_residual,
+                       y_like_x=x.is_contiguous() and (out_dtype or x.dtype) == x.dtype)
     if not decision.uses_kernel:
         return call
     call.bound = cutile.bind_forward(decision.forward, features)
-    call.y_like = allocation_template(call.out_shape, call.out_dtype, x.device)
-    call.stat_like = allocation_template(stat_shape, torch.float32, x.device)
-    if residual is not None:
-        call.h_like = allocation_template(call.out_shape, residual_dtype, x.device)
     heads, cols = shape3[1], shape3[2]
     layouts = {"x": _layout(x.dtype, shape3, None if copy_x else kernel_view(
         x, spec.dims, spec.per_head)[1]),
@@ -354,12 +344,8 @@ class BackwardCall:
     partial: cutile.PartialBuffer | None = None
     split: bool = False
     cute_reduce: object = None
-    #: Allocation templates (:func:`allocation_template`) of dx, the residual's gradient in
-    #: a dtype of its own, the partial buffer and a column-split backward's row sums.
-    dx_like: torch.Tensor | None = None
-    dres_like: torch.Tensor | None = None
-    partial_like: torch.Tensor | None = None
-    row_sums_like: torch.Tensor | None = None
+    #: dx is allocated like h (h contiguous, dx in h's dtype): the cheapest allocation.
+    dx_like_h: bool = False
 
     def run(self, dy, dres_in, h, weight, bias, mean, rstd, offset: float):
         """(dx, dres, dweight, dbias): dres (the residual's gradient) is dx itself when the
@@ -373,14 +359,16 @@ class BackwardCall:
         dev = self.device
         if self.cute is not None and not (h.data_ptr() | dy.data_ptr()) & 15:
             return self._run_cute(dy, h, weight, bias, mean, rstd)
-        empty_like = torch.empty_like
-        dx = empty_like(self.dx_like)
-        dres = empty_like(self.dres_like) if self.split else None
-        dweight = None if weight is None else empty_like(
+        dx = torch.empty_like(h) if self.dx_like_h else torch.empty(
+            h.shape, dtype=self.x_dtype, device=dev)
+        dres = torch.empty(h.shape, dtype=self.residual_dtype, device=dev) \
+            if self.split else None
+        dweight = None if weight is None else torch.empty_like(
             weight, memory_format=torch.contiguous_format)
-        dbias = None if bias is None else empty_like(
+        dbias = None if bias is None else torch.empty_like(
             bias, memory_format=torch.contiguous_format)
-        partial = empty_like(self.partial_like) if self.groups else None
+        partial = torch.empty(self.partial.shape, dtype=torch.float32, device=dev) \
+            if self.groups else None
         copy_dy, copy_h, copy_dres = self.copy
         dys = dy.reshape(self.shape3) if copy_dy else dy
         hs = h.reshape(self.shape3) if copy_h else h
@@ -396,7 +384,8 @@ class BackwardCall:
                 dbias, offset):
         row_sums = None
         if self.row_kernel.first is not None:
-            row_sums = torch.empty_like(self.row_sums_like)
+            row_sums = torch.empty(self.shape3[:2] + self.row_kernel.workspace,
+                                   dtype=torch.float32, device=self.device)
         p_w = p_b = None
         if partial is not None:
             base = partial.data_ptr()
@@ -530,7 +519,8 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
     split = residual_dtype is not None and residual_dtype != x_dtype
     call = BackwardCall(spec=spec, decision=decision, features=features, x_dtype=x_dtype,
                         residual_dtype=residual_dtype, device=h.device, shape3=shape3,
-                        copy=copy, split=split)
+                        copy=copy, split=split,
+                        dx_like_h=h.is_contiguous() and h.dtype == x_dtype)
     if not decision.uses_kernel:
         return call
     groups = (weight is not None) + (bias is not None)
@@ -555,11 +545,6 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
                 **_reduce_outputs(weight, bias)}, h.device, arch)
     call.plan = plan
     call.partial = cutile.PartialBuffer.of(plan, groups)
-    call.dx_like = allocation_template(tuple(h.shape), x_dtype, h.device)
-    if split:
-        call.dres_like = allocation_template(tuple(h.shape), residual_dtype, h.device)
-    if groups:
-        call.partial_like = allocation_template(call.partial.shape, torch.float32, h.device)
     call.row_kernel = cutile.bind_backward(plan, features, dres_in is not None, split)
     heads, cols = shape3[1], shape3[2]
     layouts = {"dy": _layout(dy.dtype, shape3, None if copy[0] else views[0][1]),
@@ -582,9 +567,7 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
         layouts["partial_b"] = partial_layout
     first = call.row_kernel.first
     if first is not None:
-        sums_shape = shape3[:2] + call.row_kernel.workspace
-        call.row_sums_like = allocation_template(sums_shape, torch.float32, h.device)
-        layouts["row_sums"] = _layout(torch.float32, sums_shape)
+        layouts["row_sums"] = _layout(torch.float32, shape3[:2] + call.row_kernel.workspace)
         call.launch_first = _launch_or_none(first, layouts, h.device, arch)
     call.launch_row = _launch_or_none(call.row_kernel, layouts, h.device, arch)
     if groups:
