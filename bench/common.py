@@ -18,7 +18,7 @@ from tilenorm.benchmark import copy_gbps, eager_ms, graph_ms, host_us
 from tilenorm.testing import RelError, float64_norm, rel_error, row_blocks
 
 __all__ = ["Prepared", "add_run_args", "copy_gbps", "device_slug", "eager_ms", "float64_errors",
-           "git_commit", "graph_ms", "host_us", "kernel_launcher", "new_record", "parse_shapes",
+           "git_commit", "graph_ms", "host_us", "new_record", "parse_shapes",
            "print_table", "rel_error", "timed_rows", "write_record"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -91,39 +91,6 @@ def float64_errors(outs: dict[str, torch.Tensor | None], x: torch.Tensor,
     errors = {name: err.value for name, err in per_row.items()}
     errors.update({name: rel_error(outs[name], total) for name, total in sums.items()})
     return errors
-
-
-def kernel_launcher(bound, arrays: dict[str, torch.Tensor | None]) -> Callable[..., None]:
-    """``bound`` (a :class:`tilenorm.launch.cutile.BoundKernel`) ready to launch as the ops
-    launch it: compiled for the layouts of ``arrays`` (by the kernel's array names; absent or
-    None ones get placeholders) and called from their raw pointers through
-    :class:`tilenorm.launch.driver.DriverLaunch`. The returned function takes the runtime
-    scalars and launches on the current stream (read per call, so that graph capture
-    records it)."""
-    from tilenorm.device import device_info
-    from tilenorm.launch.driver import ArrayLayout, DriverLaunch
-    from tilenorm.pytorch.calls import DTYPE_NAMES, placeholders
-
-    device = torch.device("cuda", torch.cuda.current_device())
-    ph = placeholders(device)
-    layouts, fixed, pointers = [], {}, []
-    for i, name in enumerate(bound.arrays):
-        t = arrays.get(name)
-        if t is None:
-            layouts.append(ArrayLayout("float32", (1,), (1,)))
-            fixed[i] = ph[i % len(ph)].data_ptr()
-        else:
-            layouts.append(ArrayLayout(DTYPE_NAMES[t.dtype], tuple(t.shape), t.stride()))
-            pointers.append(t.data_ptr())
-    launcher = DriverLaunch(bound, tuple(layouts), device.index, device_info(device.index).arch,
-                            fixed_arrays=fixed)
-
-    def launch(*scalars: float) -> None:
-        stream = torch.cuda.current_stream().cuda_stream
-        if not launcher.launch(stream, *pointers, *scalars):
-            raise RuntimeError(f"{bound.name}: operands not 16-byte aligned")
-
-    return launch
 
 
 def git_commit() -> str:

@@ -40,6 +40,7 @@ from tilenorm.benchmark import graph_ms, host_us  # noqa: E402
 from tilenorm.device import device_info  # noqa: E402
 from tilenorm.launch import cutile  # noqa: E402
 from tilenorm.launch.cutile import NormFeatures  # noqa: E402
+from tilenorm.pytorch.calls import tensor_launcher  # noqa: E402
 from tilenorm.settings import SM90, RowNormSettings  # noqa: E402
 
 DEFAULT_CASES = "rms:128,rms:1024,rms:4096,rms:8192,rms:16384,rms:65536"
@@ -111,12 +112,12 @@ def measure_case(info, settings: RowNormSettings, op: str, n: int, m: int | None
     launch_first = None
     if row_kernel.first is not None:  # a column-split backward's row sums
         operands["row_sums"] = torch.empty((m, heads) + row_kernel.workspace, device="cuda")
-        launch_first = common.kernel_launcher(row_kernel.first, operands)
-    launch_fwd = common.kernel_launcher(cutile.bind_forward(fwd, f), dict(
+        launch_first = tensor_launcher(row_kernel.first, operands)
+    launch_fwd = tensor_launcher(cutile.bind_forward(fwd, f), dict(
         x=x, residual=r, weight=w, bias=b, y=y, residual_out=h if f.has_residual else None,
         mean=mean, rstd=rstd))
-    launch_row = common.kernel_launcher(row_kernel, operands)
-    launch_reduce = common.kernel_launcher(cutile.bind_reduce(bwd, groups), dict(
+    launch_row = tensor_launcher(row_kernel, operands)
+    launch_reduce = tensor_launcher(cutile.bind_reduce(bwd, groups), dict(
         partial=partial.as_strided(*buffer.reduced()), out_a=dw.view(-1),
         out_b=None if db is None else db.view(-1)))
 

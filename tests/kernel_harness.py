@@ -14,9 +14,8 @@ import torch
 from tilenorm.device import device_info
 from tilenorm.launch import cutile
 from tilenorm.launch.cutile import BoundKernel, NormFeatures
-from tilenorm.launch.driver import ArrayLayout, DriverLaunch
 from tilenorm.planner import plan_row_norm
-from tilenorm.pytorch.calls import DTYPE_NAMES, placeholders
+from tilenorm.pytorch.calls import tensor_launcher
 from tilenorm.testing import RelError, float64_norm, fresh_generator, rel_error, row_blocks
 
 OUT_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}
@@ -39,22 +38,7 @@ def plans(rows, heads, cols, itemsize, per_head, max_offset=None, op="rms_norm")
 def launch(bound: BoundKernel, arrays: dict[str, torch.Tensor], *scalars: float) -> None:
     """Launch ``bound`` on the current stream from the pointers of ``arrays`` (by name; the
     kernel's other arrays get placeholders), as the ops do."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    ph = placeholders(device)
-    layouts, fixed, pointers = [], {}, []
-    for i, name in enumerate(bound.arrays):
-        t = arrays.get(name)
-        if t is None:
-            layouts.append(ArrayLayout("float32", (1,), (1,)))
-            fixed[i] = ph[i % len(ph)].data_ptr()
-        else:
-            layouts.append(ArrayLayout(DTYPE_NAMES[t.dtype], tuple(t.shape), t.stride()))
-            pointers.append(t.data_ptr())
-    launcher = DriverLaunch(bound, tuple(layouts), device.index,
-                            device_info(device.index).arch,
-                            fixed_arrays=fixed)
-    stream = torch.cuda.current_stream().cuda_stream
-    assert launcher.launch(stream, *pointers, *scalars), "16-byte aligned operands"
+    tensor_launcher(bound, arrays)(*scalars)
 
 
 def _run(fwd, bwd, f, x, w, b, r, dy, dh, eps, offset, out_dtype, res_dtype):

@@ -28,6 +28,7 @@ from tilenorm.benchmark import graph_ms  # noqa: E402
 from tilenorm.device import device_info  # noqa: E402
 from tilenorm.launch import cutile  # noqa: E402
 from tilenorm.launch.cutile import NormFeatures  # noqa: E402
+from tilenorm.pytorch.calls import tensor_launcher  # noqa: E402
 
 DEFAULT_CASES = "rms:32768:128,rms:32768:4096,layer_norm:32768:4096,layer_norm:131072:1024"
 MODES = ("ordinary", "reduce", "planned")
@@ -58,11 +59,11 @@ def run_mode(plans, f, x, dy, w, b, mode: str) -> tuple[dict, list]:
     first = None
     if row_kernel.first is not None:
         operands["row_sums"] = torch.empty((m, 1) + row_kernel.workspace, device="cuda")
-        first = common.kernel_launcher(row_kernel.first, operands)
-    launch_fwd = common.kernel_launcher(cutile.bind_forward(fwd, f), dict(
+        first = tensor_launcher(row_kernel.first, operands)
+    launch_fwd = tensor_launcher(cutile.bind_forward(fwd, f), dict(
         x=x, weight=w, bias=b, y=y, mean=mean, rstd=rstd))
-    launch_row = common.kernel_launcher(row_kernel, operands)
-    launch_reduce = common.kernel_launcher(cutile.bind_reduce(bwd, groups), dict(
+    launch_row = tensor_launcher(row_kernel, operands)
+    launch_reduce = tensor_launcher(cutile.bind_reduce(bwd, groups), dict(
         partial=partial.view(slots, groups, prows // groups * pcols), out_a=dw.view(-1),
         out_b=None if db is None else db.view(-1)))
 

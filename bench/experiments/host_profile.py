@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import io
 import pstats
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,22 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import tilenorm  # noqa: E402
+from tilenorm.benchmark import host_us  # noqa: E402
 from tilenorm.pytorch import calls, functional  # noqa: E402
-
-
-def host_us(fn, calls_per_round=2000, rounds=7) -> float:
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize()
-    gc.collect()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls_per_round):
-            fn()
-        times.append((time.perf_counter() - start) / calls_per_round * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 class AllocateOnly(torch.autograd.Function):
@@ -123,7 +106,7 @@ def main() -> None:
         "step, torch.nn.RMSNorm": step(theirs),
         "step, Function that only allocates": floor_step,
     }
-    results = {name: host_us(fn, 1000 if name.startswith("step") else 3000)
+    results = {name: host_us(fn, calls=7000 if name.startswith("step") else 21000, rounds=7)
                for name, fn in pieces.items()}
     profile = cProfile.Profile()
     run = step(module)

@@ -202,23 +202,31 @@ def _kernel_handle(cubin: bytes, symbol: str) -> tuple:
 
 
 @contextlib.contextmanager
-def _primary_context(device_index: int):
-    """Device ``device_index``'s primary context (the one torch and cuTile use) current on
-    this thread for the block: a thread that has not touched CUDA yet (autograd's backward
-    thread, say) has none."""
+def _primary(device_index: int):
+    """Device ``device_index``'s primary context (the one torch and cuTile use), retained for
+    the block."""
     cu, _ = _driver()
     device, context = ctypes.c_int(), ctypes.c_void_p()
     _check(cu.cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
     _check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(context), device),
            "cuDevicePrimaryCtxRetain")
     try:
+        yield context
+    finally:
+        cu.cuDevicePrimaryCtxRelease_v2(device)
+
+
+@contextlib.contextmanager
+def _primary_context(device_index: int):
+    """The device's primary context current on this thread for the block: a thread that has
+    not touched CUDA yet (autograd's backward thread, say) has none."""
+    cu, _ = _driver()
+    with _primary(device_index) as context:
         _check(cu.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
         try:
             yield
         finally:
             _check(cu.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p())), "cuCtxPopCurrent")
-    finally:
-        cu.cuDevicePrimaryCtxRelease_v2(device)
 
 
 #: cuda.h: CUDA_ERROR_INVALID_CONTEXT.
@@ -226,18 +234,11 @@ _INVALID_CONTEXT = 201
 
 
 def _make_primary_context_current(device_index: int) -> None:
-    """Make device ``device_index``'s primary context current on this thread for good, as
-    the CUDA runtime does on a thread's first runtime call: a launch on the legacy default
-    stream takes the thread's current context."""
-    cu, _ = _driver()
-    device, context = ctypes.c_int(), ctypes.c_void_p()
-    _check(cu.cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
-    _check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(context), device),
-           "cuDevicePrimaryCtxRetain")
-    try:
-        _check(cu.cuCtxSetCurrent(context), "cuCtxSetCurrent")
-    finally:
-        cu.cuDevicePrimaryCtxRelease_v2(device)
+    """Make the device's primary context current on this thread for good, as the CUDA
+    runtime does on a thread's first runtime call: a launch on the legacy default stream
+    takes the thread's current context."""
+    with _primary(device_index) as context:
+        _check(_driver()[0].cuCtxSetCurrent(context), "cuCtxSetCurrent")
 
 
 def _fields(sig: KernelSignature, layouts: tuple[ArrayLayout, ...]) -> list[tuple]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -122,6 +123,34 @@ def placeholders(device: torch.device) -> tuple[torch.Tensor, ...]:
         found = _PLACEHOLDERS[device] = tuple(
             torch.empty(1, dtype=torch.float32, device=device) for _ in range(8))
     return found
+
+
+def tensor_launcher(bound: cutile.BoundKernel, arrays: dict) -> Callable[..., None]:
+    """``bound`` ready to launch as the ops launch it, for tests and benchmarks that pick
+    their own plans: compiled for the layouts of ``arrays`` (tensors by the kernel's array
+    names; absent or None ones get placeholders) and launched from their raw pointers. The
+    returned function takes the runtime scalars and launches on the current stream (read per
+    call, so that graph capture records it)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    ph = placeholders(device)
+    layouts, fixed, pointers = [], {}, []
+    for i, name in enumerate(bound.arrays):
+        t = arrays.get(name)
+        if t is None:
+            layouts.append(_PLACEHOLDER)
+            fixed[i] = ph[i % len(ph)].data_ptr()
+        else:
+            layouts.append(ArrayLayout(DTYPE_NAMES[t.dtype], tuple(t.shape), t.stride()))
+            pointers.append(t.data_ptr())
+    launcher = DriverLaunch(bound, tuple(layouts), device.index,
+                            torch.cuda.get_device_capability(device), fixed_arrays=fixed)
+
+    def launch(*scalars: float) -> None:
+        stream = torch.cuda.current_stream().cuda_stream
+        if not launcher.launch(stream, *pointers, *scalars):
+            raise RuntimeError(f"{bound.name}: operands not 16-byte aligned")
+
+    return launch
 
 
 def _on_device(device: torch.device):
