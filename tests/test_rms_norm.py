@@ -339,6 +339,10 @@ def test_launch_level_pair_on_reference_path_matches_float64():
         tilenorm.rms_norm_backward(dy[:3], h, w, rstd)
     with pytest.raises(ValueError, match="rstd must be the forward's"):
         tilenorm.rms_norm_backward(dy, h, w, rstd.double())
+    with pytest.raises(ValueError, match="dy must be a tensor"):
+        tilenorm.rms_norm_backward(dy.tolist(), h, w, rstd)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        tilenorm.rms_norm_backward(dy, h.tolist(), w, rstd)
 
 
 def test_per_head_weight_strided_qkv_needs_no_copy():

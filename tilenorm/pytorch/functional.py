@@ -310,12 +310,12 @@ def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor | None = None,
 
 def _backward(op, dy, dh, h, weight, bias, mean, rstd, offset, normalized_shape, per_head,
               x_dtype, residual_dtype):
-    key = ("launch backward", op, meta(dy), meta(dh), meta(h), meta(weight), meta(bias),
-           meta(mean), meta(rstd), offset, normalized_shape, per_head, x_dtype, residual_dtype,
-           calls.experimental_enabled())
     try:
+        key = ("launch backward", op, meta(dy), meta(dh), meta(h), meta(weight), meta(bias),
+               meta(mean), meta(rstd), offset, normalized_shape, per_head, x_dtype,
+               residual_dtype, calls.experimental_enabled())
         found = calls.lookup(key)
-    except TypeError:
+    except (AttributeError, TypeError):  # not tensors, or an unhashable normalized_shape
         found = key = None
     if found is None:
         found = _prepare_backward(op, dy, dh, h, weight, bias, mean, rstd, offset,
