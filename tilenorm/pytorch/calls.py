@@ -132,18 +132,14 @@ def tensor_launcher(bound: cutile.BoundKernel, arrays: dict) -> Callable[..., No
     returned function takes the runtime scalars and launches on the current stream (read per
     call, so that graph capture records it)."""
     device = torch.device("cuda", torch.cuda.current_device())
-    ph = placeholders(device)
-    layouts, fixed, pointers = [], {}, []
-    for i, name in enumerate(bound.arrays):
-        t = arrays.get(name)
-        if t is None:
-            layouts.append(_PLACEHOLDER)
-            fixed[i] = ph[i % len(ph)].data_ptr()
-        else:
-            layouts.append(ArrayLayout(DTYPE_NAMES[t.dtype], tuple(t.shape), t.stride()))
-            pointers.append(t.data_ptr())
-    launcher = DriverLaunch(bound, tuple(layouts), device.index,
-                            torch.cuda.get_device_capability(device), fixed_arrays=fixed)
+    tensors = {name: t for name, t in arrays.items() if t is not None}
+    launcher = _driver_launch(bound, {name: ArrayLayout(DTYPE_NAMES[t.dtype], tuple(t.shape),
+                                                        t.stride())
+                                      for name, t in tensors.items()},
+                              device, torch.cuda.get_device_capability(device))
+    if launcher is None:
+        raise ValueError(f"{bound.name}: an operand overlaps itself")
+    pointers = [tensors[name].data_ptr() for name in bound.arrays if name in tensors]
 
     def launch(*scalars: float) -> None:
         stream = torch.cuda.current_stream().cuda_stream
@@ -282,16 +278,17 @@ def problem(spec: NormSpec, x: torch.Tensor, shape3, offsets: list[int],
                    allow_experimental=experimental_enabled())
 
 
-def shape3_of(spec: NormSpec, x: torch.Tensor) -> tuple[tuple[int, int, int], bool, list[int]]:
-    """(the (rows, heads, cols) shape of x, whether the kernels read a copy, the largest
-    offset of the view they read)."""
+def shape3_of(spec: NormSpec, x: torch.Tensor
+              ) -> tuple[tuple[int, int, int], tuple[int, int, int] | None, int]:
+    """(the (rows, heads, cols) shape of x, the strides of that view (None: the kernels read
+    a contiguous copy), the largest offset of what they read)."""
     view = kernel_view(x, spec.dims, spec.per_head)
     if view is None:
         cols = math.prod(x.shape[x.dim() - spec.dims:])
         heads = x.shape[-2] if spec.per_head else 1
         shape3 = (x.numel() // (heads * cols) if cols and heads else 0, heads, cols)
-        return shape3, True, x.numel() - 1
-    return view[0], False, max_offset(*view)
+        return shape3, None, x.numel() - 1
+    return view[0], view[1], max_offset(*view)
 
 
 def build_forward(spec: NormSpec, x, weight, bias, residual, out_dtype, residual_dtype,
@@ -300,7 +297,8 @@ def build_forward(spec: NormSpec, x, weight, bias, residual, out_dtype, residual
     ``residual_dtype``, default the residual's dtype."""
     if residual is not None and residual_dtype is None:
         residual_dtype = residual.dtype
-    shape3, copy_x, x_offset = shape3_of(spec, x)
+    shape3, x_strides, x_offset = shape3_of(spec, x)
+    copy_x = x_strides is None
     offsets = [x_offset]
     copy_residual = False
     r_view = None
@@ -324,8 +322,7 @@ def build_forward(spec: NormSpec, x, weight, bias, residual, out_dtype, residual
         return call
     call.bound = cutile.bind_forward(decision.forward, features)
     heads, cols = shape3[1], shape3[2]
-    layouts = {"x": _layout(x.dtype, shape3, None if copy_x else kernel_view(
-        x, spec.dims, spec.per_head)[1]),
+    layouts = {"x": _layout(x.dtype, shape3, x_strides),
                "y": _layout(call.out_dtype, shape3),
                "rstd": _layout(torch.float32, shape3[:2])}
     if residual is not None:
@@ -533,7 +530,8 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
                    x_dtype: torch.dtype, residual_dtype: torch.dtype | None) -> BackwardCall:
     """The prepared backward over the normalized input ``h`` (x, or the residual stream of a
     fused residual add) for these (already checked) operands."""
-    shape3, copy_h, h_offset = shape3_of(spec, h)
+    shape3, h_strides, h_offset = shape3_of(spec, h)
+    copy_h = h_strides is None
     views = [kernel_view(t, spec.dims, spec.per_head) if t is not None else None
              for t in (dy, dres_in)]
     copy = (views[0] is None, copy_h, dres_in is not None and views[1] is None)
@@ -577,8 +575,7 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
     call.row_kernel = cutile.bind_backward(plan, features, dres_in is not None, split)
     heads, cols = shape3[1], shape3[2]
     layouts = {"dy": _layout(dy.dtype, shape3, None if copy[0] else views[0][1]),
-               "h": _layout(h.dtype, shape3, None if copy_h else kernel_view(
-                   h, spec.dims, spec.per_head)[1]),
+               "h": _layout(h.dtype, shape3, h_strides),
                "rstd": _layout(torch.float32, shape3[:2]),
                "dx": _layout(x_dtype, shape3)}
     if weight is not None:
