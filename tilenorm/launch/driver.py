@@ -241,6 +241,28 @@ def _make_primary_context_current(device_index: int) -> None:
         _check(_driver()[0].cuCtxSetCurrent(context), "cuCtxSetCurrent")
 
 
+@dataclass(frozen=True)
+class LaunchRecipe:
+    """A :class:`DriverLaunch` as plain data, for a launcher in another language (the C++
+    one of :mod:`tilenorm.pytorch.native`): copy :attr:`params`, write each runtime pointer
+    (64-bit) and fp32 scalar at its byte offset, and pass ``cuLaunchKernelEx`` the
+    addresses of the parameters at :attr:`param_offsets` with the grid, block (1, 1, 1)
+    and, where :attr:`dependent_launch`, programmatic stream serialization. The launch
+    assumes what the layouts promised: 16-byte aligned pointers."""
+
+    #: The ``CUkernel`` handle (context-independent, loaded with ``cuLibraryLoadData``).
+    kernel: int
+    grid: tuple[int, int, int]
+    dependent_launch: bool
+    #: The parameter block with the shapes, strides and fixed values written.
+    params: bytes
+    param_offsets: tuple[int, ...]
+    #: (array name in the kernel's order, byte offset) of each runtime pointer.
+    arrays: tuple[tuple[str, int], ...]
+    #: (parameter name, byte offset) of each runtime fp32 scalar.
+    scalars: tuple[tuple[str, int], ...]
+
+
 def _fields(sig: KernelSignature, layouts: tuple[ArrayLayout, ...]) -> list[tuple]:
     """(field name, ctypes type, role) per kernel parameter; roles: ("ptr", i),
     ("dim", value) for a shape or stride, ("scalar", i)."""
@@ -303,6 +325,8 @@ class DriverLaunch:
         for pos, value in enumerate(own):
             fixed_scalars[runtime + pos] = value
         pointers, scalars = [], []
+        runtime_arrays, runtime_scalars = [], []
+        scalar_names = bound.source.__code__.co_varnames[len(bound.arrays):]
         for name, _, (role, value) in fields:
             if role == "dim":
                 setattr(params, name, value)
@@ -310,8 +334,12 @@ class DriverLaunch:
                 setattr(params, name, fixed_arrays[value])
             elif role == "scalar" and value in fixed_scalars:
                 setattr(params, name, fixed_scalars[value])
+            elif role == "ptr":
+                pointers.append(name)
+                runtime_arrays.append((bound.arrays[value], getattr(params_type, name).offset))
             else:
-                (pointers if role == "ptr" else scalars).append(name)
+                scalars.append(name)
+                runtime_scalars.append((scalar_names[value], getattr(params_type, name).offset))
         base = ctypes.addressof(params)
         self.kernel_params = (ctypes.c_void_p * len(fields))(
             *[base + getattr(params_type, name).offset for name, _, _ in fields])
@@ -321,6 +349,11 @@ class DriverLaunch:
         self.config = _LaunchConfig(gx, gy, gz, 1, 1, 1, 0, None,
                                     ctypes.pointer(self.attribute) if dependent else None,
                                     int(dependent))
+        self.recipe = LaunchRecipe(
+            kernel=self.kernel.value, grid=(gx, gy, gz), dependent_launch=bool(dependent),
+            params=ctypes.string_at(base, ctypes.sizeof(params)),
+            param_offsets=tuple(getattr(params_type, name).offset for name, _, _ in fields),
+            arrays=tuple(runtime_arrays), scalars=tuple(runtime_scalars))
         # A function per layout, generated so that a call is straight-line code.
         args = ", ".join(["stream", *pointers, *scalars])
         aligned = f"    if ({' | '.join(pointers)}) & 15:\n        return False\n" \

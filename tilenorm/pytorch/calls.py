@@ -25,7 +25,7 @@ from tilenorm.launch.cutile import NormFeatures
 from tilenorm.launch.driver import ArrayLayout, DriverLaunch
 from tilenorm.layout import contiguous_strides, max_offset, view_3d
 from tilenorm.planner import CuteBackwardPlan, RowNormPlan
-from tilenorm.pytorch import reference
+from tilenorm.pytorch import native, reference
 
 #: Layouts remembered; past this the cache starts over (a long-running job with ever new
 #: shapes must not grow without bound).
@@ -45,6 +45,11 @@ def store(key, prepared) -> None:
     if len(_CALLS) >= MAX_CALLS:
         _CALLS.clear()
     _CALLS[key] = prepared
+
+
+def clear() -> None:
+    """Forget every prepared call."""
+    _CALLS.clear()
 
 
 def cached(key, build):
@@ -208,10 +213,44 @@ class ForwardCall:
     y_like_x: bool = False
     #: The backward calls of this forward's saved operands, by the gradients' layouts.
     backward_calls: dict = field(default_factory=dict)
+    #: The C++ prepared call (:mod:`tilenorm.pytorch.native`), None where the Python path
+    #: runs; :meth:`native_autograd` gives it its backwards.
+    native: object = None
+    recipe: object = None
+    native_backward: bool | None = None
+
+    def native_autograd(self, x, weight, bias, offset: float):
+        """The C++ call with the backwards of its outputs' dense gradients attached (built
+        the first time autograd needs them), or None where the backward takes the Python
+        path (the CuTe DSL kernel, copies)."""
+        if self.native_backward is None:
+            self.native_backward = self._attach_backward(x, weight, bias, offset)
+        return self.native if self.native_backward else None
+
+    def _attach_backward(self, x, weight, bias, offset: float) -> bool:
+        if self.native is None:
+            return False
+
+        def dense(dtype):
+            return torch.empty(self.out_shape, dtype=dtype, device="meta")
+
+        h = x if self.h_dtype is None else dense(self.h_dtype)
+        gradients = [None] if self.h_dtype is None else [None, dense(self.h_dtype)]
+        natives = [build_backward(self.spec, dense(self.out_dtype), dh, h, weight, bias, offset,
+                                  x.dtype, self.h_dtype, device=self.device).native
+                   for dh in gradients]
+        if any(n is None for n in natives):
+            return False
+        native.module().attach_backward(self.native, natives[0], natives[-1])
+        return True
 
     def run(self, x, weight, bias, residual, eps: float, offset: float):
         """(y, h, mean, rstd); h is x without a residual, mean None for RMSNorm; mean and
         rstd have x's shape without the normalized dimensions."""
+        if self.native is not None:
+            out = native.module().forward(self.native, x, weight, bias, residual, eps, offset)
+            if out is not None:
+                return out
         if not self.decision.uses_kernel:
             return reference.norm_forward(x, weight, bias, eps, layer_norm=self.spec.layer_norm,
                                           offset=offset, residual=residual,
@@ -270,8 +309,9 @@ def _as_shape3(t: torch.Tensor, shape3) -> torch.Tensor:
 
 
 def problem(spec: NormSpec, x: torch.Tensor, shape3, offsets: list[int],
-            dtypes: tuple[torch.dtype, ...]) -> Problem:
-    return Problem(op=spec.op, device_type=x.device.type, device_index=x.device.index,
+            dtypes: tuple[torch.dtype, ...], device: torch.device | None = None) -> Problem:
+    device = x.device if device is None else device
+    return Problem(op=spec.op, device_type=device.type, device_index=device.index,
                    dtypes=tuple(DTYPE_NAMES.get(d, str(d)) for d in dtypes),
                    rows=shape3[0], heads=shape3[1], cols=shape3[2],
                    per_head_weight=spec.per_head, max_offset=max(offsets),
@@ -334,7 +374,14 @@ def build_forward(spec: NormSpec, x, weight, bias, residual, out_dtype, residual
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None:
             layouts[name] = _param_layout(p, heads if spec.per_head else 1, cols)
-    call.launch = _launch_or_none(call.bound, layouts, x.device, decision.device.arch)
+    launcher = _driver_launch(call.bound, layouts, x.device, decision.device.arch)
+    if launcher is not None:
+        call.launch = launcher.launch
+        cpp = native.module()
+        if cpp is not None and not (copy_x or copy_residual):
+            call.native = cpp.make_forward(
+                launcher.recipe, list(call.out_shape), list(stat_shape), call.out_dtype,
+                spec.layer_norm, residual_dtype, call.y_like_x)
     return call
 
 
@@ -372,10 +419,18 @@ class BackwardCall:
     cute_reduce: object = None
     #: dx is allocated like h (h contiguous, dx in h's dtype): the cheapest allocation.
     dx_like_h: bool = False
+    #: The C++ prepared call (:mod:`tilenorm.pytorch.native`), None where the Python path
+    #: runs (the CuTe DSL kernel, copies).
+    native: object = None
 
     def run(self, dy, dres_in, h, weight, bias, mean, rstd, offset: float):
         """(dx, dres, dweight, dbias): dres (the residual's gradient) is dx itself when the
         residual has x's dtype, None without a residual."""
+        if self.native is not None:
+            out = native.module().backward(self.native, dy, dres_in, h, weight, bias, mean,
+                                           rstd, offset)
+            if out is not None:
+                return out
         if not self.decision.uses_kernel:
             dx, dh, dweight, dbias = reference.norm_backward(
                 dy, dres_in, h, weight, bias, mean, rstd, offset=offset, x_dtype=self.x_dtype,
@@ -527,9 +582,12 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
-                   x_dtype: torch.dtype, residual_dtype: torch.dtype | None) -> BackwardCall:
+                   x_dtype: torch.dtype, residual_dtype: torch.dtype | None,
+                   device: torch.device | None = None) -> BackwardCall:
     """The prepared backward over the normalized input ``h`` (x, or the residual stream of a
-    fused residual add) for these (already checked) operands."""
+    fused residual add) for these (already checked) operands. ``device``: where it runs,
+    default h's (the forward prepares its outputs' backwards from meta tensors)."""
+    device = h.device if device is None else device
     shape3, h_strides, h_offset = shape3_of(spec, h)
     copy_h = h_strides is None
     views = [kernel_view(t, spec.dims, spec.per_head) if t is not None else None
@@ -539,13 +597,13 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
                             for t, v in zip((dy, dres_in), views, strict=True) if t is not None]
     dtypes = tuple(t.dtype for t in (h, weight, bias) if t is not None)
     # The forward's decision: its problem is h's (x, or the residual stream).
-    decision = dispatch.decide(problem(spec, h, shape3, [h_offset], dtypes))
+    decision = dispatch.decide(problem(spec, h, shape3, [h_offset], dtypes, device))
     features = NormFeatures(layer_norm=spec.layer_norm, has_weight=weight is not None,
                             per_head_weight=spec.per_head, has_bias=bias is not None,
                             has_offset=offset != 0)
     split = residual_dtype is not None and residual_dtype != x_dtype
     call = BackwardCall(spec=spec, decision=decision, features=features, x_dtype=x_dtype,
-                        residual_dtype=residual_dtype, device=h.device, shape3=shape3,
+                        residual_dtype=residual_dtype, device=device, shape3=shape3,
                         copy=copy, split=split,
                         dx_like_h=h.is_contiguous() and h.dtype == x_dtype)
     if not decision.uses_kernel:
@@ -569,7 +627,7 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
                 "partial": ArrayLayout("float32", (chosen.partial_rows, groups, shape3[2]),
                                        contiguous_strides((chosen.partial_rows, groups,
                                                            shape3[2]))),
-                **_reduce_outputs(weight, bias)}, h.device, arch)
+                **_reduce_outputs(weight, bias)}, device, arch)
     call.plan = plan
     call.partial = cutile.PartialBuffer.of(plan, groups)
     call.row_kernel = cutile.bind_backward(plan, features, dres_in is not None, split)
@@ -592,16 +650,32 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
     if bias is not None:
         layouts["partial_b"] = partial_layout
     first = call.row_kernel.first
+    launchers = [None, _driver_launch(call.row_kernel, layouts, device, arch), None]
     if first is not None:
         layouts["row_sums"] = _layout(torch.float32, shape3[:2] + call.row_kernel.workspace)
-        call.launch_first = _launch_or_none(first, layouts, h.device, arch)
-    call.launch_row = _launch_or_none(call.row_kernel, layouts, h.device, arch)
+        launchers[0] = _driver_launch(first, layouts, device, arch)
     if groups:
         call.reduce = cutile.bind_reduce(plan, groups)
-        call.launch_reduce = _launch_or_none(call.reduce, {
+        launchers[2] = _driver_launch(call.reduce, {
             "partial": ArrayLayout("float32", *call.partial.reduced()),
-            **_reduce_outputs(weight, bias)}, h.device, arch)
+            **_reduce_outputs(weight, bias)}, device, arch)
+    call.launch_first, call.launch_row, call.launch_reduce = (
+        None if d is None else d.launch for d in launchers)
+    needed = [d for d, used in zip(launchers, (first is not None, True, groups > 0),
+                                   strict=True) if used]
+    cpp = native.module()
+    if cpp is not None and call.cute is None and not any(copy) and None not in needed:
+        first_d, row_d, reduce_d = launchers
+        call.native = cpp.make_backward(
+            row_d.recipe, None if first_d is None else first_d.recipe,
+            None if reduce_d is None else reduce_d.recipe,
+            list(shape3[:2] + call.row_kernel.workspace) if first is not None else [],
+            math.prod(call.partial.shape) if groups else 0,
+            call.partial.group_offset(int(weight is not None)), x_dtype, residual_dtype,
+            split, call.dx_like_h)
     return call
+
+
 
 
 def forward_call(spec: NormSpec, x, weight, bias, residual, out_dtype, residual_dtype,

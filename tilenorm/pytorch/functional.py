@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from tilenorm import dispatch
-from tilenorm.pytorch import calls, checks, reference
+from tilenorm.pytorch import calls, checks, native, reference
 from tilenorm.pytorch.autograd import NormFunction
 from tilenorm.pytorch.calls import NormSpec, meta
 
@@ -181,7 +181,12 @@ def _apply(op, x, weight, bias, eps, normalized_shape, per_head, offset, residua
     if not _needs_grad(x, weight, bias, residual):
         y, h, _, _ = call.run(x, weight, bias, residual, p.eps, p.offset)
     elif call.decision.uses_kernel:
-        out = NormFunction.apply(p, x, weight, bias, residual)
+        cpp = call.native if call.native_backward else call.native_autograd(x, weight, bias,
+                                                                           p.offset)
+        out = None if cpp is None else native.module().apply(cpp, x, weight, bias, residual,
+                                                              p.eps, p.offset)
+        if out is None:
+            out = NormFunction.apply(p, x, weight, bias, residual)
         y, h = (out, x) if residual is None else out
     else:
         y, h = reference.norm(x, weight, bias, p.eps, layer_norm=call.spec.layer_norm,

@@ -1,0 +1,181 @@
+"""The C++ host path (tilenorm.pytorch.native): it builds against the installed torch, refuses
+what it cannot launch, and (GPU) computes exactly what the Python path computes, through its
+own autograd node."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tilenorm
+from tilenorm.launch.driver import LaunchRecipe
+from tilenorm.pytorch import calls, functional, native
+from tilenorm.testing import fresh_generator
+
+gpu = pytest.mark.gpu
+
+
+def _module():
+    cpp = native.module()
+    if cpp is None:
+        pytest.fail("the C++ host path did not build (see the warning)")
+    return cpp
+
+
+def _recipe(arrays=(("x", 0), ("y", 8), ("rstd", 16)), scalars=(("eps", 24),)):
+    return LaunchRecipe(kernel=1, grid=(1, 1, 1), dependent_launch=False, params=bytes(32),
+                        param_offsets=(0, 8, 16, 24), arrays=arrays, scalars=scalars)
+
+
+def test_builds_and_loads_against_the_installed_torch():
+    cpp = _module()
+    assert native.library_path().exists()
+    assert {"make_forward", "make_backward", "attach_backward", "apply", "forward",
+            "backward"} <= set(dir(cpp))
+
+
+def test_a_recipe_naming_an_operand_no_call_fills_is_refused():
+    with pytest.raises(RuntimeError, match="no prepared call fills: gamma"):
+        _module().make_forward(_recipe(arrays=(("gamma", 0),)), [4, 8], [4], torch.float32,
+                               False, None, True)
+
+
+def test_unaligned_operands_launch_nothing_and_fall_back():
+    """The kernels were compiled for 16-byte aligned operands: the C++ call returns None (the
+    caller takes cuTile's own launch) before any launch is attempted."""
+    call = _module().make_forward(_recipe(), [4, 8], [4], torch.float32, False, None, True)
+    x = torch.empty(33)[1:].view(4, 8)
+    assert x.data_ptr() % 16
+    assert native.module().forward(call, x, None, None, None, 1e-6, 0.0) is None
+
+
+def test_a_missing_compiler_means_the_python_path_with_a_warning(monkeypatch, tmp_path):
+    monkeypatch.setenv("TILENORM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    native.module.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match=r"C\+\+ host path is unavailable"):
+            assert native.module() is None
+    finally:
+        native.module.cache_clear()
+
+
+def test_disabled_gives_the_python_path():
+    with native.disabled():
+        assert native.module() is None
+    assert native.module() is not None
+
+
+# --- GPU ---------------------------------------------------------------------------------
+
+CASES = {
+    "rms": dict(op="rms"),
+    "rms offset, fp32 weight": dict(op="rms", offset=1.0, w_dtype=torch.float32),
+    "rms residual": dict(op="rms", residual=torch.bfloat16),
+    "rms fp32 residual stream": dict(op="rms", residual=torch.float32),
+    "rms per head": dict(op="rms", per_head=True),
+    "layer norm": dict(op="ln"),
+    "layer norm residual": dict(op="ln", residual=torch.bfloat16),
+    "rms fp16 wide": dict(op="rms", dtype=torch.float16, n=12288),
+}
+
+
+def _run(case, g, grads_of_h: bool):
+    dtype = case.get("dtype", torch.bfloat16)
+    n = case.get("n", 1024)
+    shape = (3, 40, 8, 128) if case.get("per_head") else (3, 97, n)
+    x = torch.randn(shape, generator=g, device="cuda", dtype=dtype)
+    w_shape = shape[-2:] if case.get("per_head") else shape[-1:]
+    w = torch.randn(w_shape, generator=g, device="cuda",
+                    dtype=case.get("w_dtype", dtype))
+    b = torch.randn(shape[-1], generator=g, device="cuda", dtype=dtype) \
+        if case["op"] == "ln" else None
+    r = torch.randn(shape, generator=g, device="cuda", dtype=case["residual"]) \
+        if "residual" in case else None
+    dy = torch.randn(shape, generator=g, device="cuda", dtype=dtype)
+    dh = torch.randn(shape, generator=g, device="cuda", dtype=case["residual"]) \
+        if r is not None and grads_of_h else None
+    return x, w, b, r, dy, dh
+
+
+def _step(case, x, w, b, r, dy, dh):
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None
+              for t in (x, w, b, r)]
+    xl, wl, bl, rl = leaves
+    if case["op"] == "ln":
+        out = tilenorm.layer_norm(xl, wl, bl, residual=rl, prenorm=rl is not None)
+    else:
+        out = tilenorm.rms_norm(xl, wl, offset=case.get("offset", 0.0),
+                                per_head=case.get("per_head", False), residual=rl,
+                                prenorm=rl is not None)
+    y, h = out if rl is not None else (out, None)
+    outputs, grads = [y], [dy]
+    if dh is not None:
+        outputs.append(h)
+        grads.append(dh)
+    torch.autograd.backward(outputs, grads)
+    return [y] + ([h] if h is not None else []) + [t.grad for t in leaves if t is not None]
+
+
+@gpu
+@pytest.mark.parametrize("grads_of_h", [False, True])
+@pytest.mark.parametrize("case", list(CASES))
+def test_cpp_path_equals_the_python_path_bit_for_bit(case, grads_of_h):
+    spec = CASES[case]
+    if grads_of_h and "residual" not in spec:
+        pytest.skip("h is x")
+    g, seed = fresh_generator("cuda")
+    operands = _run(spec, g, grads_of_h)
+    calls.clear()
+    ours = _step(spec, *operands)
+    prepared = [p for p in calls._CALLS.values() if isinstance(p, functional._Prepared)]
+    assert prepared and all(p.call.native_backward for p in prepared), \
+        "the C++ autograd node ran"
+    with native.disabled():
+        theirs = _step(spec, *operands)
+    for a, b in zip(ours, theirs, strict=True):
+        assert not a.isnan().any(), seed
+        assert torch.equal(a, b), seed
+
+
+@gpu
+def test_cpp_path_runs_its_own_node_and_frees_the_graph():
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = tilenorm.rms_norm(x, w)
+    assert "NormNode" in type(y.grad_fn).__name__ or "CppNode" in type(y.grad_fn).__name__
+    y.backward(torch.randn_like(y))
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y.backward(torch.randn_like(y))
+
+
+@gpu
+def test_cpp_path_rejects_an_input_modified_in_place_after_the_forward():
+    x = torch.randn(64, 256, device="cuda", requires_grad=True)
+    w = torch.randn(256, device="cuda", requires_grad=True)
+    h = x * 1
+    y = tilenorm.rms_norm(h, w)
+    h.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+@gpu
+def test_cpp_path_takes_gradients_of_any_layout():
+    """A gradient that is not dense (a broadcast from sum(), a transposed view) is read
+    through a dense copy: the same result as a dense gradient of the same values."""
+    g, seed = fresh_generator("cuda")
+    x = torch.randn(128, 512, generator=g, device="cuda", requires_grad=True)
+    w = torch.randn(512, generator=g, device="cuda", requires_grad=True)
+    tilenorm.rms_norm(x, w).sum().backward()
+    expanded = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    tilenorm.rms_norm(x, w).backward(torch.ones(128, 512, device="cuda"))
+    assert torch.equal(expanded[0], x.grad) and torch.equal(expanded[1], w.grad), seed
+    dy = torch.randn(512, 128, generator=g, device="cuda")
+    x.grad = w.grad = None
+    tilenorm.rms_norm(x, w).backward(dy.t())
+    transposed = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    tilenorm.rms_norm(x, w).backward(dy.t().contiguous())
+    assert torch.equal(transposed[0], x.grad) and torch.equal(transposed[1], w.grad), seed
