@@ -340,6 +340,8 @@ void attach_backward(const c10::intrusive_ptr<ForwardNative>& call,
 
 // --- autograd --------------------------------------------------------------------------------
 
+at::Tensor or_undefined(const std::optional<at::Tensor>& t) { return t ? *t : at::Tensor(); }
+
 // A gradient the prepared backward can read: dense (its layout is the output's) and aligned.
 at::Tensor dense(const at::Tensor& g) {
   at::Tensor out = g.contiguous();
@@ -347,10 +349,14 @@ at::Tensor dense(const at::Tensor& g) {
 }
 
 struct NormNode : torch::autograd::Function<NormNode> {
+  // Absent operands are empty optionals: autograd records an undefined tensor as an input.
   static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<ForwardNative> call,
-                               const at::Tensor& x, const at::Tensor& weight,
-                               const at::Tensor& bias, const at::Tensor& residual, double eps,
+                               const at::Tensor& x, const std::optional<at::Tensor>& weight_in,
+                               const std::optional<at::Tensor>& bias_in,
+                               const std::optional<at::Tensor>& residual_in, double eps,
                                double offset) {
+    at::Tensor weight = or_undefined(weight_in), bias = or_undefined(bias_in);
+    at::Tensor residual = or_undefined(residual_in);
     auto out = call->run(x, weight, bias, residual, eps, offset);
     TORCH_CHECK(!out.empty(), "tilenorm: operands checked aligned were not");
     const at::Tensor &y = out[0], &h = out[1];
@@ -385,8 +391,6 @@ bool operands_aligned(const at::Tensor& x, const at::Tensor& weight, const at::T
   return aligned(x) && aligned(weight) && aligned(bias) && aligned(residual);
 }
 
-at::Tensor or_undefined(const std::optional<at::Tensor>& t) { return t ? *t : at::Tensor(); }
-
 // The forward through autograd: y, or (y, h) with a residual; None where an operand is not
 // 16-byte aligned (the caller takes the Python path). Needs attach_backward first.
 py::object apply(const c10::intrusive_ptr<ForwardNative>& call, const at::Tensor& x,
@@ -394,7 +398,7 @@ py::object apply(const c10::intrusive_ptr<ForwardNative>& call, const at::Tensor
                  const std::optional<at::Tensor>& residual, double eps, double offset) {
   at::Tensor w = or_undefined(weight), b = or_undefined(bias), r = or_undefined(residual);
   if (!call->backward || !operands_aligned(x, w, b, r)) return py::none();
-  auto out = NormNode::apply(call, x, w, b, r, eps, offset);
+  auto out = NormNode::apply(call, x, weight, bias, residual, eps, offset);
   if (out.size() == 1) return py::cast(out[0]);
   return py::make_tuple(out[0], out[1]);
 }
