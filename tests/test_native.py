@@ -143,7 +143,7 @@ def test_cpp_path_runs_its_own_node_and_frees_the_graph():
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     y = tilenorm.rms_norm(x, w)
-    assert y.grad_fn.name() == "NormNode"
+    assert "NormNode" in y.grad_fn.name()
     y.backward(torch.randn_like(y))
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         y.backward(torch.randn_like(y))

@@ -1,14 +1,14 @@
 """Where a call's host time goes (GPU host, 256 x 1024 bf16, GPU idle): the pieces of
-tilenorm's RMSNorm forward and backward timed apart, the floor of any design built on a
-Python ``torch.autograd.Function`` (a Function that only allocates its outputs), and a
-cProfile of the module's forward + backward step. bench/NOTES.md #39 records what it showed.
+tilenorm's RMSNorm and LayerNorm calls timed apart, on the C++ host path and the Python one,
+beside torch's; the floor of a Python ``torch.autograd.Function`` (one that only allocates
+its outputs); and a cProfile of each module's no_grad forward and forward + backward step.
+bench/NOTES.md #39 and #40 record what it showed.
 
-    python bench/experiments/host_profile.py [--experimental]
+    python bench/experiments/host_profile.py
 """
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import pstats
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import tilenorm  # noqa: E402
 from tilenorm.benchmark import host_us  # noqa: E402
-from tilenorm.pytorch import calls, functional  # noqa: E402
+from tilenorm.pytorch import functional, native  # noqa: E402
 
 
 class AllocateOnly(torch.autograd.Function):
@@ -41,35 +41,88 @@ class AllocateOnly(torch.autograd.Function):
         return torch.empty_like(x), torch.empty_like(weight)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--experimental", action="store_true")
-    args = parser.parse_args()
-    tilenorm.set_experimental(args.experimental)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(256, 1024, generator=g, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(1024, generator=g, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(x.shape, generator=g, device="cuda", dtype=x.dtype)
-    dev = x.device
-    y, _, rstd = tilenorm.rms_norm_forward(x, w)
-    prepared = functional._prepared("rms_norm", x, w, None, None, 1e-6, 0.0, None, False,
+def step(m, x, dy):
+    def run():
+        x.grad = None
+        m.weight.grad = None
+        m(x).backward(dy)
+    return run
+
+
+def no_grad(m, x):
+    def run():
+        with torch.no_grad():
+            m(x)
+    return run
+
+
+def pieces(op: str, x, xg, dy) -> dict:
+    n, dev = x.shape[-1], x.device
+    layer_norm = op == "layer_norm"
+    ours = (tilenorm.LayerNorm if layer_norm else tilenorm.RMSNorm)(
+        n, device=dev, dtype=x.dtype)
+    theirs = (torch.nn.LayerNorm if layer_norm else torch.nn.RMSNorm)(
+        n, device=dev, dtype=x.dtype)
+    w = ours.weight.detach()
+    b = ours.bias.detach() if layer_norm else None
+    eps = ours.eps
+    prepared = functional._prepared(op, x, w, b, None, eps, 0.0, ours.normalized_shape, False,
                                     False, None, None)
     call = prepared.call
-    print(tilenorm.explain(x, w))
-    backward = calls.backward_call(call.spec, dy, None, x, w, None, 0.0, x.dtype, None)
-    partial = torch.empty(backward.partial.shape, dtype=torch.float32, device=dev)
-    dx, dw = torch.empty_like(x), torch.empty_like(w)
-    p = [t.data_ptr() for t in (x, w, y, rstd, dy, dx, partial, dw)]
-    module = tilenorm.RMSNorm(1024, device="cuda", dtype=torch.bfloat16)
-    theirs = torch.nn.RMSNorm(1024, device="cuda", dtype=torch.bfloat16)
-    xg = x.clone().requires_grad_()
+    print(tilenorm.explain(x, w, bias=b, layer_norm=layer_norm))
+    cpp = native.module()
+    out = {
+        "module no_grad, tilenorm": no_grad(ours, x),
+        "module no_grad, torch": no_grad(theirs, x),
+        "functional no_grad": lambda: _no_grad_functional(op, x, w, b, eps),
+        "prepared-call lookup": lambda: functional._prepared(
+            op, x, w, b, None, eps, 0.0, ours.normalized_shape, False, False, None, None),
+        "ForwardCall.run": lambda: call.run(x, w, b, None, eps, 0.0),
+        "step, tilenorm module": step(ours, xg, dy),
+        "step, torch module": step(theirs, xg, dy),
+    }
+    if cpp is not None and call.native is not None:
+        out["C++ forward (direct)"] = lambda: cpp.forward(call.native, x, w, b, None, eps, 0.0)
+        wg = ours.weight
+        bg = ours.bias if layer_norm else None
+        call.native_autograd(x, w, b, 0.0)
 
-    def step(m):
-        def run():
+        def cpp_step():
             xg.grad = None
-            m.weight.grad = None
-            m(xg).backward(dy)
-        return run
+            wg.grad = None
+            cpp.apply(call.native, xg, wg, bg, None, eps, 0.0).backward(dy)
+        out["step, C++ apply (direct)"] = cpp_step
+    return out
+
+
+def _no_grad_functional(op, x, w, b, eps):
+    with torch.no_grad():
+        if op == "layer_norm":
+            tilenorm.layer_norm(x, w, b, eps)
+        else:
+            tilenorm.rms_norm(x, w, eps)
+
+
+def profile(name: str, fn, calls: int = 3000) -> str:
+    for _ in range(20):
+        fn()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
+    return f"--- cProfile: {name}, {calls} calls ---\n{text.getvalue()}"
+
+
+def main() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(256, 1024, generator=g, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(x.shape, generator=g, device="cuda", dtype=x.dtype)
+    xg = x.clone().requires_grad_()
+    w = torch.randn(1024, generator=g, device="cuda", dtype=torch.bfloat16)
 
     def floor_step():
         xg.grad = None
@@ -77,50 +130,26 @@ def main() -> None:
         w.grad = None
         AllocateOnly.apply(xg, w).backward(dy)
 
-    def no_grad(m):
-        def run():
-            with torch.no_grad():
-                m(x)
-        return run
-
-    pieces = {
-        "torch.empty_like(x)": lambda: torch.empty_like(x),
-        "torch.empty((256,), f32)": lambda: torch.empty((256,), dtype=torch.float32,
-                                                        device=dev),
-        "4 x data_ptr()": lambda: (x.data_ptr(), w.data_ptr(), y.data_ptr(), rstd.data_ptr()),
-        "current stream handle": lambda: torch._C._cuda_getCurrentRawStream(dev.index),
-        "lean launch, forward": lambda: call.launch(0, p[0], p[1], p[2], p[3], 1e-6, 0.0),
-        "lean launch, backward row kernel": lambda: backward.launch_row(
-            0, p[4], p[0], p[1], p[3], p[5], p[6], 0.0),
-        "lean launch, dgamma reduction": lambda: backward.launch_reduce(0, p[6], p[7]),
-        "prepared-call lookup": lambda: functional._prepared(
-            "rms_norm", x, w, None, None, 1e-6, 0.0, None, False, False, None, None),
-        "ForwardCall.run": lambda: call.run(x, w, None, None, 1e-6, 0.0),
-        "BackwardCall.run": lambda: backward.run(dy, None, x, w, None, None, rstd, 0.0),
-        "tilenorm.rms_norm_forward": lambda: tilenorm.rms_norm_forward(x, w),
-        "tilenorm.rms_norm_backward": lambda: tilenorm.rms_norm_backward(dy, x, w, rstd),
-        "torch._fused_rms_norm": lambda: torch.ops.aten._fused_rms_norm(x, [1024], w, 1e-6),
-        "module no_grad, tilenorm": no_grad(module),
-        "module no_grad, torch": no_grad(theirs),
-        "step, tilenorm.RMSNorm": step(module),
-        "step, torch.nn.RMSNorm": step(theirs),
-        "step, Function that only allocates": floor_step,
-    }
-    results = {name: host_us(fn, calls=7000 if name.startswith("step") else 21000, rounds=7)
-               for name, fn in pieces.items()}
-    profile = cProfile.Profile()
-    run = step(module)
-    profile.enable()
-    for _ in range(2000):
-        run()
-    profile.disable()
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(22)
-    print(text.getvalue())
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: host us per call")
-    for name, value in results.items():
-        print(f"  {name:>36}: {value:7.2f}")
+    results = {"common": {
+        "torch.empty_like(x)": host_us(lambda: torch.empty_like(x), 21000, 7),
+        "torch.empty((256,), f32)": host_us(
+            lambda: torch.empty((256,), dtype=torch.float32, device=x.device), 21000, 7),
+        "step, Function that only allocates": host_us(floor_step, 7000, 7),
+    }}
+    reports = []
+    for op in ("rms_norm", "layer_norm"):
+        fns = pieces(op, x, xg, dy)
+        results[op] = {name: host_us(fn, calls=7000 if "step" in name else 21000, rounds=7)
+                       for name, fn in fns.items()}
+        reports.append(profile(f"{op} module no_grad", fns["module no_grad, tilenorm"]))
+        reports.append(profile(f"{op} module step", fns["step, tilenorm module"]))
+    print("\n".join(reports))
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, C++ host path "
+          f"{'on' if native.available() else 'off'}: host us per call")
+    for group, values in results.items():
+        print(f"  [{group}]")
+        for name, value in values.items():
+            print(f"  {name:>36}: {value:7.2f}")
 
 
 if __name__ == "__main__":
