@@ -65,7 +65,7 @@ def pieces(op: str, x, xg, dy) -> dict:
         n, device=dev, dtype=x.dtype)
     w = ours.weight.detach()
     b = ours.bias.detach() if layer_norm else None
-    eps = ours.eps
+    eps = functional.default_eps(x.dtype) if ours.eps is None else ours.eps
     prepared = functional._prepared(op, x, w, b, None, eps, 0.0, ours.normalized_shape, False,
                                     False, None, None)
     call = prepared.call
