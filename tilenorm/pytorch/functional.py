@@ -161,25 +161,28 @@ def _prepared(op, x, weight, bias, residual, eps, offset, normalized_shape, per_
     return found
 
 
-def _needs_grad(x, weight, bias, residual) -> bool:
-    return torch.is_grad_enabled() and (
-        x.requires_grad or (weight is not None and weight.requires_grad)
-        or (bias is not None and bias.requires_grad)
-        or (residual is not None and residual.requires_grad))
-
-
 def _apply(op, x, weight, bias, eps, normalized_shape, per_head, offset, residual, prenorm,
            residual_dtype, out_dtype):
+    """The ops' eager path. Written for host time (bench/NOTES.md #40): a prepared call's
+    C++ twin runs the no_grad forward and the autograd node; the Python path is the fallback
+    (no compiler, unaligned operands, copies, the CuTe DSL backward)."""
     if torch.compiler.is_compiling():
         return _traced(op, x, weight, bias, eps, normalized_shape, per_head, offset, residual,
                        prenorm, residual_dtype, out_dtype)
-    if out_dtype is None:
-        out_dtype = _autocast_out_dtype(op, x) if isinstance(x, torch.Tensor) else None
+    if (out_dtype is None and _AUTOCASTS_TO_FP32[op] and isinstance(x, torch.Tensor)
+            and x.is_cuda and torch.is_autocast_enabled("cuda")):
+        out_dtype = torch.float32
     p = _prepared(op, x, weight, bias, residual, eps, offset, normalized_shape, per_head,
                   prenorm, out_dtype, residual_dtype)
     call = p.call
-    if not _needs_grad(x, weight, bias, residual):
-        y, h, _, _ = call.run(x, weight, bias, residual, p.eps, p.offset)
+    if not (torch.is_grad_enabled() and (
+            x.requires_grad or (weight is not None and weight.requires_grad)
+            or (bias is not None and bias.requires_grad)
+            or (residual is not None and residual.requires_grad))):
+        out = None if call.native is None else native.module().forward(
+            call.native, x, weight, bias, residual, p.eps, p.offset)
+        y, h = call.run(x, weight, bias, residual, p.eps, p.offset)[:2] if out is None \
+            else out[:2]
     elif call.decision.uses_kernel:
         cpp = call.native if call.native_backward else call.native_autograd(x, weight, bias,
                                                                            p.offset)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tilenorm.pytorch.functional import layer_norm, rms_norm
+from tilenorm.pytorch.functional import LAYER_NORM, RMS_NORM, _apply
 
 
 class RMSNorm(torch.nn.RMSNorm):
@@ -17,7 +17,9 @@ class RMSNorm(torch.nn.RMSNorm):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, normalized_shape=self.normalized_shape)
+        # rms_norm's body, one call shallower: a module call is host-bound (NOTES #40)
+        return _apply(RMS_NORM, x, self.weight, None, self.eps, self.normalized_shape, False,
+                      0.0, None, False, None, None)
 
 
 class LayerNorm(torch.nn.LayerNorm):
@@ -26,5 +28,5 @@ class LayerNorm(torch.nn.LayerNorm):
     normalizes over the trailing ``normalized_shape`` dimensions."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_norm(x, self.weight, self.bias, self.eps,
-                          normalized_shape=self.normalized_shape)
+        return _apply(LAYER_NORM, x, self.weight, self.bias, self.eps, self.normalized_shape,
+                      False, 0.0, None, False, None, None)
