@@ -179,3 +179,16 @@ def test_cpp_path_takes_gradients_of_any_layout():
     x.grad = w.grad = None
     tilenorm.rms_norm(x, w).backward(dy.t().contiguous())
     assert torch.equal(transposed[0], x.grad) and torch.equal(transposed[1], w.grad), seed
+
+
+def test_layout_key_tells_apart_what_the_python_key_tells_apart():
+    key = _module().layout_key
+    x = torch.empty(4, 8)
+    same = [torch.empty(4, 8), torch.empty(4, 8)]
+    assert key(same[0], None) == key(same[1], None) == key(x, None)
+    others = [x.t(), x.to(torch.bfloat16), torch.empty(8, 4), torch.empty(2, 4, 4),
+              torch.empty(4, 16)[:, :8], torch.empty(4, 8, device="meta")]
+    keys = {key(t, None) for t in others} | {key(x, None), key(x), key(x, x), key(None, x)}
+    assert len(keys) == len(others) + 4
+    with pytest.raises(TypeError):
+        key(x, 3)

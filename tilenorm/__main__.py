@@ -9,7 +9,8 @@ build of the kernels for sm_90 and sm_100 (without one).
 Compiled kernels are cached on disk: cuTile's in $CUDA_TILE_CACHE_DIR (default
 $XDG_CACHE_HOME/cutile-python, that is ~/.cache/cutile-python; at most
 $CUDA_TILE_CACHE_SIZE bytes, 2 GB by default, oldest entries dropped first; "off" disables
-it).
+it); the C++ host path (tilenorm.pytorch.native, built here if it is not yet) in
+$TILENORM_CACHE_DIR (default ~/.cache/tilenorm).
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ def report() -> None:
     print(f"  cuTile compiler (tileiras): {release[0].strip() if release else 'not found'} "
           f"({where})")
     print(f"  compile cache: {cache_dir()} (CUDA_TILE_CACHE_DIR moves it)")
+    from tilenorm.pytorch import native
+
+    host = (f"built in {native.library_path().parent} (TILENORM_CACHE_DIR moves it)"
+            if native.available() else "off: the Python path (the warning above says why)")
+    print(f"  C++ host path: {host}", flush=True)
     if torch.cuda.is_available():
         from tilenorm.device import device_info
 

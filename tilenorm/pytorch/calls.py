@@ -66,6 +66,17 @@ def meta(t: torch.Tensor | None):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
+def python_layouts(*operands) -> tuple:
+    """The operands' layouts as one cache key (AttributeError for a non-tensor)."""
+    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+                 for t in operands)
+
+
+#: The operands' layouts as one cache key: :func:`python_layouts`, or the C++ path's
+#: ``layout_key`` (a quarter of the host time, NOTES #40) once that is loaded.
+layouts = python_layouts
+
+
 # --- layouts -------------------------------------------------------------------------------
 
 

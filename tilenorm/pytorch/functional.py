@@ -21,7 +21,7 @@ import torch
 from tilenorm import dispatch
 from tilenorm.pytorch import calls, checks, native, reference
 from tilenorm.pytorch.autograd import NormFunction
-from tilenorm.pytorch.calls import NormSpec, meta
+from tilenorm.pytorch.calls import NormSpec
 
 RMS_NORM, LAYER_NORM = "rms_norm", "layer_norm"
 #: torch's rms_norm runs in float32 under CUDA autocast from 2.12 on; layer_norm always.
@@ -144,12 +144,8 @@ def _prepared(op, x, weight, bias, residual, eps, offset, normalized_shape, per_
     """The prepared call for these arguments: looked up by their layout (the hot path: no
     checks), or checked and prepared the first time."""
     try:
-        key = (op, x.shape, x.stride(), x.dtype, x.device,
-               None if weight is None else (weight.shape, weight.stride(), weight.dtype,
-                                            weight.device),
-               None if bias is None else meta(bias), None if residual is None else meta(residual),
-               eps, offset, normalized_shape, per_head, prenorm, out_dtype, residual_dtype,
-               calls.experimental_enabled())
+        key = (op, calls.layouts(x, weight, bias, residual), eps, offset, normalized_shape,
+               per_head, prenorm, out_dtype, residual_dtype, calls.experimental_enabled())
         found = calls.lookup(key)
     except (AttributeError, TypeError):  # not tensors, or an unhashable normalized_shape
         found = key = None
@@ -319,9 +315,9 @@ def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor | None = None,
 def _backward(op, dy, dh, h, weight, bias, mean, rstd, offset, normalized_shape, per_head,
               x_dtype, residual_dtype):
     try:
-        key = ("launch backward", op, meta(dy), meta(dh), meta(h), meta(weight), meta(bias),
-               meta(mean), meta(rstd), offset, normalized_shape, per_head, x_dtype,
-               residual_dtype, calls.experimental_enabled())
+        key = ("launch backward", op, calls.layouts(dy, dh, h, weight, bias, mean, rstd),
+               offset, normalized_shape, per_head, x_dtype, residual_dtype,
+               calls.experimental_enabled())
         found = calls.lookup(key)
     except (AttributeError, TypeError):  # not tensors, or an unhashable normalized_shape
         found = key = None

@@ -124,6 +124,9 @@ def module() -> ModuleType | None:
         warnings.warn(f"tilenorm: the C++ host path is unavailable ({error}); the ops take the "
                       f"Python path (same results, more host time a call)", stacklevel=3)
         return None
+    from tilenorm.pytorch import calls
+
+    calls.layouts = loaded.layout_key
     return loaded
 
 
@@ -141,6 +144,7 @@ def disabled():
     os.environ["TILENORM_NATIVE"] = "0"
     module.cache_clear()
     calls.clear()
+    calls.layouts = calls.python_layouts
     try:
         yield
     finally:
@@ -150,3 +154,4 @@ def disabled():
             os.environ["TILENORM_NATIVE"] = saved
         module.cache_clear()
         calls.clear()
+        calls.layouts = calls.python_layouts
