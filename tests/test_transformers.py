@@ -1,0 +1,471 @@
+"""tilenorm.transformers: patching tiny models of every supported family (built from their
+configs, no downloads) and checking outputs and gradients against the unpatched model, reset,
+class-level patching, torch.compile, activation checkpointing, PEFT and hooks."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import tilenorm.transformers as tt  # noqa: E402
+from tilenorm.testing import rel_error as rel  # noqa: E402
+
+gpu = pytest.mark.gpu
+VOCAB, HIDDEN, LAYERS, HEADS, HEAD_DIM = 97, 64, 2, 4, 16
+#: The tilenorm op rounds once where Llama-style norms round x_hat to the input dtype before
+#: the weight multiply; in bf16 both stay this close to the fp32 model.
+BF16_TOL = 5e-2
+
+
+def _config(family: str, **overrides):
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                  num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                  max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2)
+    gqa = dict(num_key_value_heads=2)
+    t = transformers
+    configs = {
+        "llama": lambda: t.LlamaConfig(**common, **gqa),
+        "mistral": lambda: t.MistralConfig(**common, **gqa),
+        "qwen2": lambda: t.Qwen2Config(**common, **gqa),
+        "qwen3": lambda: t.Qwen3Config(**common, **gqa, head_dim=HEAD_DIM),
+        "qwen3_moe": lambda: t.Qwen3MoeConfig(**common, **gqa, head_dim=HEAD_DIM, num_experts=4,
+                                              num_experts_per_tok=2, moe_intermediate_size=32,
+                                              decoder_sparse_step=1),
+        "gemma2": lambda: t.Gemma2Config(**common, **gqa, head_dim=HEAD_DIM,
+                                         query_pre_attn_scalar=HEAD_DIM, sliding_window=8),
+        "gemma3": lambda: t.Gemma3TextConfig(**common, **gqa, head_dim=HEAD_DIM,
+                                             query_pre_attn_scalar=HEAD_DIM, sliding_window=8),
+        "phi3": lambda: t.Phi3Config(**common, **gqa),
+        "olmo2": lambda: t.Olmo2Config(**common, **gqa),
+        "gpt_neox": lambda: t.GPTNeoXConfig(**common),
+    }
+    config = configs[family]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def _model_class(family: str):
+    t = transformers
+    return {"llama": t.LlamaForCausalLM, "mistral": t.MistralForCausalLM,
+            "qwen2": t.Qwen2ForCausalLM, "qwen3": t.Qwen3ForCausalLM,
+            "qwen3_moe": t.Qwen3MoeForCausalLM, "gemma2": t.Gemma2ForCausalLM,
+            "gemma3": t.Gemma3ForCausalLM, "phi3": t.Phi3ForCausalLM,
+            "olmo2": t.Olmo2ForCausalLM, "gpt_neox": t.GPTNeoXForCausalLM}[family]
+
+
+def build(family: str, dtype=torch.float32, seed: int = 0, **overrides):
+    """A tiny model with random weights, norms' included (so that the weight, Gemma's
+    ``1 + w`` and biases all matter)."""
+    torch.manual_seed(seed)
+    model = _model_class(family)(_config(family, **overrides))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_((0.0 if "gemma" in family else 1.0) + 0.2 * torch.randn_like(p))
+    return model.to(dtype).eval()
+
+
+#: family -> (norm modules, per-head norms, fused layers) of the 2-layer models.
+EXPECTED = {
+    "llama": (5, 0, 2), "mistral": (5, 0, 2), "qwen2": (5, 0, 2), "qwen3": (5, 4, 2),
+    "qwen3_moe": (5, 4, 2), "gemma2": (9, 0, 2), "gemma3": (9, 4, 2), "phi3": (5, 0, 2),
+    "olmo2": (9, 0, 0), "gpt_neox": (5, 0, 0),
+}
+FAMILIES = list(EXPECTED)
+
+
+def _counts(report):
+    return report.norm_modules, report.per_head_norms, report.fused_layers
+
+
+def _run(model, ids, proj):
+    """Logits and the gradients of a random projection of them, by parameter name."""
+    model.zero_grad(set_to_none=True)
+    logits = model(ids).logits
+    (logits.float() * proj).sum().backward()
+    grads = {n.removeprefix("_orig_mod."): p.grad.detach().clone()
+             for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), grads
+
+
+def _inputs(seed=1, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (2, 12), generator=g)
+    proj = torch.randn(2, 12, VOCAB, generator=g)
+    return ids.to(device), proj.to(device)
+
+
+def _worst(out, ref):
+    logits, grads = out
+    ref_logits, ref_grads = ref
+    assert grads.keys() == ref_grads.keys()
+    return max([rel(logits, ref_logits)] + [rel(grads[n], ref_grads[n]) for n in grads])
+
+
+def _classes(model):
+    return [(n, type(m)) for n, m in model.named_modules()]
+
+
+# --- apply: counts and parity ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_apply_counts_and_fp32_parity(family):
+    model = build(family)
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a supported family patches without warnings
+        report = tt.apply(model)
+    assert _counts(report) == EXPECTED[family], str(report)
+    assert not report.refused, str(report)
+    assert report.families and "refused" not in str(report)
+    ids, proj = _inputs()
+    assert _worst(_run(model, ids, proj), _run(ref, ids, proj)) <= 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_parity(family):
+    """Patched and unpatched bf16 models are both within bf16 rounding of the fp32 model."""
+    ref32 = build(family)
+    model, hf = build(family, torch.bfloat16), build(family, torch.bfloat16)
+    tt.apply(model)
+    ids, proj = _inputs()
+    exact = _run(ref32, ids, proj)
+    ours, theirs = _worst(_run(model, ids, proj), exact), _worst(_run(hf, ids, proj), exact)
+    assert ours <= BF16_TOL and ours <= 2 * theirs + 1e-3, (ours, theirs)
+
+
+def test_norm_output_dtypes_follow_the_family():
+    """Llama's norm returns the promotion of the weight's and the input's dtypes, Gemma's the
+    input's (OLMo2's the input's from transformers 4.52, Llama's rule before): with fp32
+    weights on bf16 input, no autocast, the patched norms return what the originals did."""
+    for family, dtype in (("llama", torch.float32), ("gemma3", torch.bfloat16),
+                          ("olmo2", None)):
+        model = build(family)
+        norm = model.model.layers[0].post_attention_layernorm
+        x = torch.randn(2, 3, HIDDEN, dtype=torch.bfloat16)
+        before = norm(x)
+        tt.apply(model)
+        after = norm(x)
+        assert after.dtype == before.dtype == (dtype or before.dtype)
+        assert rel(after, before) <= 1e-2
+
+
+def test_gpt_neox_sequential_residual_is_fused():
+    model = build("gpt_neox", use_parallel_residual=False)
+    ref = copy.deepcopy(model)
+    report = tt.apply(model)
+    assert _counts(report) == (5, 0, 2), str(report)
+    ids, proj = _inputs()
+    assert _worst(_run(model, ids, proj), _run(ref, ids, proj)) <= 1e-5
+
+
+def test_by_design_skips_are_reported_without_warning():
+    for family, reason in (("olmo2", "OLMo2 normalizes each sublayer's output"),
+                           ("gpt_neox", "parallel residual")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            report = tt.apply(build(family))
+        assert len(report.skipped) == LAYERS and all(s.expected for s in report.skipped)
+        assert reason in str(report)
+
+
+def test_norms_only_and_residual_only():
+    ids, proj = _inputs()
+    ref = build("qwen3")
+    expected = _run(ref, ids, proj)
+    norms_only, residual_only = build("qwen3"), build("qwen3")
+    assert _counts(tt.apply(norms_only, residual=False)) == (5, 4, 0)
+    assert _counts(tt.apply(residual_only, norms=False)) == (0, 0, 2)
+    assert type(residual_only.model.norm) is type(ref.model.norm)
+    for model in (norms_only, residual_only):
+        assert _worst(_run(model, ids, proj), expected) <= 1e-5
+
+
+def test_apply_twice_counts_the_same():
+    model = build("gemma3")
+    first, second = tt.apply(model), tt.apply(model)
+    assert _counts(first) == _counts(second) == EXPECTED["gemma3"]
+
+
+def test_fused_forward_is_the_installed_forward_rewritten():
+    model = build("llama")
+    tt.apply(model)
+    layer_cls = type(model.model.layers[0])
+    import inspect
+    text = inspect.getsource(layer_cls.forward)
+    assert "_tilenorm_add_norm(self.post_attention_layernorm, residual, hidden_states)" in text
+    assert "self.self_attn(" in text and text.count("_tilenorm_add_norm") == 1
+    original = tt.patching.original_class(layer_cls)
+    assert original is not layer_cls and original.__name__ == layer_cls.__name__
+    assert isinstance(model.model.layers[0], original)
+
+
+# --- reset --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "olmo2", "gpt_neox"])
+def test_reset_restores_the_model_exactly(family):
+    model = build(family)
+    ref = copy.deepcopy(model)
+    classes = _classes(model)
+    tensors = {k: (v, v.data_ptr()) for k, v in model.state_dict(keep_vars=True).items()}
+    tt.apply(model)
+    assert _classes(model) != classes
+    tt.reset(model)
+    assert _classes(model) == classes
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    after = model.state_dict(keep_vars=True)
+    assert after.keys() == tensors.keys()
+    assert all(after[k] is v and v.data_ptr() == ptr for k, (v, ptr) in tensors.items())
+    ids, proj = _inputs()
+    logits, grads = _run(model, ids, proj)
+    ref_logits, ref_grads = _run(ref, ids, proj)
+    assert torch.equal(logits, ref_logits)
+    assert all(torch.equal(grads[n], ref_grads[n]) for n in grads)
+
+
+# --- what is left alone ---------------------------------------------------------------------
+
+
+def test_unknown_model_is_left_alone_with_a_warning():
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS,
+                                     n_head=HEADS, n_positions=64)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    classes = _classes(model)
+    with pytest.warns(UserWarning, match="no supported model family in GPT2LMHeadModel"):
+        report = tt.apply(model)
+    assert _classes(model) == classes
+    assert _counts(report) == (0, 0, 0) and not report.families
+    assert "LayerNorm" in str(report) and "not a norm of a supported family" in str(report)
+
+
+def test_unverified_forward_is_refused(monkeypatch):
+    """A decoder-layer forward that is not a verified source is never rewritten."""
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.LlamaDecoderLayer.forward
+
+    def forward(self, *args, **kwargs):
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "forward", forward)
+    model = build("llama")
+    ref = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="left unpatched"):
+        report = tt.apply(model)
+    assert _counts(report) == (5, 0, 0)
+    assert "not one verified for tilenorm" in str(report)
+    assert type(model.model.layers[0]) is modeling_llama.LlamaDecoderLayer
+    ids, proj = _inputs()
+    assert _worst(_run(model, ids, proj), _run(ref, ids, proj)) <= 1e-5
+
+
+def test_instance_forward_is_refused():
+    model = build("llama")
+    layer = model.model.layers[0]
+    layer.forward = layer.forward  # as another library's per-instance hooks do
+    with pytest.warns(UserWarning, match="left unpatched"):
+        report = tt.apply(model)
+    assert report.fused_layers == 1 and "replaced on the instance" in str(report)
+
+
+def test_hooked_norm_takes_the_unfused_path():
+    """A hook on a norm that a fused layer would skip sees its call all the same."""
+    model = build("llama")
+    ref = copy.deepcopy(model)
+    tt.apply(model)
+    seen = []
+    for m in (model, ref):
+        m.model.layers[1].post_attention_layernorm.register_forward_hook(
+            lambda mod, args, out: seen.append(args[0].detach().clone()))
+    ids, proj = _inputs()
+    assert _worst(_run(model, ids, proj), _run(ref, ids, proj)) <= 1e-5
+    assert len(seen) == 2 and rel(seen[0], seen[1]) <= 1e-6
+
+
+# --- class-level patching ----------------------------------------------------------------
+
+
+def test_class_level_patching_then_building():
+    from transformers.models.qwen3 import modeling_qwen3
+
+    ref = build("qwen3")
+    before = build("qwen3")
+    try:
+        report = tt.apply_to("qwen3")
+        assert report.classes == ["modeling_qwen3.Qwen3RMSNorm",
+                                  "modeling_qwen3.Qwen3DecoderLayer"], str(report)
+        model = build("qwen3")
+        assert type(before.model.layers[0]) is tt.patching.original_class(
+            modeling_qwen3.Qwen3DecoderLayer)
+        assert _counts(tt.apply(model)) == EXPECTED["qwen3"]
+        ids, proj = _inputs()
+        assert _worst(_run(model, ids, proj), _run(ref, ids, proj)) <= 1e-5
+    finally:
+        tt.reset_classes()
+    assert "_tilenorm_original" not in vars(modeling_qwen3.Qwen3DecoderLayer)
+    assert "_tilenorm_original" not in vars(modeling_qwen3.Qwen3RMSNorm)
+    tt.reset(model)
+    assert _classes(model) == _classes(ref)
+    assert _counts(tt.apply(build("qwen3"), norms=False, residual=False)) == (0, 0, 0)
+
+
+def test_class_level_gpt_neox_leaves_layer_norm_alone():
+    try:
+        report = tt.apply_to("gpt_neox")
+        assert report.classes == ["modeling_gpt_neox.GPTNeoXLayer"]
+        assert "torch.nn.LayerNorm" in str(report)
+        assert torch.nn.LayerNorm.forward is not None
+        model = build("gpt_neox", use_parallel_residual=False)
+        assert all(type(m) is torch.nn.LayerNorm for m in model.modules()
+                   if isinstance(m, torch.nn.LayerNorm))
+        assert _counts(tt.apply(model)) == (5, 0, 2)
+    finally:
+        tt.reset_classes()
+
+
+def test_apply_to_unknown_family():
+    with pytest.raises(ValueError, match="unknown family 'bert'"):
+        tt.apply_to("bert")
+
+
+# --- torch.compile, checkpointing, PEFT ------------------------------------------------------
+
+
+#: tilenorm::norm_bwd's reference path (CPU) returns dx with dy's strides where its fake
+#: implementation says contiguous; AOT autograd then fails on Qwen3's q/k norms, whose
+#: gradient arrives transposed. A tilenorm.pytorch issue, not of the patching.
+_NORM_BWD_STRIDES = pytest.mark.xfail(raises=RuntimeError, strict=True,
+                                      reason="norm_bwd reference-path output strides")
+
+
+@pytest.mark.parametrize("family,backend", [
+    ("llama", "aot_eager"), ("gemma3", "aot_eager"), ("qwen3", "eager"),
+    pytest.param("qwen3", "aot_eager", marks=_NORM_BWD_STRIDES)])
+def test_torch_compile(family, backend):
+    torch._dynamo.reset()
+    model = build(family)
+    ref = copy.deepcopy(model)
+    tt.apply(model)
+    compiled = torch.compile(model, backend=backend)
+    ids, proj = _inputs()
+    assert _worst(_run(compiled, ids, proj), _run(ref, ids, proj)) <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_torch_compile_fullgraph_traces_the_fused_calls(family):
+    """One graph, no break, holding one fused tilenorm call (a norm_fwd with a residual)
+    per layer."""
+    torch._dynamo.reset()
+    model = build(family)
+    tt.apply(model)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    ids, _ = _inputs()
+    torch.compile(model, backend=backend, fullgraph=True)(ids, use_cache=False)
+    calls = [n for gm in graphs for n in gm.graph.nodes
+             if n.target in (torch.ops.tilenorm.norm_fwd, torch.ops.tilenorm.norm_fwd.default)]
+    fused = [n for n in calls if n.args[3] is not None]
+    assert len(graphs) == 1 and len(fused) == LAYERS
+    assert len(calls) == sum(EXPECTED[family][:2])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "phi3"])
+def test_gradient_checkpointing(family):
+    """The patched layers are checkpointed (their MLP runs again in the backward) and give
+    the unpatched model's gradients."""
+    model = build(family).train()
+    ref = copy.deepcopy(model)
+    tt.apply(model)
+    calls = []
+    for m in (model, ref):
+        # activation_checkpointing_enable: the name from transformers 5.23 on
+        getattr(m, "activation_checkpointing_enable", m.gradient_checkpointing_enable)()
+        m.model.layers[0].mlp.register_forward_pre_hook(lambda mod, args: calls.append(mod))
+    ids, proj = _inputs()
+    out = _run(model, ids, proj)
+    patched_calls = len(calls)
+    assert _worst(out, _run(ref, ids, proj)) <= 1e-5
+    assert patched_calls == 2 and len(calls) == 4
+
+
+def test_peft_lora():
+    peft = pytest.importorskip("peft")
+    model = build("qwen3")
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    wrapped = peft.get_peft_model(model, lora)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    ref = copy.deepcopy(wrapped)
+    report = tt.apply(wrapped)
+    assert _counts(report) == EXPECTED["qwen3"], str(report)
+    ids, proj = _inputs()
+    out, expected = _run(wrapped, ids, proj), _run(ref, ids, proj)
+    assert any("lora_A" in n for n in out[1])
+    assert _worst(out, expected) <= 1e-5
+    tt.reset(wrapped)
+    assert _classes(wrapped) == _classes(ref)
+
+
+def test_peft_modules_to_save_norm_is_not_fused():
+    """A norm wrapped by PEFT is no longer the family's norm: the layer keeps its add."""
+    peft = pytest.importorskip("peft")
+    model = build("llama")
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(
+        r=4, target_modules=["q_proj"], modules_to_save=["post_attention_layernorm"]))
+    ref = copy.deepcopy(wrapped)
+    with pytest.warns(UserWarning, match="left unpatched"):
+        report = tt.apply(wrapped)
+    assert report.fused_layers == 0 and "ModulesToSaveWrapper" in str(report)
+    ids, proj = _inputs()
+    assert _worst(_run(wrapped, ids, proj), _run(ref, ids, proj)) <= 1e-5
+
+
+# --- the optional dependency ------------------------------------------------------------------
+
+
+def test_tilenorm_does_not_import_transformers():
+    code = "import sys, tilenorm; assert 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_import_without_transformers_says_how_to_install():
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "try:\n    import tilenorm.transformers\nexcept ImportError as e:\n"
+            "    assert 'pip install' in str(e), e\nelse:\n    raise SystemExit(1)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- GPU ----------------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_bf16_parity_cuda(family):
+    """The kernels (with the fused residual add) inside a bf16 model on the GPU: as close to
+    the fp32 model as transformers' own bf16 model is."""
+    ref32 = build(family).cuda()
+    model, hf = build(family, torch.bfloat16).cuda(), build(family, torch.bfloat16).cuda()
+    report = tt.apply(model)
+    assert _counts(report) == EXPECTED[family] and report.fused_layers == LAYERS
+    ids, proj = _inputs(device="cuda")
+    exact = _run(ref32, ids, proj)
+    ours, theirs = _worst(_run(model, ids, proj), exact), _worst(_run(hf, ids, proj), exact)
+    assert ours <= BF16_TOL and ours <= 2 * theirs + 1e-3, (ours, theirs)
