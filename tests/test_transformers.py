@@ -5,6 +5,7 @@ class-level patching, torch.compile, activation checkpointing, PEFT and hooks.""
 from __future__ import annotations
 
 import copy
+import inspect
 import subprocess
 import sys
 import warnings
@@ -14,6 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import tilenorm  # noqa: E402
 import tilenorm.transformers as tt  # noqa: E402
 from tilenorm.testing import rel_error as rel  # noqa: E402
 
@@ -201,7 +203,6 @@ def test_fused_forward_is_the_installed_forward_rewritten():
     model = build("llama")
     tt.apply(model)
     layer_cls = type(model.model.layers[0])
-    import inspect
     text = inspect.getsource(layer_cls.forward)
     assert "_tilenorm_add_norm(self.post_attention_layernorm, residual, hidden_states)" in text
     assert "self.self_attn(" in text and text.count("_tilenorm_add_norm") == 1
@@ -278,6 +279,27 @@ def test_instance_forward_is_refused():
     with pytest.warns(UserWarning, match="left unpatched"):
         report = tt.apply(model)
     assert report.fused_layers == 1 and "replaced on the instance" in str(report)
+
+
+def test_wrapper_subclass_is_refused():
+    """A layer whose class was subclassed after building (as FSDP2's fully_shard does) is
+    not a class tilenorm verified."""
+    model = build("llama")
+    layer = model.model.layers[0]
+    layer.__class__ = type("FSDPLlamaDecoderLayer", (type(layer),), {})
+    with pytest.warns(UserWarning, match="left unpatched"):
+        report = tt.apply(model)
+    assert report.fused_layers == 1 and "derives from LlamaDecoderLayer" in str(report)
+    assert type(layer).__name__ == "FSDPLlamaDecoderLayer"
+
+
+def test_deepcopy_keeps_the_patches():
+    model = build("gemma3")
+    tt.apply(model)
+    twin = copy.deepcopy(model)
+    assert _classes(twin) == _classes(model)
+    ids, proj = _inputs()
+    assert _worst(_run(twin, ids, proj), _run(model, ids, proj)) == 0
 
 
 def test_hooked_norm_takes_the_unfused_path():
@@ -459,13 +481,18 @@ def test_import_without_transformers_says_how_to_install():
 @gpu
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
 def test_bf16_parity_cuda(family):
-    """The kernels (with the fused residual add) inside a bf16 model on the GPU: as close to
-    the fp32 model as transformers' own bf16 model is."""
+    """The kernels (the fused residual add included) inside a bf16 model on the GPU: as close
+    to the fp32 model as transformers' own bf16 model is."""
     ref32 = build(family).cuda()
     model, hf = build(family, torch.bfloat16).cuda(), build(family, torch.bfloat16).cuda()
     report = tt.apply(model)
     assert _counts(report) == EXPECTED[family] and report.fused_layers == LAYERS
     ids, proj = _inputs(device="cuda")
-    exact = _run(ref32, ids, proj)
-    ours, theirs = _worst(_run(model, ids, proj), exact), _worst(_run(hf, ids, proj), exact)
+    with tilenorm.experimental():
+        x = torch.randn(2, 12, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        w = model.model.layers[0].post_attention_layernorm.weight
+        assert tilenorm.explain(x, w, x).uses_kernel
+        exact = _run(ref32, ids, proj)
+        ours = _worst(_run(model, ids, proj), exact)
+        theirs = _worst(_run(hf, ids, proj), exact)
     assert ours <= BF16_TOL and ours <= 2 * theirs + 1e-3, (ours, theirs)

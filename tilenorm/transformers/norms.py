@@ -87,15 +87,19 @@ GEMMA = NormKind("gemma", _gemma_forward, _gemma_add_norm)
 LAYER_NORM = NormKind("layer_norm", _layer_norm_forward, _layer_norm_add_norm)
 
 
+#: torch's global module hooks (dicts registered into in place).
+_GLOBAL_HOOKS = tuple(getattr(_torch_module, name, {}) for name in (
+    "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+    "_global_backward_pre_hooks"))
+
+
 def observed(module: torch.nn.Module) -> bool:
     """Whether calling ``module`` does more than its class's ``forward``: hooks (its own or
     global) or a ``forward`` set on the instance. A fused add-then-norm skips the module call,
     so it is used only where nothing would observe that."""
-    m = _torch_module
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or m._global_forward_hooks
-                or m._global_forward_pre_hooks or m._global_backward_hooks
-                or m._global_backward_pre_hooks or "forward" in module.__dict__)
+                or module._backward_pre_hooks or any(_GLOBAL_HOOKS)
+                or "forward" in module.__dict__)
 
 
 def make_add_norm(kind: NormKind, classes: tuple[type, ...]

@@ -74,6 +74,8 @@ def _norm_class(cls: type) -> _Norm:
     if cls is torch.nn.LayerNorm:
         kind: norms.NormKind | None = norms.LAYER_NORM
         reason = ""
+    elif any(hasattr(f, "__wrapped__") for f in methods):
+        kind, reason = None, f"{cls.__qualname__}.forward is wrapped (the wrapper would be lost)"
     else:
         try:
             text = "".join(rewrite.source(f) for f in methods if f is not None)
@@ -95,7 +97,8 @@ def _is_checkpoint_wrapper(func: Callable) -> bool:
     too). ``functools.wraps`` gives it the wrapped function's names; its code keeps its own."""
     code = getattr(func, "__code__", None)
     layers = sys.modules.get("transformers.modeling_layers")
-    return (code is not None and layers is not None and code.co_name == "forward_with_checkpointing"
+    return (code is not None and layers is not None
+            and code.co_name == "forward_with_checkpointing"
             and code.co_filename == getattr(layers, "__file__", None))
 
 
@@ -166,19 +169,24 @@ def _index() -> dict[type, tuple[Family, str]]:
 
 def _family_of(module: torch.nn.Module, parent: torch.nn.Module | None,
                index: dict[type, tuple[Family, str]]) -> tuple[Family, str] | None:
-    entry = index.get(original_class(type(module)))
-    if entry is None and original_class(type(module)) is torch.nn.LayerNorm and parent:
-        owner = index.get(original_class(type(parent)))
-        if owner is None:
-            owner = next(((f, "norm") for f in FAMILIES.values()
-                          if f.norm is None and type(parent).__module__ == f.module), None)
-        if owner is not None and owner[0].norm is None:
-            entry = (owner[0], "norm")
-    return entry
+    """(family, "layer" or "norm") of a module, or None. A ``torch.nn.LayerNorm`` is a norm
+    of the family (with ``norm=None``) whose modeling module defines its parent."""
+    cls = original_class(type(module))
+    if cls is torch.nn.LayerNorm and parent is not None:
+        owner = original_class(type(parent)).__module__
+        return next(((f, "norm") for f in FAMILIES.values()
+                     if f.norm is None and f.module == owner), None)
+    return index.get(cls)
+
+
+def _subclassed(module: torch.nn.Module, index: dict[type, tuple[Family, str]]) -> type | None:
+    """The family class that ``module``'s class derives from without being it (a class
+    FSDP2 or another library made), or None."""
+    return next((c for c in type(module).__mro__[1:] if c in index), None)
 
 
 def _patch_norm(report: Report, path: str, name: str, module: torch.nn.Module,
-                parent: torch.nn.Module | None, family: Family) -> None:
+                parent: torch.nn.Module | None) -> None:
     weight = getattr(module, "weight", None)
     per_head = (name in _PER_HEAD_NAMES and weight is not None and parent is not None
                 and getattr(parent, "head_dim", None) == weight.shape[-1])
@@ -241,7 +249,9 @@ def apply(model: torch.nn.Module, *, norms: bool = True, residual: bool = True) 
     Returns:
         A :class:`Report`; ``print`` it. Nothing is raised for what cannot be patched: it is
         skipped, listed in the report, and a warning says so (and when no supported family
-        is found). :func:`reset` restores the model.
+        is found). :func:`reset` restores the model. ``copy.deepcopy`` keeps the patches;
+        pickling a whole patched model (``torch.save(model)``) needs :func:`reset` first, as
+        the patched classes are not importable (``state_dict`` is unaffected).
     """
     report = Report(type(model).__name__)
     index = _index()
@@ -253,16 +263,23 @@ def apply(model: torch.nn.Module, *, norms: bool = True, residual: bool = True) 
         name, parent = parents.get(id(module), ("", None))
         entry = _family_of(module, parent, index)
         if entry is None:
-            if "Norm" in type(module).__name__:
+            base = _subclassed(module, index)
+            if base is not None:
+                report.skip(path, index[base][1], f"its class {type(module).__name__} "
+                            f"derives from {base.__name__} without being it (a wrapper class "
+                            f"such as FSDP2's: apply tilenorm before wrapping)")
+            elif "Norm" in type(module).__name__:
                 report.skip(path, "norm", f"{type(module).__name__} is not a norm of a "
                                           f"supported family", expected=True)
             continue
         family, role = entry
         if family.title not in report.families:
             report.families.append(family.title)
-        if role == "norm" and norms:
-            _patch_norm(report, path, name, module, parent, family)
-        elif role == "layer" and residual:
+        # what is patched already is counted whatever the flags: apply never unpatches
+        patched = original_class(type(module)) is not type(module)
+        if role == "norm" and (norms or patched):
+            _patch_norm(report, path, name, module, parent)
+        elif role == "layer" and (residual or patched):
             _patch_layer(report, path, module, family)
     if not report.families:
         warnings.warn(f"tilenorm.transformers.apply: no supported model family in "

@@ -98,41 +98,61 @@ def _located(node: ast.Assign, like: ast.stmt) -> ast.Assign:
     return ast.fix_missing_locations(ast.copy_location(node, like))
 
 
+def _stream(body: list[ast.stmt], i: int, norms: tuple[str, ...], self_name: str
+            ) -> tuple[str, list[ast.stmt]] | None:
+    """``T = a + b; R = T; T = self.N(T)`` at ``body[i]``: (N, its replacement)."""
+    if i + 3 > len(body):
+        return None
+    first, second, third = (_assign(s) for s in body[i:i + 3])
+    add = first[1]
+    if not (second and third and _name(second[1], first[0]) and second[0] != first[0]
+            and third[0] == first[0]):
+        return None
+    call = _self_call(third[1], self_name)
+    if not (call and call[0] in norms and _name(call[1], first[0])):
+        return None
+    fused = ast.Assign([_pair(first[0], second[0])],
+                       _call(call[0], add.left, add.right, self_name))
+    return call[0], [_located(fused, body[i])]
+
+
+def _nested(body: list[ast.stmt], i: int, norms: tuple[str, ...], self_name: str
+            ) -> tuple[str, list[ast.stmt]] | None:
+    """``T = a + b; S = self.M(self.N(T))`` at ``body[i]``: (N, its replacement)."""
+    first = _assign(body[i])
+    second = _assign(body[i + 1]) if i + 1 < len(body) else None
+    outer = _self_call(second[1], self_name) if second else None
+    inner = _self_call(outer[1], self_name) if outer else None
+    if not (inner and inner[0] in norms and _name(inner[1], first[0])):
+        return None
+    add = first[1]
+    fused = ast.Assign([_pair(NORMED, first[0])],
+                       _call(inner[0], add.left, add.right, self_name))
+    body[i + 1].value.args[0] = ast.Name(NORMED, ast.Load())
+    return inner[0], [_located(fused, body[i]), body[i + 1]]
+
+
 def _rewrite_block(body: list[ast.stmt], norms: tuple[str, ...], self_name: str,
                    found: list[str]) -> list[ast.stmt]:
+    """``body`` with each add-then-norm replaced (in ``if`` branches too); the norms
+    replaced are appended to ``found``."""
     out: list[ast.stmt] = []
     i = 0
     while i < len(body):
         stmt = body[i]
         first = _assign(stmt)
-        add = first[1] if first else None
-        if first and isinstance(add, ast.BinOp) and isinstance(add.op, ast.Add):
-            total = first[0]
-            second = _assign(body[i + 1]) if i + 1 < len(body) else None
-            third = _assign(body[i + 2]) if i + 2 < len(body) else None
-            # T = a + b; R = T; T = self.N(T)
-            if second and _name(second[1], total) and second[0] != total and third \
-                    and third[0] == total:
-                call = _self_call(third[1], self_name)
-                if call and call[0] in norms and _name(call[1], total):
-                    out.append(_located(ast.Assign(
-                        [_pair(total, second[0])],
-                        _call(call[0], add.left, add.right, self_name)), stmt))
-                    found.append(call[0])
-                    i += 3
-                    continue
-            # T = a + b; S = self.M(self.N(T))
-            outer = _self_call(second[1], self_name) if second else None
-            inner = _self_call(outer[1], self_name) if outer else None
-            if inner and inner[0] in norms and _name(inner[1], total):
-                out.append(_located(ast.Assign(
-                    [_pair(NORMED, total)], _call(inner[0], add.left, add.right, self_name)),
-                    stmt))
-                body[i + 1].value.args[0] = ast.Name(NORMED, ast.Load())
-                out.append(body[i + 1])
-                found.append(inner[0])
-                i += 2
-                continue
+        if first and isinstance(first[1], ast.BinOp) and isinstance(first[1].op, ast.Add):
+            for shape, length in ((_stream, 3), (_nested, 2)):
+                match = shape(body, i, norms, self_name)
+                if match:
+                    found.append(match[0])
+                    out.extend(match[1])
+                    i += length
+                    break
+            else:
+                out.append(stmt)
+                i += 1
+            continue
         if isinstance(stmt, ast.If):
             stmt.body = _rewrite_block(stmt.body, norms, self_name, found)
             stmt.orelse = _rewrite_block(stmt.orelse, norms, self_name, found)
