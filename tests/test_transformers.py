@@ -146,6 +146,21 @@ def test_bf16_parity(family):
     assert ours <= BF16_TOL and ours <= 2 * theirs + 1e-3, (ours, theirs)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_autocast_parity(family):
+    """Under bf16 autocast (fp32 weights, an fp32 residual stream, bf16 projections) the
+    patched model matches the unpatched one within bf16 rounding: Qwen3's q/k norms see bf16
+    input and fp32 weights, where transformers rounds x_hat to bf16 and tilenorm does not."""
+    model = build(family)
+    ref = copy.deepcopy(model)
+    tt.apply(model)
+    ids, proj = _inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours, theirs = _run(model, ids, proj), _run(ref, ids, proj)
+    assert ours[0].dtype == theirs[0].dtype
+    assert _worst(ours, theirs) <= BF16_TOL
+
+
 def test_norm_output_dtypes_follow_the_family():
     """Llama's norm returns the promotion of the weight's and the input's dtypes, Gemma's the
     input's (OLMo2's the input's from transformers 4.52, Llama's rule before): with fp32
