@@ -381,16 +381,8 @@ def test_apply_to_unknown_family():
 # --- torch.compile, checkpointing, PEFT ------------------------------------------------------
 
 
-#: tilenorm::norm_bwd's reference path (CPU) returns dx with dy's strides where its fake
-#: implementation says contiguous; AOT autograd then fails on Qwen3's q/k norms, whose
-#: gradient arrives transposed. A tilenorm.pytorch issue, not of the patching.
-_NORM_BWD_STRIDES = pytest.mark.xfail(raises=RuntimeError, strict=True,
-                                      reason="norm_bwd reference-path output strides")
-
-
 @pytest.mark.parametrize("family,backend", [
-    ("llama", "aot_eager"), ("gemma3", "aot_eager"), ("qwen3", "eager"),
-    pytest.param("qwen3", "aot_eager", marks=_NORM_BWD_STRIDES)])
+    ("llama", "aot_eager"), ("gemma3", "aot_eager"), ("qwen3", "eager"), ("qwen3", "aot_eager")])
 def test_torch_compile(family, backend):
     torch._dynamo.reset()
     model = build(family)

@@ -37,8 +37,9 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     call = forward_call(spec, x, weight, bias, residual, out_dtype, residual_dtype,
                         offset != 0)
     y, h, mean, rstd = call.run(x, weight, bias, residual, eps, offset)
-    return (y, _empty(x) if residual is None else h, _empty(rstd) if mean is None else mean,
-            rstd)
+    # Contiguous, as the fake says (the reference path keeps a strided x's layout).
+    return (y.contiguous(), _empty(x) if residual is None else h.contiguous(),
+            _empty(rstd) if mean is None else mean, rstd)
 
 
 @norm_fwd.register_fake
@@ -62,17 +63,21 @@ def norm_bwd(dy: torch.Tensor, dres_in: torch.Tensor | None, h: torch.Tensor,
     spec = _spec(mean is not None, dims, per_head)
     call = backward_call(spec, dy, dres_in, h, weight, bias, offset, x_dtype, residual_dtype)
     dx, dres, dweight, dbias = call.run(dy, dres_in, h, weight, bias, mean, rstd, offset)
-    if dres is dx:
-        dres = dx.clone()  # custom-op outputs may not alias each other
+    # Contiguous, as the fake says (the reference path keeps a strided dy's layout); custom-op
+    # outputs may not alias each other.
+    dx = dx.contiguous()
+    dres = None if dres is None else dx.clone() if dres is dx else dres.contiguous()
     return (dx, _empty(dx) if dres is None else dres,
-            _empty(dx) if dweight is None else dweight, _empty(dx) if dbias is None else dbias)
+            _empty(dx) if dweight is None else dweight.contiguous(),
+            _empty(dx) if dbias is None else dbias.contiguous())
 
 
 @norm_bwd.register_fake
 def _(dy, dres_in, h, weight, bias, mean, rstd, offset, dims, per_head, x_dtype,
       residual_dtype):
-    def like(p):  # a fresh tensor each: outputs must not alias
-        return h.new_empty(0, dtype=x_dtype) if p is None else torch.empty_like(p)
+    def like(p):  # a fresh contiguous tensor each: outputs must not alias
+        return h.new_empty(0, dtype=x_dtype) if p is None else torch.empty(
+            p.shape, dtype=p.dtype, device=p.device)
 
     return (torch.empty(h.shape, dtype=x_dtype, device=h.device),
             like(None) if residual_dtype is None else torch.empty(
