@@ -1,0 +1,850 @@
+"""Training-step benchmark: every norm provider inside Hugging Face transformers models, eager
+and under torch.compile (issue 17).
+
+    python bench/bench_training.py                        # the default matrix, bf16, CUDA
+    python bench/bench_training.py --models llama --sizes host --modes eager --plot
+    python bench/bench_training.py --device cpu --sizes tiny --modes eager --dtype float32
+
+Models are built from configs (no downloads), random weights from ``--seed``, norm weights
+randomized too (around 1, Gemma's around 0 for its ``1 + w``) so that they matter. One model
+per model/size is built and every provider gets a ``copy.deepcopy`` of it: same weights, same
+batches, and only the norms differ.
+
+Models (``--models``): ``llama`` (LlamaForCausalLM, kv heads = heads / 2, MLP 2.75 x hidden),
+``qwen3`` (Qwen3ForCausalLM, per-head q/k norms, kv heads = heads / 4, MLP 3 x hidden) and
+``gemma3`` (Gemma3ForCausalLM on a Gemma3TextConfig: ``1 + w`` norms, four per layer plus the
+q/k norms, sliding window = sequence / 4, kv heads = heads / 4, MLP 3 x hidden), head_dim =
+hidden / heads. Sizes (``--sizes``):
+
+  gpu    2 x 4096 tokens, hidden 2048, 8 layers, 16 heads, vocab 32000 (GPU-bound)
+  host   1 x 1024 tokens, hidden 512, 8 layers, 8 heads, vocab 32000 (host-bound)
+  tiny   1 x 64 tokens, hidden 64, 2 layers, 4 heads, vocab 512 (a CPU smoke test)
+
+Providers (``--providers``), each patching its copy of the model in place:
+
+  hf                 the model's own norm modules
+  torch              every RMSNorm module replaced by ``torch.nn.RMSNorm`` holding the same
+                     weight Parameter; Gemma's by a ``torch.nn.RMSNorm`` subclass calling
+                     ``F.rms_norm(x, ..., 1 + weight)``: the parameter stays ``w`` (optimizer
+                     state and weight decay as in HF), one N-element add per call more, and
+                     ``1 + w`` is rounded to the weight's dtype where HF adds in fp32
+  liger              ``liger_kernel.transformers.monkey_patch._apply_liger_kernel_to_instance``
+                     with ``rms_norm=True`` and every other boolean option of the family's
+                     ``apply_liger_kernel_to_*`` False (rope, swiglu/geglu, cross entropy,
+                     fused linear cross entropy, ...: read from its signature, recorded); the
+                     modeling module's classes Liger replaces process-wide are put back after
+  quack              every RMSNorm module replaced by ``quack.rmsnorm.QuackRMSNorm`` holding
+                     the same weight; Gemma's calls ``quack.rmsnorm.rmsnorm(...,
+                     weight_offset=1.0)`` (absent, with the reason, where quack has no
+                     ``weight_offset``)
+  tilenorm           ``tilenorm.transformers.apply(model, residual=False)``: the norms
+  tilenorm+residual  ``tilenorm.transformers.apply(model, residual=True)``: the norms and each
+                     decoder layer's residual add fused with the norm that follows it
+
+A provider that fails to import is recorded under ``absent`` and skipped; one that fails to
+patch or run a configuration is recorded under ``failures``; the run goes on.
+
+Modes (``--modes``): ``eager``, and ``compile``: ``torch.compile(model, dynamic=False)`` of the
+whole model (default inductor), ``torch._dynamo.reset()`` between configurations.
+
+One training step: ``model(input_ids=ids, labels=ids, use_cache=False).loss`` (transformers'
+own shifted cross entropy), ``loss.backward()``, ``torch.optim.AdamW(lr=--lr, fused=True)``
+step (foreach where fused is unavailable), ``zero_grad(set_to_none=True)``; weights in
+``--dtype`` (bf16), ``model.train()``. Step i takes batch i mod ``--batches`` of a fixed set of
+token batches drawn from a Zipf distribution over the vocabulary: a unigram law the model
+learns, so that the loss moves (on uniform tokens the initial loss, ~log(vocab), is already the
+best there is). The learning rate is fixed, 1e-4 by default: on the CPU, Llama at the host
+size with 1 x 256 tokens in bf16, 100 steps took the loss from 10.48 to 6.30, and a correct norm
+rounding once (torch.nn.RMSNorm) ended 1e-4 from HF's loss; at 3e-4 the same pair ended 1e-2
+apart and at 1e-3 (a loss spike on the way) 2e-2: bf16 trajectories that large steps make
+diverge from any rounding difference.
+
+Timing: step 0 (which compiles, under compile) and ``--warmup`` / ``--compile-warmup`` steps in
+all untimed, then ``--steps`` steps back to back, each between two CUDA events (no
+synchronization in between, as in a training loop: a GPU-bound step is its GPU time, a
+host-bound one includes the host's time); the median is recorded, with every step's time, the
+first step's wall time and the peak memory of the timed steps above the weights
+(``torch.cuda.max_memory_allocated``, reset after the warm-up, less what was allocated before
+the optimizer: gradients, optimizer state and activations). On the CPU the wall time of each
+step.
+
+Correctness, against a reference: the hf provider in eager mode run once more per model/size
+(so that the hf rows show the run-to-run noise of HF itself, e.g. the attention backward's
+atomics, and compile's difference from eager). At step 0, before the update: the loss's
+relative difference, the relative difference of the global gradient norm, and the largest
+relative difference of a parameter's gradient norm (which parameter is recorded). Then the loss
+after ``--train-steps`` updates (the loss of step ``--train-steps``; the same run continues past
+the timed steps), for the sizes of ``--train-sizes`` in eager mode (``--train-compile``: compile
+too; ``--train-steps 0``: never).
+
+Budget: the default matrix (3 models x 2 sizes x 2 modes x 6 providers) is meant for one device
+call of 10 minutes, and whole-model compiles (one per compiled configuration) dominate it.
+Configurations run eager first, then compiled, model by model, size by size; each is written to
+the record as it ends, and one that would end past ``--budget-s`` (by the longest configuration
+so far of its size and mode) is skipped and recorded as such, so that the run ends in time with
+what it measured. The rest is a second call writing the same file (``--modes compile --models
+gemma3``, say): a record already at the path keeps its rows, each replaced by a new row or
+failure of its configuration (a skip leaves a row in place), so that a split run gives one
+record.
+
+Writes bench/results/<device>-<date>-training-<commit>.json (or ``--out``), with ``--plot`` a
+PNG beside it, and prints the step times, peak memory, correctness and the targets (PASS /
+FAIL) last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime
+import gc
+import importlib
+import importlib.metadata
+import inspect
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import common  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    batch: int
+    seq: int
+    hidden: int
+    layers: int
+    heads: int
+    vocab: int
+    #: Host-bound: the size of the "no slower than torch" target.
+    host_bound: bool
+
+
+SIZES = {s.name: s for s in (
+    Size("gpu", 2, 4096, 2048, 8, 16, 32000, host_bound=False),
+    Size("host", 1, 1024, 512, 8, 8, 32000, host_bound=True),
+    Size("tiny", 1, 64, 64, 2, 4, 512, host_bound=True),
+)}
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    causal_lm: str
+    config: str
+    #: The family's RMSNorm class name: the modules the torch and quack providers replace.
+    norm: str
+    #: 1.0 for Gemma's ``x_hat * (1 + w)``.
+    offset: float
+    kv_div: int
+    mlp: float
+
+    def build_config(self, size: Size):
+        import transformers
+
+        head_dim = size.hidden // size.heads
+        extra = {}
+        if self.name == "gemma3":
+            extra = dict(query_pre_attn_scalar=head_dim, sliding_window=size.seq // 4)
+        return getattr(transformers, self.config)(
+            vocab_size=size.vocab, hidden_size=size.hidden,
+            intermediate_size=int(size.hidden * self.mlp), num_hidden_layers=size.layers,
+            num_attention_heads=size.heads, num_key_value_heads=size.heads // self.kv_div,
+            head_dim=head_dim, max_position_embeddings=size.seq, use_cache=False,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
+
+
+MODELS = {m.name: m for m in (
+    Model("llama", "LlamaForCausalLM", "LlamaConfig", "LlamaRMSNorm", 0.0, 2, 2.75),
+    Model("qwen3", "Qwen3ForCausalLM", "Qwen3Config", "Qwen3RMSNorm", 0.0, 4, 3.0),
+    Model("gemma3", "Gemma3ForCausalLM", "Gemma3TextConfig", "Gemma3RMSNorm", 1.0, 4, 3.0),
+)}
+PROVIDERS = ("hf", "torch", "liger", "quack", "tilenorm", "tilenorm+residual")
+MODES = ("eager", "compile")
+#: The import each provider needs: a failure is recorded once and the provider skipped.
+IMPORTS = {"liger": "liger_kernel.transformers.monkey_patch", "quack": "quack.rmsnorm",
+           "tilenorm": "tilenorm.transformers", "tilenorm+residual": "tilenorm.transformers"}
+#: Providers whose kernels exist only on CUDA devices.
+CUDA_ONLY = ("liger", "quack")
+OURS = ("tilenorm", "tilenorm+residual")
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+#: Step 0 against the reference, by dtype: the loss's relative difference, and each parameter's
+#: gradient norm's. In bf16 a norm computed another (correct) way rounds differently and the
+#: difference goes through every layer's backward; HF's own run-to-run noise is in its rows.
+#: In fp32 only the order of operations differs.
+LOSS0_TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
+GRAD_TOL = {torch.bfloat16: 3e-2, torch.float32: 1e-4}
+#: Issue 17: the loss after the training run within this of HF's.
+TRAIN_LOSS_TOL = 1e-3
+
+
+# --- providers --------------------------------------------------------------------------
+
+
+def _eps(norm: torch.nn.Module) -> float:
+    return getattr(norm, "variance_epsilon", None) or norm.eps
+
+
+def _swap_norms(model: torch.nn.Module, spec: Model, make: Callable[[int, float], torch.nn.Module]
+                ) -> int:
+    """Replace every ``spec.norm`` module by ``make(dim, eps)`` holding the same weight
+    Parameter (so the optimizer and state dict see the same parameters); the count."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ == spec.norm:
+                new = make(child.weight.shape[0], _eps(child))
+                new.weight = child.weight
+                setattr(parent, name, new)
+                count += 1
+    if not count:
+        raise RuntimeError(f"no {spec.norm} module in {type(model).__name__}")
+    return count
+
+
+class _TorchOffsetRMSNorm(torch.nn.RMSNorm):
+    """Gemma's ``x_hat * (1 + w)`` through torch's RMSNorm, the parameter still ``w``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, 1 + self.weight, self.eps)
+
+
+def patch_torch(model, spec: Model) -> dict:
+    cls = _TorchOffsetRMSNorm if spec.offset else torch.nn.RMSNorm
+    count = _swap_norms(model, spec, lambda dim, eps: cls(dim, eps=eps, device="meta"))
+    api = ("torch.nn.RMSNorm subclass, F.rms_norm(x, ..., 1 + w)" if spec.offset
+           else "torch.nn.RMSNorm")
+    return {"api": api, "norm_modules": count}
+
+
+def patch_quack(model, spec: Model) -> dict:
+    q = importlib.import_module("quack.rmsnorm")
+    if not hasattr(q, "QuackRMSNorm"):
+        raise NotImplementedError("this quack.rmsnorm has no QuackRMSNorm module")
+    cls = q.QuackRMSNorm
+    api = "quack.rmsnorm.QuackRMSNorm"
+    if spec.offset:
+        if "weight_offset" not in inspect.signature(q.rmsnorm).parameters:
+            raise NotImplementedError("this quack.rmsnorm.rmsnorm has no weight_offset for "
+                                      "Gemma's (1 + w)")
+
+        class QuackOffsetRMSNorm(q.QuackRMSNorm):
+            def forward(self, x):
+                return q.rmsnorm(x, self.weight, eps=self.eps, weight_offset=spec.offset)
+
+        cls = QuackOffsetRMSNorm
+        api = "quack.rmsnorm.QuackRMSNorm subclass, rmsnorm(..., weight_offset=1.0)"
+    count = _swap_norms(model, spec, lambda dim, eps: cls(dim, eps=eps, device="meta"))
+    return {"api": api, "norm_modules": count}
+
+
+@contextlib.contextmanager
+def _module_restored(module):
+    """Put ``module``'s globals back afterwards: Liger's ``apply_liger_kernel_to_*`` replace
+    classes in the modeling module process-wide (``modeling_llama.LlamaRMSNorm =
+    LigerRMSNorm``), which would change the next models built and tilenorm's class checks."""
+    before = dict(vars(module))
+    try:
+        yield
+    finally:
+        for name in set(vars(module)) - set(before):
+            delattr(module, name)
+        for name, value in before.items():
+            if vars(module).get(name) is not value:
+                setattr(module, name, value)
+
+
+def patch_liger(model, spec: Model) -> dict:
+    mp = importlib.import_module("liger_kernel.transformers.monkey_patch")
+    model_type = model.config.model_type
+    if model_type not in mp.MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise NotImplementedError(f"this Liger has no kernels for {model_type}")
+    apply_fn = mp.MODEL_TYPE_TO_APPLY_LIGER_FN[model_type]
+    # Every boolean option off but the norm, whatever options this Liger version has.
+    options = {name: name == "rms_norm"
+               for name, p in inspect.signature(apply_fn).parameters.items()
+               if isinstance(p.default, bool)}
+    if "rms_norm" not in options:
+        raise NotImplementedError(f"{apply_fn.__name__} has no rms_norm option")
+    with _module_restored(sys.modules[type(model).__module__]):
+        mp._apply_liger_kernel_to_instance(model=model, **options)
+    # Liger binds its forward on each norm instance: count them, so that a silent no-op shows.
+    count = sum("forward" in m.__dict__ for m in model.modules()
+                if type(m).__name__ == spec.norm)
+    if not count:
+        raise RuntimeError(f"Liger patched no {spec.norm} of {type(model).__name__}")
+    return {"api": f"_apply_liger_kernel_to_instance ({apply_fn.__name__}) {options}",
+            "norm_modules": count}
+
+
+def _patch_tilenorm(model, residual: bool) -> dict:
+    import tilenorm.transformers as tt
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = tt.apply(model, residual=residual)
+    if not report.norm_modules:
+        raise RuntimeError(f"tilenorm.transformers.apply patched no norm:\n{report}")
+    return {"api": f"tilenorm.transformers.apply(model, residual={residual})",
+            "norm_modules": report.norm_modules, "per_head_norms": report.per_head_norms,
+            "fused_layers": report.fused_layers, "report": str(report),
+            "warnings": [str(w.message)[:500] for w in caught]}
+
+
+PATCHES: dict[str, Callable[[torch.nn.Module, Model], dict]] = {
+    "hf": lambda model, spec: {"api": f"transformers' {spec.norm}"},
+    "torch": patch_torch,
+    "liger": patch_liger,
+    "quack": patch_quack,
+    "tilenorm": lambda model, spec: _patch_tilenorm(model, residual=False),
+    "tilenorm+residual": lambda model, spec: _patch_tilenorm(model, residual=True),
+}
+
+
+# --- models, data, steps ----------------------------------------------------------------
+
+
+def build_base(spec: Model, size: Size, device: torch.device, dtype: torch.dtype, seed: int):
+    """The model every provider copies: built on the device from the seed, norm weights
+    randomized (HF initializes them to 1, or 0 for Gemma, where any norm gives the same
+    weight gradient up to rounding), cast to ``dtype``, in training mode."""
+    import transformers
+
+    config = spec.build_config(size)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = getattr(transformers, spec.causal_lm)(config)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == spec.norm:
+                module.weight.copy_(1 - spec.offset + 0.1 * torch.randn_like(module.weight))
+    return model.to(dtype).train()
+
+
+def make_batches(size: Size, count: int, seed: int, device: torch.device) -> torch.Tensor:
+    """``count`` batches of token ids, Zipf-distributed over the vocabulary (rank k with
+    probability ~ 1/k), drawn on the CPU from ``seed`` so every device gets the same."""
+    g = torch.Generator().manual_seed(seed)
+    probs = 1.0 / torch.arange(1, size.vocab + 1, dtype=torch.float64)
+    ids = torch.multinomial(probs, count * size.batch * size.seq, replacement=True, generator=g)
+    return ids.view(count, size.batch, size.seq).to(device)
+
+
+def make_optimizer(model: torch.nn.Module, lr: float) -> tuple[torch.optim.Optimizer, bool]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    try:
+        return torch.optim.AdamW(params, lr=lr, fused=True), True
+    except (RuntimeError, ValueError):  # fused AdamW is not built for every device and dtype
+        return torch.optim.AdamW(params, lr=lr), False
+
+
+def forward_backward(call, ids: torch.Tensor) -> torch.Tensor:
+    loss = call(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach()
+
+
+def grad_norms(model: torch.nn.Module) -> dict[str, float]:
+    named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    values = torch.stack([torch.linalg.vector_norm(g.float()) for _, g in named]).tolist()
+    return {n: v for (n, _), v in zip(named, values, strict=True)}
+
+
+@dataclass
+class Trace:
+    """What one run of a provider measured."""
+
+    loss0: float
+    grads0: dict[str, float]
+    losses: list[float]
+    step_ms: list[float] = field(default_factory=list)
+    first_step_s: float = 0.0
+    peak_gib: float | None = None
+    fused_adamw: bool = False
+
+
+def run_steps(model, mode: str, batches: torch.Tensor, lr: float, warmup: int, timed: int,
+              total: int, device: torch.device) -> Trace:
+    """Step 0 (gradients kept for the check before its update), ``warmup - 1`` more untimed
+    steps, ``timed`` timed steps, then untimed steps up to ``total`` in all."""
+    cuda = device.type == "cuda"
+    opt, fused = make_optimizer(model, lr)
+    call = torch.compile(model, dynamic=False) if mode == "compile" else model
+    baseline = torch.cuda.memory_allocated(device) if cuda else 0
+
+    def step(i):
+        loss = forward_backward(call, batches[i % len(batches)])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    start = time.perf_counter()
+    losses = [forward_backward(call, batches[0])]
+    grads0 = grad_norms(model)  # synchronizes: the first step's time is all of it
+    first_step_s = time.perf_counter() - start
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    losses += [step(i) for i in range(1, warmup)]
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(timed)]
+        for k, (begin, end) in enumerate(events):
+            begin.record()
+            losses.append(step(warmup + k))
+            end.record()
+        torch.cuda.synchronize(device)
+        step_ms = [begin.elapsed_time(end) for begin, end in events]
+        peak = (torch.cuda.max_memory_allocated(device) - baseline) / 2**30
+    else:
+        step_ms, peak = [], None
+        for k in range(timed):
+            begin = time.perf_counter()
+            losses.append(step(warmup + k))
+            step_ms.append((time.perf_counter() - begin) * 1e3)
+    losses += [step(i) for i in range(len(losses), total)]
+    values = torch.stack(losses).float().tolist()
+    return Trace(values[0], grads0, values, step_ms, first_step_s, peak, fused)
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b) if b else (0.0 if a == b else math.inf)
+
+
+def compare(trace: Trace, ref: Trace, train_steps: int | None) -> dict:
+    """The correctness fields of a row: step 0 and the trained loss against the reference."""
+    total = math.sqrt(sum(v * v for v in trace.grads0.values()))
+    ref_total = math.sqrt(sum(v * v for v in ref.grads0.values()))
+    per_param = {n: _rel(trace.grads0.get(n, math.inf), v) for n, v in ref.grads0.items()}
+    extra = set(trace.grads0) - set(ref.grads0)  # a gradient where HF has none is wrong too
+    per_param.update({n: math.inf for n in extra})
+    worst = max(per_param, key=per_param.get)
+    row = {"loss0": trace.loss0, "ref_loss0": ref.loss0, "loss0_rel": _rel(trace.loss0, ref.loss0),
+           "grad_norm": total, "ref_grad_norm": ref_total,
+           "grad_norm_rel": _rel(total, ref_total), "param_grad_rel_max": per_param[worst],
+           "param_grad_worst": worst, "train_steps": None, "train_loss": None,
+           "ref_train_loss": None, "train_loss_rel": None}
+    if train_steps:
+        row.update(train_steps=train_steps, train_loss=trace.losses[train_steps],
+                   ref_train_loss=ref.losses[train_steps],
+                   train_loss_rel=_rel(trace.losses[train_steps], ref.losses[train_steps]))
+    return row
+
+
+def free(device: torch.device, compiled: bool) -> None:
+    gc.collect()
+    if compiled:
+        torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# --- records ----------------------------------------------------------------------------
+
+
+def _key(entry: dict) -> tuple:
+    return entry["model"], entry["size"], entry["mode"], entry["provider"]
+
+
+def put(record: dict, part: str, entry: dict) -> None:
+    """Add a row, failure or skip to the record, replacing what an earlier run writing the same
+    file recorded for that configuration; a skip leaves an earlier run's row in place."""
+    key = _key(entry)
+    if part == "skipped" and any(_key(r) == key for r in record["rows"]):
+        return
+    for name in ("rows", "failures", "skipped"):
+        record[name] = [e for e in record[name] if _key(e) != key]
+    record[part].append(entry)
+
+
+def _versions() -> dict:
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    for dist in ("transformers", "liger-kernel", "quack-kernels", "triton", "cuda-tile",
+                 "nvidia-cutlass-dsl"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def _decisions(spec: Model, size: Size, device, dtype) -> dict[str, str]:
+    """What tilenorm runs for this model's norms (kernels or the reference path, and why); a
+    warning where a CUDA run would time the reference path."""
+    import tilenorm
+
+    tokens, head_dim = size.batch * size.seq, size.hidden // size.heads
+    x = torch.empty(tokens, size.hidden, device=device, dtype=dtype)
+    w = torch.empty(size.hidden, device=device, dtype=dtype)
+    found = {"norm": tilenorm.explain(x, w),
+             "residual + norm": tilenorm.explain(x, w, torch.empty_like(x))}
+    if spec.name != "llama":
+        q = torch.empty(tokens, size.heads, head_dim, device=device, dtype=dtype)
+        found["q/k norm"] = tilenorm.explain(q, w[:head_dim])
+    for what, decision in found.items():
+        if device.type == "cuda" and not decision.uses_kernel:
+            print(f"WARNING: tilenorm's {what} of {spec.name} {size.name} takes the reference "
+                  f"path ({decision.reason}); --experimental runs unvalidated kernels")
+    return {what: str(decision) for what, decision in found.items()}
+
+
+def _groups(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
+    """Rows by (model, size, mode), then by provider, in the order measured."""
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        groups.setdefault(_key(r)[:3], {})[r["provider"]] = r
+    return groups
+
+
+def targets(rows: list[dict], dtype: torch.dtype) -> list[dict]:
+    """Issue 17's targets over the rows that were measured."""
+    out = []
+    for (model, size, mode), by in _groups(rows).items():
+        where = f"{model} {size} {mode}"
+        ours = by.get("tilenorm+residual")
+        others = [r["step_ms"] for p, r in by.items() if p != "tilenorm+residual"]
+        out.append({"target": f"{where}: tilenorm+residual fastest", "unit": "ms",
+                    "measured": ours and ours["step_ms"],
+                    "limit": min(others) if others else None})
+        torch_row = by.get("torch")
+        for provider in OURS:
+            row = by.get(provider)
+            if SIZES[size].host_bound:
+                out.append({"target": f"{where}: {provider} step <= torch", "unit": "ms",
+                            "measured": row and row["step_ms"],
+                            "limit": torch_row and torch_row["step_ms"]})
+            if row is None:
+                continue
+            out.append({"target": f"{where}: {provider} step 0 loss <= {LOSS0_TOL[dtype]:g}",
+                        "measured": row["loss0_rel"], "limit": LOSS0_TOL[dtype]})
+            out.append({"target": f"{where}: {provider} step 0 grad norms <= "
+                                  f"{GRAD_TOL[dtype]:g}",
+                        "measured": row["param_grad_rel_max"], "limit": GRAD_TOL[dtype]})
+            if row["train_loss_rel"] is not None:
+                out.append({"target": f"{where}: {provider} loss after {row['train_steps']} "
+                                      f"steps <= {TRAIN_LOSS_TOL:g}",
+                            "measured": row["train_loss_rel"], "limit": TRAIN_LOSS_TOL})
+    for t in out:
+        t.setdefault("unit", "rel")
+        t["pass"] = (None if t["measured"] is None or t["limit"] is None
+                     else t["measured"] <= t["limit"])
+    return out
+
+
+def print_tables(record: dict) -> None:
+    providers = [p for p in PROVIDERS if any(r["provider"] == p for r in record["rows"])]
+    groups = _groups(record["rows"])
+    copy_gbps = record["copy_gbps"]
+    print(f"\n{record['device']} ({'-' if copy_gbps is None else f'{copy_gbps:.0f}'} GB/s copy), "
+          f"{record['dtype']}, commit {record['commit']}; the median of "
+          f"{record['args']['steps']} timed steps")
+    for title, column, fmt in (("step ms", "step_ms", "{:.2f}"),
+                               ("peak GiB above the weights", "peak_gib", "{:.2f}")):
+        if all(r[column] is None for r in record["rows"]):
+            continue  # no memory figures on the CPU
+        print(f"\n{title:>26} " + " ".join(f"{p:>17}" for p in providers))
+        for (model, size, mode), by in groups.items():
+            cells = []
+            for p in providers:
+                v = by[p][column] if p in by else None
+                cells.append("-" if v is None else fmt.format(v))
+            print(f"{f'{model} {size} {mode}':>26} " + " ".join(f"{c:>17}" for c in cells))
+
+    def e(v):
+        return "-" if v is None else f"{v:.1e}"
+
+    def ms(v):
+        return "-" if v is None else f"{v:.2f} ms"
+
+    print(f"\n{'correctness vs HF eager':>26} {'provider':>17} {'loss0':>8} {'grad':>8} "
+          f"{'param':>8} {'trained':>8}  worst parameter")
+    for (model, size, mode), by in groups.items():
+        for p in providers:
+            if p in by:
+                r = by[p]
+                print(f"{f'{model} {size} {mode}':>26} {p:>17} {e(r['loss0_rel']):>8} "
+                      f"{e(r['grad_norm_rel']):>8} {e(r['param_grad_rel_max']):>8} "
+                      f"{e(r['train_loss_rel']):>8}  {r['param_grad_worst']}")
+    for name, why in record["absent"].items():
+        print(f"absent: {name}: {why}")
+    for f in record["failures"]:
+        print(f"FAILED {' '.join(_key(f))}: {f['error']}")
+    for s in record["skipped"]:
+        print(f"skipped {' '.join(_key(s))}: {s['reason']}")
+    print(f"\n{'target':>62} {'measured':>9} {'limit':>9}  result")
+    for t in record["targets"]:
+        result = "MISSING" if t["pass"] is None else "PASS" if t["pass"] else "FAIL"
+        show = e if t["unit"] == "rel" else ms
+        print(f"{t['target']:>62} {show(t['measured']):>9} {show(t['limit']):>9}  {result}")
+
+
+def plot(record: dict, path: Path) -> None:
+    """Step time per provider, one panel per model/size/mode, relative to HF's (ms on top)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = _groups(record["rows"])
+    if not groups:
+        raise ValueError("no rows to plot")
+    cols = min(4, len(groups))
+    nrows = math.ceil(len(groups) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.6 * nrows), squeeze=False)
+    for ax, ((model, size, mode), by) in zip(axes.flat, groups.items(), strict=False):
+        names = [p for p in PROVIDERS if p in by]
+        base = by["hf"]["step_ms"] if "hf" in by else 1.0
+        values = [by[p]["step_ms"] / base for p in names]
+        bars = ax.bar(range(len(names)), values,
+                      color=["C3" if p in OURS else "C0" for p in names])
+        for bar, p in zip(bars, names, strict=True):
+            ax.annotate(f"{by[p]['step_ms']:.1f}", (bar.get_x() + bar.get_width() / 2,
+                                                   bar.get_height()),
+                        ha="center", va="bottom", fontsize=7)
+        ax.axhline(1.0, color="k", linewidth=0.8, linestyle="--")
+        ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)
+        ax.set_ylabel("step time / HF's" if "hf" in by else "step ms")
+        ax.set_title(f"{model} {size} {mode}", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    for ax in list(axes.flat)[len(groups):]:
+        ax.axis("off")
+    fig.suptitle(f"Training step, {record['device']}, {record['dtype']}, {record['commit']} "
+                 f"(ms on the bars)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+class Workbench:
+    """The models, batches and references of one run, built when first needed and kept (every
+    mode and provider of a model/size copies the same base), and one configuration's
+    measurement."""
+
+    def __init__(self, args, device: torch.device, dtype: torch.dtype, record: dict, *,
+                 decisions: bool, train_sizes: list[str]):
+        self.args, self.device, self.dtype, self.record = args, device, dtype, record
+        self.decisions, self.train_sizes = decisions, train_sizes
+        self.bases: dict[tuple[str, str], torch.nn.Module] = {}
+        self.batches: dict[tuple[str, str], torch.Tensor] = {}
+        self.refs: dict[tuple[str, str], Trace | str] = {}
+
+    def reference(self, spec: Model, size: Size) -> Trace:
+        """HF eager's step 0 and, for the training sizes, its losses over the training run;
+        built with the base model. A failure is kept: every configuration of the model/size
+        reports it without trying again."""
+        key = (spec.name, size.name)
+        if key not in self.refs:
+            try:
+                self.bases[key] = build_base(spec, size, self.device, self.dtype, self.args.seed)
+                self.batches[key] = make_batches(size, self.args.batches, self.args.seed + 1,
+                                                 self.device)
+                if self.decisions:
+                    self.record["tilenorm_decisions"][f"{spec.name}/{size.name}"] = _decisions(
+                        spec, size, self.device, self.dtype)
+                trained = self.args.train_steps if size.name in self.train_sizes else 0
+                ref = run_steps(copy.deepcopy(self.bases[key]), "eager", self.batches[key],
+                                self.args.lr, 1, 0, trained + 1, self.device)
+                self.record["references"][f"{spec.name}/{size.name}"] = {
+                    "loss0": ref.loss0, "losses": ref.losses,
+                    "grad_norm": math.sqrt(sum(v * v for v in ref.grads0.values())),
+                    "attn_implementation": self.bases[key].config._attn_implementation}
+                self.refs[key] = ref
+            except Exception as e:
+                traceback.print_exc(limit=4)
+                self.refs[key] = f"{type(e).__name__}: {e}"
+            free(self.device, compiled=False)
+        ref = self.refs[key]
+        if isinstance(ref, str):
+            raise RuntimeError(f"no reference for {spec.name} {size.name}: {ref}")
+        return ref
+
+    def measure(self, spec: Model, size: Size, mode: str, provider: str) -> dict:
+        """One provider in one mode on a copy of the base model: the row's fields."""
+        ref, args = self.reference(spec, size), self.args
+        key = (spec.name, size.name)
+        trained = (args.train_steps if size.name in self.train_sizes
+                   and (mode == "eager" or args.train_compile) else 0)
+        model = copy.deepcopy(self.bases[key])
+        info = PATCHES[provider](model, spec)
+        self.record["providers"][f"{provider} {spec.name}"] = info.pop("api")
+        warmup = args.compile_warmup if mode == "compile" else args.warmup
+        trace = run_steps(model, mode, self.batches[key], args.lr, warmup, args.steps,
+                          max(warmup + args.steps, trained + 1), self.device)
+        step_ms = statistics.median(trace.step_ms)
+        return {**info, "step_ms": step_ms, "steps_ms": trace.step_ms,
+                "tokens_per_s": size.batch * size.seq / (step_ms * 1e-3),
+                "first_step_s": trace.first_step_s, "peak_gib": trace.peak_gib,
+                "fused_adamw": trace.fused_adamw, **compare(trace, ref, trained)}
+
+
+# --- main -------------------------------------------------------------------------------
+
+
+def _split(text: str, allowed) -> list[str]:
+    names = [v for v in text.split(",") if v]
+    unknown = [v for v in names if v not in allowed]
+    if unknown:
+        raise SystemExit(f"unknown {unknown}; choose from {', '.join(allowed)}")
+    return names
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="llama,qwen3,gemma3")
+    parser.add_argument("--sizes", default="gpu,host", help="of gpu, host, tiny")
+    parser.add_argument("--modes", default="eager,compile")
+    parser.add_argument("--providers", default=",".join(PROVIDERS))
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (median recorded)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, eager")
+    parser.add_argument("--compile-warmup", type=int, default=5,
+                        help="untimed steps first under compile (the first compiles)")
+    parser.add_argument("--train-steps", type=int, default=100,
+                        help="updates before the trained-loss check (0: none)")
+    parser.add_argument("--train-sizes", default="host,tiny",
+                        help="sizes that get the trained-loss check")
+    parser.add_argument("--train-compile", action="store_true",
+                        help="the trained-loss check under compile too")
+    parser.add_argument("--batches", type=int, default=8, help="fixed batches, cycled")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--budget-s", type=float, default=480,
+                        help="skip configurations that would end later (0: no limit)")
+    parser.add_argument("--out", type=Path, help="JSON path (default bench/results/...)")
+    parser.add_argument("--plot", action="store_true", help="a PNG beside the JSON")
+    parser.add_argument("--experimental", action="store_true",
+                        help="let tilenorm run kernels not yet validated on a GPU")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 1 or args.compile_warmup < 1 or args.batches < 1:
+        parser.error("--steps, --warmup, --compile-warmup and --batches must be >= 1")
+    started = time.perf_counter()
+    models = [MODELS[m] for m in _split(args.models, MODELS)]
+    sizes = [SIZES[s] for s in _split(args.sizes, SIZES)]
+    modes = _split(args.modes, MODES)
+    providers = _split(args.providers, PROVIDERS)
+    train_sizes = _split(args.train_sizes, SIZES)
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    cuda = device.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here: --device cpu --sizes tiny for a smoke test")
+    import transformers  # noqa: F401  (the models; a clear error before anything runs)
+
+    absent = {}
+    for name in providers:
+        if name in CUDA_ONLY and not cuda:
+            absent[name] = "needs a CUDA device (its kernels are Triton / CuTe DSL)"
+            continue
+        if name in IMPORTS:
+            try:
+                importlib.import_module(IMPORTS[name])
+            except Exception as e:  # an absent peer is recorded, not fatal
+                absent[name] = f"{type(e).__name__}: {e}"[:300]
+    if args.experimental and "tilenorm" not in absent:
+        import tilenorm
+
+        tilenorm.set_experimental(True)
+
+    copy_bw = common.copy_gbps() if cuda else None
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    date, commit = datetime.date.today().isoformat(), common.git_commit()
+    slug = common.device_slug() if cuda else "cpu"
+    path = args.out or common.RESULTS_DIR / f"{slug}-{date}-training-{commit}.json"
+    plan = [(spec, size, mode, p) for mode in modes for spec in models for size in sizes
+            for p in providers if p not in absent]
+    record = {"device": name, "date": date, "commit": commit, "copy_gbps": copy_bw,
+              "versions": _versions(), "dtype": args.dtype,
+              "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "sizes": {s.name: asdict(s) for s in sizes},
+              "models": {m.name: asdict(m) for m in models},
+              "absent": absent, "providers": {}, "references": {}, "tilenorm_decisions": {},
+              "rows": [], "failures": [], "skipped": [], "targets": []}
+    if path.exists():  # a run split over several calls: one record (see put)
+        old = json.loads(path.read_text())
+        for part in ("rows", "failures", "skipped"):
+            record[part] = old.get(part, [])
+        for part in ("absent", "providers", "references", "tilenorm_decisions"):
+            record[part] = {**old.get(part, {}), **record[part]}
+
+    def write():
+        record["targets"] = targets(record["rows"], dtype)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1) + "\n")
+
+    print(f"{name}: copy {'-' if copy_bw is None else f'{copy_bw:.0f}'} GB/s; {len(plan)} "
+          f"configurations; absent: {', '.join(absent) or 'none'}", flush=True)
+    trains = "eager" in modes or args.train_compile
+    bench = Workbench(args, device, dtype, record,
+                      decisions=any(p in OURS and p not in absent for p in providers),
+                      train_sizes=train_sizes if trains else [])
+    estimate: dict[tuple[str, str], float] = {}
+    group, group_fits = None, True
+    for n, (spec, size, mode, provider) in enumerate(plan, 1):
+        where = {"model": spec.name, "size": size.name, "mode": mode, "provider": provider}
+        elapsed = time.perf_counter() - started
+        head = f"[{n}/{len(plan)} {elapsed:5.0f}s] {' '.join(where.values())}:"
+        # The longest configuration so far of this size and mode (else of this mode).
+        guess = estimate.get((size.name, mode), max(
+            (v for (_, m), v in estimate.items() if m == mode), default=0.0))
+        if group != (spec, size, mode):
+            # A model/size/mode is started only if all its providers fit: the comparison
+            # (and the "fastest" target) needs all of them.
+            group = (spec, size, mode)
+            need = guess * sum(1 for c in plan if c[:3] == group)
+            group_fits = not args.budget_s or elapsed + need <= args.budget_s
+        if not group_fits or (args.budget_s and elapsed + guess > args.budget_s):
+            put(record, "skipped", {**where, "reason": f"budget: {elapsed:.0f} s spent of "
+                                                      f"{args.budget_s:.0f}, ~{guess:.0f} s "
+                                                      f"a configuration"})
+            print(f"{head} skipped (budget)", flush=True)
+            continue
+        try:
+            bench.reference(spec, size)  # outside the configuration's time (its estimate)
+            begin = time.perf_counter()
+            row = bench.measure(spec, size, mode, provider)
+        except NotImplementedError as e:
+            record["absent"][f"{provider} {spec.name}"] = str(e)[:300]
+            print(f"{head} absent: {e}", flush=True)
+            continue
+        except Exception as e:
+            put(record, "failures", {**where, "error": f"{type(e).__name__}: {e}"[:800]})
+            print(f"{head} FAILED", flush=True)
+            traceback.print_exc(limit=4)
+            continue
+        finally:
+            free(device, compiled=mode == "compile")
+        seconds = time.perf_counter() - begin
+        estimate[(size.name, mode)] = max(seconds, estimate.get((size.name, mode), 0.0))
+        put(record, "rows", {**where, **row, "config_s": seconds})
+        write()
+        print(f"{head} {row['step_ms']:.2f} ms/step (first step {row['first_step_s']:.1f} s, "
+              f"configuration {seconds:.1f} s)", flush=True)
+    write()
+    print(f"wrote {path} ({time.perf_counter() - started:.0f} s)")
+    if args.plot:
+        try:
+            plot(record, path.with_suffix(".png"))
+            print(f"wrote {path.with_suffix('.png')}")
+        except Exception as e:  # a missing matplotlib costs the plot, not the record
+            print(f"plot skipped: {type(e).__name__}: {e}")
+    print_tables(record)
+    return record
+
+
+if __name__ == "__main__":
+    main()
