@@ -227,7 +227,6 @@ class ForwardCall:
     #: The C++ prepared call (:mod:`tilenorm.pytorch.native`), None where the Python path
     #: runs; :meth:`native_autograd` gives it its backwards.
     native: object = None
-    recipe: object = None
     native_backward: bool | None = None
 
     def native_autograd(self, x, weight, bias, offset: float):
@@ -685,8 +684,6 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
             call.partial.group_offset(int(weight is not None)), x_dtype, residual_dtype,
             split, call.dx_like_h)
     return call
-
-
 
 
 def forward_call(spec: NormSpec, x, weight, bias, residual, out_dtype, residual_dtype,

@@ -18,14 +18,12 @@ from collections.abc import Sequence
 
 import torch
 
-from tilenorm import _experimental, dispatch
+from tilenorm import dispatch
 from tilenorm.pytorch import calls, checks, native, reference
 from tilenorm.pytorch.autograd import NormFunction
 from tilenorm.pytorch.calls import NormSpec
 
 RMS_NORM, LAYER_NORM = "rms_norm", "layer_norm"
-#: The prepared calls' look-up (calls.clear() empties, never replaces, the dict).
-_lookup = calls._CALLS.get
 #: torch's rms_norm runs in float32 under CUDA autocast from 2.12 on; layer_norm always.
 _TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 _AUTOCASTS_TO_FP32 = {RMS_NORM: _TORCH_VERSION >= (2, 12), LAYER_NORM: True}
@@ -167,30 +165,18 @@ def _apply(op, x, weight, bias, eps, normalized_shape, per_head, offset, residua
     if torch.compiler.is_compiling():
         return _traced(op, x, weight, bias, eps, normalized_shape, per_head, offset, residual,
                        prenorm, residual_dtype, out_dtype)
-    if (out_dtype is None and _AUTOCASTS_TO_FP32[op] and isinstance(x, torch.Tensor)
-            and x.is_cuda and torch.is_autocast_enabled("cuda")):
-        out_dtype = torch.float32
-    try:  # _prepared's look-up, inlined: the hot path of every call
-        p = _lookup((op, calls.layouts(x, weight, bias, residual), eps, offset,
-                     normalized_shape, per_head, prenorm, out_dtype, residual_dtype,
-                     _experimental._enabled))
-    except (AttributeError, TypeError):
-        p = None
-    if p is None:
-        p = _prepared(op, x, weight, bias, residual, eps, offset, normalized_shape, per_head,
-                      prenorm, out_dtype, residual_dtype)
+    if out_dtype is None and isinstance(x, torch.Tensor):
+        out_dtype = _autocast_out_dtype(op, x)
+    p = _prepared(op, x, weight, bias, residual, eps, offset, normalized_shape, per_head,
+                  prenorm, out_dtype, residual_dtype)
     call = p.call
     if not (torch.is_grad_enabled() and (
             x.requires_grad or (weight is not None and weight.requires_grad)
             or (bias is not None and bias.requires_grad)
             or (residual is not None and residual.requires_grad))):
-        out = None if call.native is None else native.module().forward(
-            call.native, x, weight, bias, residual, p.eps, p.offset)
-        y, h = call.run(x, weight, bias, residual, p.eps, p.offset)[:2] if out is None \
-            else out[:2]
+        y, h = call.run(x, weight, bias, residual, p.eps, p.offset)[:2]
     elif call.decision.uses_kernel:
-        cpp = call.native if call.native_backward else call.native_autograd(x, weight, bias,
-                                                                           p.offset)
+        cpp = call.native_autograd(x, weight, bias, p.offset)
         out = None if cpp is None else native.module().apply(cpp, x, weight, bias, residual,
                                                               p.eps, p.offset)
         if out is None:
