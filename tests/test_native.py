@@ -60,6 +60,24 @@ def test_a_missing_compiler_means_the_python_path_with_a_warning(monkeypatch, tm
         native.module.cache_clear()
 
 
+def test_arguments_the_cache_cannot_key_are_left_to_the_python_path():
+    """remember_call refuses arguments of types its key does not encode (the Python path
+    checks them and raises its own errors); arguments never seen are a miss."""
+    cpp = _module()
+    call = cpp.make_forward(_recipe(), [4, 8], [4], torch.float32, False, None, True)
+    x = torch.empty(4, 8)
+    good = ["rms_norm", x, None, None, 1e-6, (8,), False, 0.0, None, False, None, None]
+    bad = {4: True, 5: (8.0,), 6: 1, 8: [x], 11: "bfloat16", 1: x.numpy()}
+    for i, value in bad.items():
+        args = list(good)
+        args[i] = value
+        assert not cpp.remember_call(*args, call, 1e-6, 0.0), i
+        assert cpp.cached_call(*args) is None
+    assert cpp.cached_call(*good) is None
+    assert cpp.remember_call(*good, call, 1e-6, 0.0)
+    cpp.forget_calls()
+
+
 def test_disabled_gives_the_python_path():
     with native.disabled():
         assert native.module() is None
@@ -143,10 +161,87 @@ def test_cpp_path_runs_its_own_node_and_frees_the_graph():
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     y = tilenorm.rms_norm(x, w)
-    assert "NormNode" in y.grad_fn.name()
+    assert y.grad_fn.name() == "tilenorm::NormBackward"
     y.backward(torch.randn_like(y))
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         y.backward(torch.randn_like(y))
+
+
+@gpu
+def test_arguments_seen_before_skip_the_python_path(monkeypatch):
+    """The second call with the same arguments (with and without autograd, with a residual)
+    goes from the C++ cache to the kernels: the Python preparation is not reached, and the
+    result is the first call's."""
+    g, seed = fresh_generator("cuda")
+    x = torch.randn(64, 256, generator=g, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(256, generator=g, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn_like(x)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    calls.clear()
+    cases = [lambda: tilenorm.rms_norm(x, w), lambda: tilenorm.rms_norm(xg, wg),
+             lambda: tilenorm.rms_norm(xg, wg, residual=r, prenorm=True),
+             lambda: tilenorm.layer_norm(x, w, w)]
+    first = [f() for f in cases]
+    first += [f() for f in cases[1:3]]  # the backward is attached on a call with autograd
+
+    def not_again(*args):
+        raise AssertionError("prepared again")
+
+    monkeypatch.setattr(functional, "_prepared", not_again)
+    for f, a in zip(cases, first, strict=False):
+        b = f()
+        for u, v in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,),
+                        strict=True):
+            assert torch.equal(u, v), seed
+    assert tilenorm.rms_norm(xg, wg).grad_fn.name() == "tilenorm::NormBackward"
+
+
+@gpu
+def test_the_call_cache_tells_apart_every_argument_and_autocast(monkeypatch):
+    """Each argument that changes what runs misses the C++ cache (the Python path prepares
+    again) and gives what the Python path alone gives."""
+    g, seed = fresh_generator("cuda")
+    x = torch.randn(8, 16, 256, generator=g, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(256, generator=g, device="cuda", dtype=torch.bfloat16)
+    base = dict(eps=1e-6)
+    variants = [dict(eps=1e-5), dict(eps=None), dict(offset=1.0), dict(out_dtype=torch.float32),
+                dict(normalized_shape=256), dict(normalized_shape=(256,)),
+                dict(residual=torch.randn_like(x)), dict(residual=torch.randn_like(x),
+                                                         prenorm=True),
+                dict(residual=torch.randn_like(x), residual_dtype=torch.float32)]
+    variants += [dict(base, autocast=True), dict(base, transposed=True)]
+
+    def run(v):
+        v = dict(v)
+        xv = x.transpose(0, 1) if v.pop("transposed", False) else x
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=v.pop("autocast", False)):
+            out = tilenorm.rms_norm(xv, w, **v)
+        return out if isinstance(out, tuple) else (out,)
+
+    with native.disabled():
+        theirs = [run(v) for v in variants]
+    calls.clear()
+    run(base)
+    prepared = []
+    real = functional._prepared
+
+    def counting(*args):
+        prepared.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(functional, "_prepared", counting)
+    run(base)
+    assert not prepared, "the same arguments again: a hit"
+    for v, expected in zip(variants, theirs, strict=True):
+        before = len(prepared)
+        ours = run(v)
+        assert len(prepared) == before + 1, v
+        for a, b in zip(ours, expected, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), (v, seed)
+    before = len(prepared)
+    with tilenorm.experimental(not tilenorm.experimental_enabled()):
+        tilenorm.rms_norm(x, w, **base)
+    assert len(prepared) == before + 1
 
 
 @gpu

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
@@ -27,6 +27,8 @@ def _from_env() -> bool:
 
 
 _enabled = _from_env()
+#: Called after every change: caches of what runs (a framework's prepared calls) drop it.
+on_change: list[Callable[[], None]] = []
 
 
 def experimental_enabled() -> bool:
@@ -40,6 +42,8 @@ def set_experimental(enabled: bool) -> None:
     if not isinstance(enabled, bool):
         raise TypeError(f"set_experimental expects a bool, got {type(enabled).__name__}")
     _enabled = enabled
+    for forget in on_change:
+        forget()
 
 
 @contextlib.contextmanager

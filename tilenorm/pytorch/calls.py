@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tilenorm import dispatch
+from tilenorm import _experimental, dispatch
 from tilenorm._experimental import experimental_enabled
 from tilenorm.dispatch import BackwardFacts, Decision, Problem
 from tilenorm.launch import cutile
@@ -50,6 +50,24 @@ def store(key, prepared) -> None:
 def clear() -> None:
     """Forget every prepared call."""
     _CALLS.clear()
+    forget_cached_calls()
+
+
+def _no_cached_call(*arguments):
+    return None
+
+
+def _forget_nothing() -> None:
+    pass
+
+
+#: An eager call's arguments to its result when the same arguments were seen before, else
+#: None (the C++ path's ``cached_call``, NOTES #42, once that is loaded); with
+#: ``remember_call`` to add a prepared call and ``forget_cached_calls`` to drop them all.
+cached_call = _no_cached_call
+remember_call = _no_cached_call
+forget_cached_calls = _forget_nothing
+_experimental.on_change.append(clear)
 
 
 def cached(key, build):

@@ -159,17 +159,27 @@ def _prepared(op, x, weight, bias, residual, eps, offset, normalized_shape, per_
 
 def _apply(op, x, weight, bias, eps, normalized_shape, per_head, offset, residual, prenorm,
            residual_dtype, out_dtype):
-    """The ops' eager path. Written for host time (bench/NOTES.md #40): a prepared call's
-    C++ twin runs the no_grad forward and the autograd node; the Python path is the fallback
-    (no compiler, unaligned operands, copies, the CuTe DSL backward)."""
+    """The ops' eager path. Written for host time (bench/NOTES.md #40, #42): arguments seen
+    before go straight to their prepared call's C++ twin (``calls.cached_call``), which runs
+    the no_grad forward or the forward with its autograd node; the first call checks and
+    prepares here, and the Python path is the fallback (no compiler, unaligned operands,
+    copies, the CuTe DSL backward)."""
     if torch.compiler.is_compiling():
         return _traced(op, x, weight, bias, eps, normalized_shape, per_head, offset, residual,
                        prenorm, residual_dtype, out_dtype)
+    out = calls.cached_call(op, x, weight, bias, eps, normalized_shape, per_head, offset,
+                            residual, prenorm, residual_dtype, out_dtype)
+    if out is not None:
+        return out
+    arguments = (op, x, weight, bias, eps, normalized_shape, per_head, offset, residual,
+                 prenorm, residual_dtype, out_dtype)
     if out_dtype is None and isinstance(x, torch.Tensor):
         out_dtype = _autocast_out_dtype(op, x)
     p = _prepared(op, x, weight, bias, residual, eps, offset, normalized_shape, per_head,
                   prenorm, out_dtype, residual_dtype)
     call = p.call
+    if call.native is not None:
+        calls.remember_call(*arguments, call.native, p.eps, p.offset)
     if not (torch.is_grad_enabled() and (
             x.requires_grad or (weight is not None and weight.requires_grad)
             or (bias is not None and bias.requires_grad)

@@ -127,6 +127,8 @@ def module() -> ModuleType | None:
     from tilenorm.pytorch import calls
 
     calls.layouts = loaded.layout_key
+    calls.cached_call, calls.remember_call = loaded.cached_call, loaded.remember_call
+    calls.forget_cached_calls = loaded.forget_calls
     return loaded
 
 
@@ -142,9 +144,9 @@ def disabled():
 
     saved = os.environ.get("TILENORM_NATIVE")
     os.environ["TILENORM_NATIVE"] = "0"
-    module.cache_clear()
     calls.clear()
-    calls.layouts = calls.python_layouts
+    module.cache_clear()
+    _python_path(calls)
     try:
         yield
     finally:
@@ -152,6 +154,12 @@ def disabled():
             del os.environ["TILENORM_NATIVE"]
         else:
             os.environ["TILENORM_NATIVE"] = saved
-        module.cache_clear()
         calls.clear()
-        calls.layouts = calls.python_layouts
+        module.cache_clear()
+        _python_path(calls)
+
+
+def _python_path(calls) -> None:
+    calls.layouts = calls.python_layouts
+    calls.cached_call, calls.remember_call = calls._no_cached_call, calls._no_cached_call
+    calls.forget_cached_calls = calls._forget_nothing

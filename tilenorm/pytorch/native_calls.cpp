@@ -1,9 +1,10 @@
 // The prepared calls of tilenorm.pytorch.calls, run in C++: a forward or backward with one
 // operand layout allocates its outputs, writes the data pointers into the parameter blocks
 // that tilenorm.launch.driver prepared (LaunchRecipe) and calls cuLaunchKernelEx, and the
-// autograd node is a C++ one, so that neither a call nor autograd's backward runs Python.
-// A Python torch.autograd.Function costs about what torch's whole RMSNorm step does
-// (bench/NOTES.md #39); this path is what meets torch's host cost (#40).
+// autograd node is a C++ one, so that neither a call nor autograd's backward runs Python; an
+// eager call whose arguments were seen before finds its prepared call here too (the call
+// cache). A Python torch.autograd.Function costs about what torch's whole RMSNorm step does
+// (bench/NOTES.md #39); this path is what meets torch's host cost (#40, #42).
 //
 // Built on first use by tilenorm.pytorch.native against the installed torch; it needs no CUDA
 // headers: the driver's entry points are looked up in libcuda and its launch structures are
@@ -11,10 +12,14 @@
 
 #include <torch/extension.h>
 
+#include <ATen/autocast_mode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <dlfcn.h>
 
 #include <array>
+#include <memory>
+#include <type_traits>
+#include <unordered_map>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -23,7 +28,6 @@
 namespace {
 
 namespace py = pybind11;
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 // --- the driver ------------------------------------------------------------------------------
@@ -340,6 +344,22 @@ void attach_backward(const c10::intrusive_ptr<ForwardNative>& call,
 
 // --- autograd --------------------------------------------------------------------------------
 
+using torch::autograd::Node;
+// The pointer autograd holds nodes by: std::shared_ptr up to torch 2.12, c10::intrusive_ptr
+// from 2.13 on.
+using NodePtr = decltype(torch::autograd::Edge::function);
+
+template <typename T>
+NodePtr new_node() {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<Node>>) {
+    // deleteNode (found by argument-dependent lookup, as T is a Node) frees long chains of
+    // nodes without deep recursion.
+    return NodePtr(new T(), [](T* node) { deleteNode(node); });
+  } else {
+    return c10::make_intrusive<T>();
+  }
+}
+
 at::Tensor or_undefined(const std::optional<at::Tensor>& t) { return t ? *t : at::Tensor(); }
 
 // A gradient the prepared backward can read: dense (its layout is the output's) and aligned.
@@ -348,41 +368,41 @@ at::Tensor dense(const at::Tensor& g) {
   return aligned(out) ? out : out.clone();
 }
 
-struct NormNode : torch::autograd::Function<NormNode> {
-  // Absent operands are empty optionals: autograd records an undefined tensor as an input.
-  static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<ForwardNative> call,
-                               const at::Tensor& x, const std::optional<at::Tensor>& weight_in,
-                               const std::optional<at::Tensor>& bias_in,
-                               const std::optional<at::Tensor>& residual_in, double eps,
-                               double offset) {
-    at::Tensor weight = or_undefined(weight_in), bias = or_undefined(bias_in);
-    at::Tensor residual = or_undefined(residual_in);
-    auto out = call->run(x, weight, bias, residual, eps, offset);
-    TORCH_CHECK(!out.empty(), "tilenorm: operands checked aligned were not");
-    const at::Tensor &y = out[0], &h = out[1];
-    ctx->save_for_backward({h, weight, bias, out[2], out[3]});
-    ctx->saved_data["offset"] = offset;
-    ctx->saved_data["call"] = c10::IValue::make_capsule(std::move(call));
-    ctx->set_materialize_grads(false);
-    if (residual.defined()) return {y, h};
-    return {y};
+// The backward of one forward call, written as a plain autograd node rather than a
+// torch::autograd::Function, whose generic bookkeeping (input and output metadata, a
+// name-keyed map of saved values, output wrapping) costs more host time than the launches
+// (bench/NOTES.md #42). Saved tensors are SavedVariables: in-place modification is caught,
+// saved-tensor hooks (activation checkpointing, offloading) see them, and the graph frees
+// them after a backward.
+struct NormBackward : Node {
+  c10::intrusive_ptr<ForwardNative> call;
+  double offset = 0.0;
+  torch::autograd::SavedVariable h, weight, bias, mean, rstd;
+
+  std::string name() const override { return "tilenorm::NormBackward"; }
+
+  void release_variables() override {
+    h.reset_data();
+    weight.reset_data();
+    bias.reset_data();
+    mean.reset_data();
+    rstd.reset_data();
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto call = c10::static_intrusive_pointer_cast<ForwardNative>(
-        ctx->saved_data["call"].toCapsule());
-    double offset = ctx->saved_data["offset"].toDouble();
-    auto saved = ctx->get_saved_variables();
-    const at::Tensor& h = saved[0];
+  // Inputs: the gradients of y and, with a residual, of h. Outputs, in the order of the next
+  // edges: the gradients of x, weight, bias and residual.
+  variable_list apply(variable_list&& grads) override {
+    NodePtr self = getptr();
+    at::Tensor saved_h = h.unpack(self);
     at::Tensor dy = grads[0].defined()
                         ? dense(grads[0])
-                        : at::zeros(call->out_shape, h.options().dtype(call->out_dtype));
+                        : at::zeros(call->out_shape, saved_h.options().dtype(call->out_dtype));
     at::Tensor dh = grads.size() > 1 && grads[1].defined() ? dense(grads[1]) : at::Tensor();
     const auto& backward = dh.defined() ? call->backward_dh : call->backward;
-    auto g = backward->run(dy, dh, h, saved[1], saved[2], saved[3], saved[4], offset);
+    auto g = backward->run(dy, dh, saved_h, weight.unpack(self), bias.unpack(self),
+                           mean.unpack(self), rstd.unpack(self), offset);
     TORCH_CHECK(!g.empty(), "tilenorm: saved operands are no longer 16-byte aligned");
-    // The forward's inputs: call, x, weight, bias, residual, eps, offset.
-    return {at::Tensor(), g[0], g[2], g[3], g[1], at::Tensor(), at::Tensor()};
+    return {g[0], g[2], g[3], g[1]};
   }
 };
 
@@ -391,15 +411,40 @@ bool operands_aligned(const at::Tensor& x, const at::Tensor& weight, const at::T
   return aligned(x) && aligned(weight) && aligned(bias) && aligned(residual);
 }
 
-// The forward through autograd: y, or (y, h) with a residual; None where an operand is not
-// 16-byte aligned (the caller takes the Python path). Needs attach_backward first.
+// The forward through autograd: (y, h), h being x without a residual; empty where an
+// operand is not 16-byte aligned (the caller takes the Python path). Needs attach_backward
+// first.
+std::vector<at::Tensor> autograd_forward(const c10::intrusive_ptr<ForwardNative>& call,
+                                         const at::Tensor& x, const at::Tensor& weight,
+                                         const at::Tensor& bias, const at::Tensor& residual,
+                                         double eps, double offset) {
+  if (!call->backward || !operands_aligned(x, weight, bias, residual)) return {};
+  auto out = call->run(x, weight, bias, residual, eps, offset);
+  if (out.empty()) return {};
+  at::Tensor &y = out[0], &h = out[1];
+  auto node = new_node<NormBackward>();
+  auto* backward = static_cast<NormBackward*>(node.get());
+  backward->set_next_edges(torch::autograd::collect_next_edges(x, weight, bias, residual));
+  torch::autograd::create_gradient_edge(y, node);
+  if (residual.defined()) torch::autograd::create_gradient_edge(h, node);
+  backward->call = call;
+  backward->offset = offset;
+  backward->h = torch::autograd::SavedVariable(h, /*is_output=*/residual.defined());
+  backward->weight = torch::autograd::SavedVariable(weight, false);
+  backward->bias = torch::autograd::SavedVariable(bias, false);
+  backward->mean = torch::autograd::SavedVariable(out[2], false);
+  backward->rstd = torch::autograd::SavedVariable(out[3], false);
+  return {y, h};
+}
+
+// As autograd_forward: y, or (y, h) with a residual; None where autograd_forward is empty.
 py::object apply(const c10::intrusive_ptr<ForwardNative>& call, const at::Tensor& x,
                  const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                  const std::optional<at::Tensor>& residual, double eps, double offset) {
-  at::Tensor w = or_undefined(weight), b = or_undefined(bias), r = or_undefined(residual);
-  if (!call->backward || !operands_aligned(x, w, b, r)) return py::none();
-  auto out = NormNode::apply(call, x, weight, bias, residual, eps, offset);
-  if (out.size() == 1) return py::cast(out[0]);
+  auto out = autograd_forward(call, x, or_undefined(weight), or_undefined(bias),
+                              or_undefined(residual), eps, offset);
+  if (out.empty()) return py::none();
+  if (!residual) return py::cast(out[0]);
   return py::make_tuple(out[0], out[1]);
 }
 
@@ -426,28 +471,214 @@ py::object backward(const c10::intrusive_ptr<BackwardNative>& call, const at::Te
   return py::make_tuple(g[0], g[1], g[2], g[3]);
 }
 
+// --- cache keys ------------------------------------------------------------------------------
+
+void put(std::string& key, int64_t v) { key.append(reinterpret_cast<const char*>(&v), sizeof(v)); }
+
+// A tensor's dims, sizes, strides, dtype and device, or -1 for None; false for anything else.
+bool put_operand(std::string& key, PyObject* operand) {
+  if (operand == Py_None) {
+    put(key, -1);
+    return true;
+  }
+  if (!THPVariable_Check(operand)) return false;
+  const at::Tensor& t = THPVariable_Unpack(operand);
+  put(key, t.dim());
+  for (int64_t v : t.sizes()) put(key, v);
+  for (int64_t v : t.strides()) put(key, v);
+  put(key, static_cast<int64_t>(t.scalar_type()));
+  put(key, static_cast<int64_t>(t.device().type()) << 16 | (t.device().index() & 0xffff));
+  return true;
+}
+
 // The layout of the operands as a cache key: each one's dims, sizes, strides, dtype and
 // device (None marked as such), the same information as tilenorm.pytorch.calls.layouts in
 // a quarter of its host time. TypeError for an operand that is neither a tensor nor None.
 py::bytes layout_key(const py::args& operands) {
   std::string key;
   key.reserve(32 * 8 * operands.size());
-  auto put = [&key](int64_t v) { key.append(reinterpret_cast<const char*>(&v), sizeof(v)); };
   for (const py::handle& operand : operands) {
-    if (operand.is_none()) {
-      put(-1);
-      continue;
-    }
-    if (!THPVariable_Check(operand.ptr())) throw py::type_error("not a tensor");
-    const at::Tensor& t = THPVariable_Unpack(operand.ptr());
-    put(t.dim());
-    for (int64_t v : t.sizes()) put(v);
-    for (int64_t v : t.strides()) put(v);
-    put(static_cast<int64_t>(t.scalar_type()));
-    put(static_cast<int64_t>(t.device().type()) << 16 | (t.device().index() & 0xffff));
+    if (!put_operand(key, operand.ptr())) throw py::type_error("not a tensor");
   }
   return py::bytes(key);
 }
+
+// --- the call cache ----------------------------------------------------------------------------
+
+// An eager call whose arguments were seen before goes from them to its prepared call here,
+// in C++: tilenorm.pytorch.functional looks up and checks in Python only the first time
+// (bench/NOTES.md #42). The key is every argument of the call as given, plus the state the
+// Python path reads besides them (CUDA autocast); Python clears the cache when the set of
+// kernels allowed changes (tilenorm.set_experimental).
+struct CachedCall {
+  c10::intrusive_ptr<ForwardNative> call;
+  double eps = 0.0, offset = 0.0;
+  bool prenorm = false;
+};
+constexpr size_t kMaxCachedCalls = 4096;  // as tilenorm.pytorch.calls.MAX_CALLS
+
+std::unordered_map<std::string, CachedCall>& cached_calls() {
+  static std::unordered_map<std::string, CachedCall> calls;
+  return calls;
+}
+
+// A number (not a bool) as a double; None as NaN with its own tag.
+bool put_number(std::string& key, PyObject* v) {
+  double value;
+  if (v == Py_None) {
+    put(key, 0);
+    return true;
+  }
+  if (PyFloat_CheckExact(v)) {
+    value = PyFloat_AS_DOUBLE(v);
+  } else if (PyLong_CheckExact(v)) {
+    value = PyLong_AsDouble(v);
+    if (value == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+  } else {
+    return false;
+  }
+  put(key, 1);
+  int64_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  put(key, bits);
+  return true;
+}
+
+bool put_int(std::string& key, PyObject* v) {
+  if (!PyLong_CheckExact(v)) return false;
+  int overflow = 0;
+  int64_t value = PyLong_AsLongLongAndOverflow(v, &overflow);
+  if (overflow || (value == -1 && PyErr_Occurred())) {
+    PyErr_Clear();
+    return false;
+  }
+  put(key, value);
+  return true;
+}
+
+// None, an int, or a tuple or list of ints (torch.Size included).
+bool put_shape(std::string& key, PyObject* v) {
+  if (v == Py_None) {
+    put(key, -1);
+    return true;
+  }
+  if (PyLong_CheckExact(v)) {
+    put(key, 1);
+    return put_int(key, v);
+  }
+  if (!PyTuple_Check(v) && !PyList_Check(v)) return false;
+  PyObject* items = PySequence_Fast(v, "");
+  if (items == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+  put(key, n);
+  bool ok = true;
+  for (Py_ssize_t i = 0; ok && i < n; ++i) ok = put_int(key, PySequence_Fast_GET_ITEM(items, i));
+  Py_DECREF(items);
+  return ok;
+}
+
+bool put_flag(std::string& key, PyObject* v) {
+  if (!PyBool_Check(v)) return false;
+  put(key, v == Py_True);
+  return true;
+}
+
+bool put_dtype(std::string& key, PyObject* v) {
+  if (v == Py_None) {
+    put(key, -1);
+    return true;
+  }
+  if (!THPDtype_Check(v)) return false;
+  put(key, static_cast<int64_t>(reinterpret_cast<THPDtype*>(v)->scalar_type));
+  return true;
+}
+
+// The arguments of tilenorm.pytorch.functional._apply, in its order.
+struct CallArguments {
+  py::handle op, x, weight, bias, eps, normalized_shape, per_head, offset, residual, prenorm,
+      residual_dtype, out_dtype;
+
+  // False where an argument is of a type the key does not encode (the Python path decides).
+  bool key(std::string& key) const {
+    if (!PyUnicode_CheckExact(op.ptr())) return false;
+    Py_ssize_t size = 0;
+    const char* name = PyUnicode_AsUTF8AndSize(op.ptr(), &size);
+    if (name == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    key.reserve(512);
+    key.append(name, size);
+    put(key, at::autocast::is_autocast_enabled(at::kCUDA));
+    return put_operand(key, x.ptr()) && put_operand(key, weight.ptr()) &&
+           put_operand(key, bias.ptr()) && put_operand(key, residual.ptr()) &&
+           put_number(key, eps.ptr()) && put_number(key, offset.ptr()) &&
+           put_shape(key, normalized_shape.ptr()) && put_flag(key, per_head.ptr()) &&
+           put_flag(key, prenorm.ptr()) && put_dtype(key, residual_dtype.ptr()) &&
+           put_dtype(key, out_dtype.ptr());
+  }
+};
+
+const at::Tensor& tensor_or_undefined(py::handle t) {
+  static const at::Tensor undefined;
+  return t.is_none() ? undefined : THPVariable_Unpack(t.ptr());
+}
+
+// The call for arguments seen before, run: y, or (y, h) with prenorm; None where they were not
+// seen (or an operand is not 16-byte aligned, or the call needs autograd and its backward is
+// not attached yet): the Python path runs then.
+py::object cached_call(py::handle op, py::handle x, py::handle weight, py::handle bias,
+                       py::handle eps, py::handle normalized_shape, py::handle per_head,
+                       py::handle offset, py::handle residual, py::handle prenorm,
+                       py::handle residual_dtype, py::handle out_dtype) {
+  CallArguments args{op, x, weight, bias, eps, normalized_shape, per_head, offset, residual,
+                     prenorm, residual_dtype, out_dtype};
+  std::string key;
+  if (!args.key(key)) return py::none();
+  auto found = cached_calls().find(key);
+  if (found == cached_calls().end()) return py::none();
+  const CachedCall& cached = found->second;
+  const at::Tensor &xt = tensor_or_undefined(x), &w = tensor_or_undefined(weight),
+                   &b = tensor_or_undefined(bias), &r = tensor_or_undefined(residual);
+  bool grad = at::GradMode::is_enabled() &&
+              (xt.requires_grad() || (w.defined() && w.requires_grad()) ||
+               (b.defined() && b.requires_grad()) || (r.defined() && r.requires_grad()));
+  std::vector<at::Tensor> out;
+  if (grad) {
+    out = autograd_forward(cached.call, xt, w, b, r, cached.eps, cached.offset);
+  } else if (operands_aligned(xt, w, b, r)) {
+    out = cached.call->run(xt, w, b, r, cached.eps, cached.offset);
+  }
+  if (out.empty()) return py::none();
+  if (cached.prenorm) return py::make_tuple(out[0], out[1]);
+  return py::cast(out[0]);
+}
+
+// Remember the prepared call (its eps and offset as checked) for these arguments; false
+// where they cannot be a key.
+bool remember_call(py::handle op, py::handle x, py::handle weight, py::handle bias,
+                   py::handle eps, py::handle normalized_shape, py::handle per_head,
+                   py::handle offset, py::handle residual, py::handle prenorm,
+                   py::handle residual_dtype, py::handle out_dtype,
+                   const c10::intrusive_ptr<ForwardNative>& call, double checked_eps,
+                   double checked_offset) {
+  CallArguments args{op, x, weight, bias, eps, normalized_shape, per_head, offset, residual,
+                     prenorm, residual_dtype, out_dtype};
+  std::string key;
+  if (!args.key(key)) return false;
+  auto& calls = cached_calls();
+  if (calls.size() >= kMaxCachedCalls) calls.clear();
+  calls[key] = CachedCall{call, checked_eps, checked_offset, prenorm.ptr() == Py_True};
+  return true;
+}
+
+void forget_calls() { cached_calls().clear(); }
 
 }  // namespace
 
@@ -461,4 +692,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward);
   m.def("backward", &backward);
   m.def("layout_key", &layout_key);
+  m.def("cached_call", &cached_call);
+  m.def("remember_call", &remember_call);
+  m.def("forget_calls", &forget_calls);
 }
