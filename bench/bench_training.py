@@ -141,6 +141,11 @@ SIZES = {s.name: s for s in (
 )}
 
 
+#: The special tokens of every config; the batches never hold them (see make_batches).
+SPECIAL_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+FIRST_TEXT_ID = max(SPECIAL_IDS.values()) + 1
+
+
 @dataclass(frozen=True)
 class Model:
     name: str
@@ -165,7 +170,7 @@ class Model:
             intermediate_size=int(size.hidden * self.mlp), num_hidden_layers=size.layers,
             num_attention_heads=size.heads, num_key_value_heads=size.heads // self.kv_div,
             head_dim=head_dim, max_position_embeddings=size.seq, use_cache=False,
-            pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
+            **SPECIAL_IDS, **extra)
 
 
 MODELS = {m.name: m for m in (
@@ -190,6 +195,13 @@ LOSS0_TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
 GRAD_TOL = {torch.bfloat16: 3e-2, torch.float32: 1e-4}
 #: Issue 17: the loss after the training run within this of HF's.
 TRAIN_LOSS_TOL = 1e-3
+TIMINGS = ("interleaved", "sequential")
+#: ``--profile``: steps profiled after the timed ones, and the ops kept (by self CPU time).
+PROFILE_STEPS, PROFILE_TOP = 3, 15
+#: Dynamo's limits of cache entries per code object and in all, raised so that every
+#: provider's compiled model of a group (the same forward's code object, told apart by guards)
+#: stays compiled; hitting one raises instead of running the model eagerly.
+RECOMPILE_LIMIT, ACCUMULATED_RECOMPILE_LIMIT = 64, 1024
 
 
 # --- providers --------------------------------------------------------------------------
@@ -336,12 +348,16 @@ def build_base(spec: Model, size: Size, device: torch.device, dtype: torch.dtype
 
 
 def make_batches(size: Size, count: int, seed: int, device: torch.device) -> torch.Tensor:
-    """``count`` batches of token ids, Zipf-distributed over the vocabulary (rank k with
-    probability ~ 1/k), drawn on the CPU from ``seed`` so every device gets the same."""
+    """``count`` batches of token ids, Zipf-distributed over the text ids (``FIRST_TEXT_ID``
+    up: rank k, id ``FIRST_TEXT_ID + k - 1``, with probability ~ 1/k), drawn on the CPU from
+    ``seed`` so every device gets the same. Never a special id: the pad id's embedding row is
+    zero (``padding_idx``), and a sequence starting with it keeps an exactly zero residual row
+    whose norms' backward overflows in Gemma3 (see the module's docstring)."""
     g = torch.Generator().manual_seed(seed)
-    probs = 1.0 / torch.arange(1, size.vocab + 1, dtype=torch.float64)
-    ids = torch.multinomial(probs, count * size.batch * size.seq, replacement=True, generator=g)
-    return ids.view(count, size.batch, size.seq).to(device)
+    probs = 1.0 / torch.arange(1, size.vocab - FIRST_TEXT_ID + 1, dtype=torch.float64)
+    ranks = torch.multinomial(probs, count * size.batch * size.seq, replacement=True,
+                              generator=g)
+    return (ranks + FIRST_TEXT_ID).view(count, size.batch, size.seq).to(device)
 
 
 def make_optimizer(model: torch.nn.Module, lr: float) -> tuple[torch.optim.Optimizer, bool]:
@@ -377,49 +393,124 @@ class Trace:
     fused_adamw: bool = False
 
 
-def run_steps(model, mode: str, batches: torch.Tensor, lr: float, warmup: int, timed: int,
-              total: int, device: torch.device) -> Trace:
-    """Step 0 (gradients kept for the check before its update), ``warmup - 1`` more untimed
-    steps, ``timed`` timed steps, then untimed steps up to ``total`` in all."""
-    cuda = device.type == "cuda"
-    opt, fused = make_optimizer(model, lr)
-    call = torch.compile(model, dynamic=False) if mode == "compile" else model
-    baseline = torch.cuda.memory_allocated(device) if cuda else 0
+class Runner:
+    """One provider's model in training: its optimizer, the module it calls (its own
+    ``torch.compile`` of the model under compile), and every step it took, step i on batch
+    i mod ``len(batches)``."""
 
-    def step(i):
-        loss = forward_backward(call, batches[i % len(batches)])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+    def __init__(self, model: torch.nn.Module, mode: str, batches: torch.Tensor, lr: float,
+                 device: torch.device):
+        self.model, self.batches, self.device = model, batches, device
+        self.opt, self.fused = make_optimizer(model, lr)
+        self.call = torch.compile(model, dynamic=False) if mode == "compile" else model
+        self.losses: list[torch.Tensor] = []
+        self.grads0: dict[str, float] = {}
+        self.first_step_s = 0.0
+        self.step_ms: list[float] = []
+        self.peak_bytes: int | None = None
+        #: Wall seconds of this provider's setup and timed steps (its row's ``config_s``).
+        self.wall_s = 0.0
 
-    start = time.perf_counter()
-    losses = [forward_backward(call, batches[0])]
-    grads0 = grad_norms(model)  # synchronizes: the first step's time is all of it
-    first_step_s = time.perf_counter() - start
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    losses += [step(i) for i in range(1, warmup)]
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(timed)]
-        for k, (begin, end) in enumerate(events):
-            begin.record()
-            losses.append(step(warmup + k))
-            end.record()
-        torch.cuda.synchronize(device)
-        step_ms = [begin.elapsed_time(end) for begin, end in events]
-        peak = (torch.cuda.max_memory_allocated(device) - baseline) / 2**30
-    else:
-        step_ms, peak = [], None
-        for k in range(timed):
-            begin = time.perf_counter()
-            losses.append(step(warmup + k))
-            step_ms.append((time.perf_counter() - begin) * 1e3)
-    losses += [step(i) for i in range(len(losses), total)]
-    values = torch.stack(losses).float().tolist()
-    return Trace(values[0], grads0, values, step_ms, first_step_s, peak, fused)
+    def step(self) -> None:
+        loss = forward_backward(self.call, self.batches[len(self.losses) % len(self.batches)])
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.losses.append(loss)
+
+    def start(self, steps: int) -> None:
+        """Step 0 (its gradients kept for the check before its update; it compiles, under
+        compile), then untimed steps up to ``steps`` in all."""
+        begin = time.perf_counter()
+        self.losses.append(forward_backward(self.call, self.batches[0]))
+        self.grads0 = grad_norms(self.model)  # synchronizes: the first step's time is all of it
+        self.first_step_s = time.perf_counter() - begin
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        while len(self.losses) < steps:
+            self.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def timed(self, steps: int) -> list[float]:
+        """``steps`` steps back to back, each between two CUDA events (no synchronization in
+        between, as in a training loop), on the CPU each step's wall time; ms each. Updates
+        the peak memory above the weights: the most allocated during these steps beyond what
+        was allocated before them, plus the optimizer state."""
+        begin = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(steps)]
+            for first, last in events:
+                first.record()
+                self.step()
+                last.record()
+            torch.cuda.synchronize(self.device)
+            ms = [first.elapsed_time(last) for first, last in events]
+            peak = torch.cuda.max_memory_allocated(self.device) - before + _state_bytes(self.opt)
+            self.peak_bytes = max(peak, self.peak_bytes or 0)
+        else:
+            ms = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                self.step()
+                ms.append((time.perf_counter() - start) * 1e3)
+        self.wall_s += time.perf_counter() - begin
+        return ms
+
+    def profile(self, steps: int, top: int) -> list[dict]:
+        """``steps`` more steps under ``torch.profiler`` (CPU activity only: the host's side):
+        the ``top`` ops by self CPU time, with their call counts, over those steps."""
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                self.step()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        return [{"name": e.key, "count": e.count, "self_cpu_us": e.self_cpu_time_total}
+                for e in ops[:top]]
+
+    def trace(self) -> Trace:
+        values = torch.stack(self.losses).float().tolist()
+        peak = None if self.peak_bytes is None else self.peak_bytes / 2**30
+        return Trace(values[0], self.grads0, values, self.step_ms, self.first_step_s, peak,
+                     self.fused)
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(v.numel() * v.element_size() for state in opt.state.values()
+               for v in state.values() if torch.is_tensor(v))
+
+
+def time_rounds(runners: dict[str, Runner], steps: int, round_steps: int,
+                failed: dict[str, Exception]) -> int:
+    """Fill each runner's ``step_ms`` with ``steps`` timed steps: round k runs
+    ``round_steps`` steps of every runner before round k + 1 of any, the order rotated by one
+    each round, after one untimed round; garbage collected before each runner's turn. A
+    runner that raises is moved to ``failed`` and the others go on. The number of timed
+    rounds."""
+    rounds = math.ceil(steps / round_steps)
+    for k in range(rounds + 1):
+        names = list(runners)
+        for name in names[k % len(names):] + names[:k % len(names)]:
+            count = round_steps if k == 0 else min(round_steps, steps - (k - 1) * round_steps)
+            gc.collect()
+            try:
+                ms = runners[name].timed(count)
+            except Exception as e:
+                traceback.print_exc(limit=4)
+                failed[name] = e.with_traceback(None)
+                del runners[name]
+                continue
+            if k:
+                runners[name].step_ms += ms
+        if not runners:
+            break
+    return rounds
 
 
 def _rel(a: float, b: float) -> float:
@@ -444,6 +535,23 @@ def compare(trace: Trace, ref: Trace, train_steps: int | None) -> dict:
                    ref_train_loss=ref.losses[train_steps],
                    train_loss_rel=_rel(trace.losses[train_steps], ref.losses[train_steps]))
     return row
+
+
+def _raise_recompile_limits() -> dict:
+    """Dynamo's cache limits at least ``RECOMPILE_LIMIT`` / ``ACCUMULATED_RECOMPILE_LIMIT``
+    (``cache_size_limit`` / ``accumulated_cache_size_limit`` in older torch), failing where
+    one is hit; the settings, for the record."""
+    config = torch._dynamo.config
+    settings = {}
+    for names, value in ((("recompile_limit", "cache_size_limit"), RECOMPILE_LIMIT),
+                         (("accumulated_recompile_limit", "accumulated_cache_size_limit"),
+                          ACCUMULATED_RECOMPILE_LIMIT),
+                         (("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"), True)):
+        name = next((n for n in names if hasattr(config, n)), None)
+        if name is not None:
+            setattr(config, name, max(getattr(config, name), value))
+            settings[name] = getattr(config, name)
+    return settings
 
 
 def free(device: torch.device, compiled: bool) -> None:
@@ -632,7 +740,7 @@ def plot(record: dict, path: Path) -> None:
 
 class Workbench:
     """The models, batches and references of one run, built when first needed and kept (every
-    mode and provider of a model/size copies the same base), and one configuration's
+    mode and provider of a model/size copies the same base), and one model/size/mode's
     measurement."""
 
     def __init__(self, args, device: torch.device, dtype: torch.dtype, record: dict, *,
@@ -657,8 +765,11 @@ class Workbench:
                     self.record["tilenorm_decisions"][f"{spec.name}/{size.name}"] = _decisions(
                         spec, size, self.device, self.dtype)
                 trained = self.args.train_steps if size.name in self.train_sizes else 0
-                ref = run_steps(copy.deepcopy(self.bases[key]), "eager", self.batches[key],
-                                self.args.lr, 1, 0, trained + 1, self.device)
+                runner = Runner(copy.deepcopy(self.bases[key]), "eager", self.batches[key],
+                                self.args.lr, self.device)
+                runner.start(trained + 1)
+                ref = runner.trace()
+                del runner
                 self.record["references"][f"{spec.name}/{size.name}"] = {
                     "loss0": ref.loss0, "losses": ref.losses,
                     "grad_norm": math.sqrt(sum(v * v for v in ref.grads0.values())),
@@ -673,23 +784,75 @@ class Workbench:
             raise RuntimeError(f"no reference for {spec.name} {size.name}: {ref}")
         return ref
 
-    def measure(self, spec: Model, size: Size, mode: str, provider: str) -> dict:
-        """One provider in one mode on a copy of the base model: the row's fields."""
-        ref, args = self.reference(spec, size), self.args
+    def _start(self, spec: Model, size: Size, mode: str, provider: str, steps: int
+               ) -> tuple[Runner, dict]:
+        """A patched copy of the base model, started (``Runner.start``): its runner, whose
+        ``wall_s`` is the time all this took, and its row's fields from the patch."""
+        begin = time.perf_counter()
         key = (spec.name, size.name)
-        trained = (args.train_steps if size.name in self.train_sizes
-                   and (mode == "eager" or args.train_compile) else 0)
         model = copy.deepcopy(self.bases[key])
         info = PATCHES[provider](model, spec)
         self.record["providers"][f"{provider} {spec.name}"] = info.pop("api")
+        runner = Runner(model, mode, self.batches[key], self.args.lr, self.device)
+        runner.start(steps)
+        runner.wall_s = time.perf_counter() - begin
+        return runner, info
+
+    def measure_group(self, spec: Model, size: Size, mode: str, providers: list[str],
+                      log: Callable[[str], None]) -> dict[str, dict | Exception]:
+        """Every provider of one model/size/mode, each on its own copy of the base model: its
+        row's fields, or what it raised (``NotImplementedError``: the provider has no such
+        kernel). ``--timing interleaved`` builds, patches, compiles and starts (step 0, the
+        warm-up and the training run) every provider first and then times them in rounds;
+        ``sequential`` does all of it one provider at a time, each freed before the next."""
+        ref, args = self.reference(spec, size), self.args
+        trained = (args.train_steps if size.name in self.train_sizes
+                   and (mode == "eager" or args.train_compile) else 0)
         warmup = args.compile_warmup if mode == "compile" else args.warmup
-        trace = run_steps(model, mode, self.batches[key], args.lr, warmup, args.steps,
-                          max(warmup + args.steps, trained + 1), self.device)
-        step_ms = statistics.median(trace.step_ms)
-        return {**info, "step_ms": step_ms, "steps_ms": trace.step_ms,
-                "tokens_per_s": size.batch * size.seq / (step_ms * 1e-3),
-                "first_step_s": trace.first_step_s, "peak_gib": trace.peak_gib,
-                "fused_adamw": trace.fused_adamw, **compare(trace, ref, trained)}
+        chunks = [providers] if args.timing == "interleaved" else [[p] for p in providers]
+        out: dict[str, dict | Exception] = {}
+        for chunk in chunks:
+            runners: dict[str, Runner] = {}
+            infos: dict[str, dict] = {}
+            for provider in chunk:
+                try:
+                    runners[provider], infos[provider] = self._start(
+                        spec, size, mode, provider, max(warmup, trained + 1))
+                except Exception as e:
+                    if not isinstance(e, NotImplementedError):
+                        traceback.print_exc(limit=4)
+                    out[provider] = e.with_traceback(None)  # its frames hold the model
+                    continue
+                log(f"{provider} ready (first step {runners[provider].first_step_s:.1f} s, "
+                    f"{runners[provider].wall_s:.1f} s)")
+            failed: dict[str, Exception] = {}
+            rounds = time_rounds(runners, args.steps, args.round_steps, failed) if runners else 0
+            out.update(failed)
+            for provider, runner in runners.items():
+                profile = None
+                if args.profile:
+                    try:
+                        profile = runner.profile(PROFILE_STEPS, PROFILE_TOP)
+                    except Exception as e:  # the profile is extra: its failure is recorded
+                        profile = f"{type(e).__name__}: {e}"[:300]
+                trace = runner.trace()
+                step_ms = statistics.median(trace.step_ms)
+                out[provider] = {
+                    **infos[provider], "timing": args.timing, "rounds": rounds,
+                    "round_steps": args.round_steps, "step_ms": step_ms,
+                    "steps_ms": trace.step_ms,
+                    "tokens_per_s": size.batch * size.seq / (step_ms * 1e-3),
+                    "first_step_s": trace.first_step_s, "peak_gib": trace.peak_gib,
+                    "fused_adamw": trace.fused_adamw, "config_s": runner.wall_s,
+                    **({"profile_steps": PROFILE_STEPS, "profile_top": profile}
+                       if args.profile else {}),
+                    **compare(trace, ref, trained)}
+            runners.clear()
+            runner = None  # the last one's model goes too
+            # Between groups only, in interleaved timing (main frees after each group).
+            if args.timing == "sequential":
+                free(self.device, compiled=mode == "compile")
+        return out
 
 
 # --- main -------------------------------------------------------------------------------
@@ -709,7 +872,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sizes", default="gpu,host", help="of gpu, host, tiny")
     parser.add_argument("--modes", default="eager,compile")
     parser.add_argument("--providers", default=",".join(PROVIDERS))
-    parser.add_argument("--steps", type=int, default=10, help="timed steps (median recorded)")
+    parser.add_argument("--steps", type=int, default=20,
+                        help="timed steps per provider (their median recorded)")
+    parser.add_argument("--round-steps", type=int, default=2,
+                        help="steps of one provider in a round")
+    parser.add_argument("--timing", choices=TIMINGS, default="interleaved",
+                        help="interleaved: every provider of a model/size/mode built first, "
+                             "then timed in rounds; sequential: one provider after another, "
+                             "each freed before the next (less memory)")
+    parser.add_argument("--profile", action="store_true",
+                        help=f"the top {PROFILE_TOP} host ops of {PROFILE_STEPS} steps under "
+                             f"torch.profiler after the timed ones, per row")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, eager")
     parser.add_argument("--compile-warmup", type=int, default=5,
                         help="untimed steps first under compile (the first compiles)")
@@ -731,8 +904,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--experimental", action="store_true",
                         help="let tilenorm run kernels not yet validated on a GPU")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.warmup < 1 or args.compile_warmup < 1 or args.batches < 1:
-        parser.error("--steps, --warmup, --compile-warmup and --batches must be >= 1")
+    if min(args.steps, args.round_steps, args.warmup, args.compile_warmup, args.batches) < 1:
+        parser.error("--steps, --round-steps, --warmup, --compile-warmup and --batches must "
+                     "be >= 1")
     started = time.perf_counter()
     models = [MODELS[m] for m in _split(args.models, MODELS)]
     sizes = [SIZES[s] for s in _split(args.sizes, SIZES)]
@@ -765,11 +939,12 @@ def main(argv: list[str] | None = None) -> dict:
     date, commit = datetime.date.today().isoformat(), common.git_commit()
     slug = common.device_slug() if cuda else "cpu"
     path = args.out or common.RESULTS_DIR / f"{slug}-{date}-training-{commit}.json"
-    plan = [(spec, size, mode, p) for mode in modes for spec in models for size in sizes
-            for p in providers if p not in absent]
+    groups = [(spec, size, mode) for mode in modes for spec in models for size in sizes]
+    runs = [p for p in providers if p not in absent]
     record = {"device": name, "date": date, "commit": commit, "copy_gbps": copy_bw,
               "versions": _versions(), "dtype": args.dtype,
               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "dynamo": _raise_recompile_limits() if "compile" in modes else None,
               "sizes": {s.name: asdict(s) for s in sizes},
               "models": {m.name: asdict(m) for m in models},
               "absent": absent, "providers": {}, "references": {}, "tilenorm_decisions": {},
@@ -786,54 +961,67 @@ def main(argv: list[str] | None = None) -> dict:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=1) + "\n")
 
-    print(f"{name}: copy {'-' if copy_bw is None else f'{copy_bw:.0f}'} GB/s; {len(plan)} "
-          f"configurations; absent: {', '.join(absent) or 'none'}", flush=True)
+    print(f"{name}: copy {'-' if copy_bw is None else f'{copy_bw:.0f}'} GB/s; {len(groups)} "
+          f"model/size/modes of {len(runs)} providers, timed {args.timing}; absent: "
+          f"{', '.join(absent) or 'none'}", flush=True)
     trains = "eager" in modes or args.train_compile
     bench = Workbench(args, device, dtype, record,
-                      decisions=any(p in OURS and p not in absent for p in providers),
+                      decisions=any(p in OURS for p in runs),
                       train_sizes=train_sizes if trains else [])
+    #: Seconds per provider of a model/size/mode, the most seen, by (size, mode).
     estimate: dict[tuple[str, str], float] = {}
-    group, group_fits = None, True
-    for n, (spec, size, mode, provider) in enumerate(plan, 1):
-        where = {"model": spec.name, "size": size.name, "mode": mode, "provider": provider}
+    for n, (spec, size, mode) in enumerate(groups if runs else [], 1):
+        group = {"model": spec.name, "size": size.name, "mode": mode}
         elapsed = time.perf_counter() - started
-        head = f"[{n}/{len(plan)} {elapsed:5.0f}s] {' '.join(where.values())}:"
-        # The longest configuration so far of this size and mode (else of this mode).
+        head = f"[{n}/{len(groups)} {elapsed:5.0f}s] {' '.join(group.values())}:"
+        # All providers or none: the comparison (and the "fastest" target) needs all of them.
         guess = estimate.get((size.name, mode), max(
             (v for (_, m), v in estimate.items() if m == mode), default=0.0))
-        if group != (spec, size, mode):
-            # A model/size/mode is started only if all its providers fit: the comparison
-            # (and the "fastest" target) needs all of them.
-            group = (spec, size, mode)
-            need = guess * sum(1 for c in plan if c[:3] == group)
-            group_fits = not args.budget_s or elapsed + need <= args.budget_s
-        if not group_fits or (args.budget_s and elapsed + guess > args.budget_s):
-            put(record, "skipped", {**where, "reason": f"budget: {elapsed:.0f} s spent of "
-                                                      f"{args.budget_s:.0f}, ~{guess:.0f} s "
-                                                      f"a configuration"})
+        if args.budget_s and elapsed + guess * len(runs) > args.budget_s:
+            for provider in runs:
+                put(record, "skipped", {**group, "provider": provider,
+                                        "reason": f"budget: {elapsed:.0f} s spent of "
+                                                  f"{args.budget_s:.0f}, ~{guess:.0f} s a "
+                                                  f"provider"})
             print(f"{head} skipped (budget)", flush=True)
             continue
         try:
-            bench.reference(spec, size)  # outside the configuration's time (its estimate)
-            begin = time.perf_counter()
-            row = bench.measure(spec, size, mode, provider)
-        except NotImplementedError as e:
-            record["absent"][f"{provider} {spec.name}"] = str(e)[:300]
-            print(f"{head} absent: {e}", flush=True)
-            continue
+            bench.reference(spec, size)  # outside the group's time (its estimate)
         except Exception as e:
-            put(record, "failures", {**where, "error": f"{type(e).__name__}: {e}"[:800]})
-            print(f"{head} FAILED", flush=True)
-            traceback.print_exc(limit=4)
+            for provider in runs:
+                put(record, "failures", {**group, "provider": provider,
+                                         "error": f"{type(e).__name__}: {e}"[:800]})
+            print(f"{head} FAILED (reference)", flush=True)
             continue
+        begin = time.perf_counter()
+        try:
+            results = bench.measure_group(
+                spec, size, mode, runs, lambda text, head=head: print(f"{head} {text}", flush=True))
+        except Exception as e:  # not one provider's: every row of the group fails
+            traceback.print_exc(limit=4)
+            results = dict.fromkeys(runs, e.with_traceback(None))
         finally:
             free(device, compiled=mode == "compile")
         seconds = time.perf_counter() - begin
-        estimate[(size.name, mode)] = max(seconds, estimate.get((size.name, mode), 0.0))
-        put(record, "rows", {**where, **row, "config_s": seconds})
+        estimate[(size.name, mode)] = max(seconds / len(runs),
+                                          estimate.get((size.name, mode), 0.0))
+        for provider in runs:
+            where = {**group, "provider": provider}
+            result = results[provider]
+            if isinstance(result, NotImplementedError):
+                record["absent"][f"{provider} {spec.name}"] = str(result)[:300]
+                print(f"{head} {provider} absent: {result}", flush=True)
+            elif isinstance(result, Exception):
+                put(record, "failures", {**where,
+                                         "error": f"{type(result).__name__}: {result}"[:800]})
+                print(f"{head} {provider} FAILED: {type(result).__name__}: {result}"[:300],
+                      flush=True)
+            else:
+                put(record, "rows", {**where, **result})
+                print(f"{head} {provider} {result['step_ms']:.2f} ms/step (first step "
+                      f"{result['first_step_s']:.1f} s, {result['config_s']:.1f} s)",
+                      flush=True)
         write()
-        print(f"{head} {row['step_ms']:.2f} ms/step (first step {row['first_step_s']:.1f} s, "
-              f"configuration {seconds:.1f} s)", flush=True)
     write()
     print(f"wrote {path} ({time.perf_counter() - started:.0f} s)")
     if args.plot:

@@ -205,7 +205,7 @@ def test_the_call_cache_tells_apart_every_argument_and_autocast(monkeypatch):
     w = torch.randn(256, generator=g, device="cuda", dtype=torch.bfloat16)
     base = dict(eps=1e-6)
     variants = [dict(eps=1e-5), dict(eps=None), dict(offset=1.0), dict(out_dtype=torch.float32),
-                dict(normalized_shape=256), dict(normalized_shape=(256,)),
+                dict(normalized_shape=256),
                 dict(residual=torch.randn_like(x)), dict(residual=torch.randn_like(x),
                                                          prenorm=True),
                 dict(residual=torch.randn_like(x), residual_dtype=torch.float32)]
