@@ -154,8 +154,12 @@ _PLACEHOLDERS: dict = {}
 def placeholders(device: torch.device) -> tuple[torch.Tensor, ...]:
     found = _PLACEHOLDERS.get(device)
     if found is None:
-        found = _PLACEHOLDERS[device] = tuple(
-            torch.empty(1, dtype=torch.float32, device=device) for _ in range(8))
+        # On a stream of their own: they live as long as the process, and the current
+        # stream's allocations may be going to a CUDA graph's private pool (torch.compile's
+        # cudagraph trees warm up and record there), which must hold none that outlive it.
+        with torch.cuda.stream(torch.cuda.Stream(device)):
+            found = _PLACEHOLDERS[device] = tuple(
+                torch.empty(1, dtype=torch.float32, device=device) for _ in range(8))
     return found
 
 

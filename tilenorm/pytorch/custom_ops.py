@@ -3,7 +3,10 @@
 ``tilenorm::norm_fwd`` and ``tilenorm::norm_bwd`` have fake implementations and registered
 autograd, so a compiled graph holds them without a break (``fullgraph=True``, dynamic shapes,
 CUDA graphs); inside, they run the same prepared calls as eager mode, which pick kernel or
-reference at run time. Eager calls do not come here: the dispatcher costs ~8 us a call.
+reference at run time. For CUDA tensors the C++ host path registers kernels of its own that
+run a call seen before without Python and fall back on :func:`run_forward` /
+:func:`run_backward` (NOTES #43). Eager calls do not come here: the dispatcher costs ~8 us a
+call.
 """
 
 from __future__ import annotations
@@ -22,6 +25,22 @@ def _spec(layer_norm: bool, dims: int, per_head: bool) -> NormSpec:
     return NormSpec("layer_norm" if layer_norm else "rms_norm", layer_norm, dims, per_head)
 
 
+def run_forward(x, weight, bias, residual, eps, offset, layer_norm, dims, per_head, out_dtype,
+                residual_dtype):
+    """norm_fwd's outputs and its prepared call's C++ twin (None where it has none): the
+    Python implementation, which the C++ kernels for CUDA tensors fall back on for arguments
+    they have not seen (``native_calls.cpp``, NOTES #43)."""
+    spec = _spec(layer_norm, dims, per_head)
+    checks.check_eps(spec.op, eps)
+    checks.check_offset(spec.op, offset, weight)
+    call = forward_call(spec, x, weight, bias, residual, out_dtype, residual_dtype,
+                        offset != 0)
+    y, h, mean, rstd = call.run(x, weight, bias, residual, eps, offset)
+    # Contiguous, as the fake says (the reference path keeps a strided x's layout).
+    return (y.contiguous(), _empty(x) if residual is None else h.contiguous(),
+            _empty(rstd) if mean is None else mean, rstd), call.native
+
+
 @torch.library.custom_op("tilenorm::norm_fwd", mutates_args=())
 def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
              residual: torch.Tensor | None, eps: float, offset: float, layer_norm: bool,
@@ -31,15 +50,8 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     """(y, h, mean, rstd); h is empty without a residual and mean empty for RMSNorm. Under
     ``torch.compile`` eps and offset may have been symbolic when traced: they are checked
     here, where they are numbers."""
-    spec = _spec(layer_norm, dims, per_head)
-    checks.check_eps(spec.op, eps)
-    checks.check_offset(spec.op, offset, weight)
-    call = forward_call(spec, x, weight, bias, residual, out_dtype, residual_dtype,
-                        offset != 0)
-    y, h, mean, rstd = call.run(x, weight, bias, residual, eps, offset)
-    # Contiguous, as the fake says (the reference path keeps a strided x's layout).
-    return (y.contiguous(), _empty(x) if residual is None else h.contiguous(),
-            _empty(rstd) if mean is None else mean, rstd)
+    return run_forward(x, weight, bias, residual, eps, offset, layer_norm, dims, per_head,
+                       out_dtype, residual_dtype)[0]
 
 
 @norm_fwd.register_fake
@@ -53,13 +65,9 @@ def _(x, weight, bias, residual, eps, offset, layer_norm, dims, per_head, out_dt
     return torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device), h, mean, rstd
 
 
-@torch.library.custom_op("tilenorm::norm_bwd", mutates_args=())
-def norm_bwd(dy: torch.Tensor, dres_in: torch.Tensor | None, h: torch.Tensor,
-             weight: torch.Tensor | None, bias: torch.Tensor | None,
-             mean: torch.Tensor | None, rstd: torch.Tensor, offset: float, dims: int,
-             per_head: bool, x_dtype: torch.dtype, residual_dtype: torch.dtype | None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dres, dweight, dbias); absent ones are empty tensors."""
+def run_backward(dy, dres_in, h, weight, bias, mean, rstd, offset, dims, per_head, x_dtype,
+                 residual_dtype):
+    """norm_bwd's outputs and its prepared call's C++ twin, as :func:`run_forward`."""
     spec = _spec(mean is not None, dims, per_head)
     call = backward_call(spec, dy, dres_in, h, weight, bias, offset, x_dtype, residual_dtype)
     dx, dres, dweight, dbias = call.run(dy, dres_in, h, weight, bias, mean, rstd, offset)
@@ -69,7 +77,18 @@ def norm_bwd(dy: torch.Tensor, dres_in: torch.Tensor | None, h: torch.Tensor,
     dres = None if dres is None else dx.clone() if dres is dx else dres.contiguous()
     return (dx, _empty(dx) if dres is None else dres,
             _empty(dx) if dweight is None else dweight.contiguous(),
-            _empty(dx) if dbias is None else dbias.contiguous())
+            _empty(dx) if dbias is None else dbias.contiguous()), call.native
+
+
+@torch.library.custom_op("tilenorm::norm_bwd", mutates_args=())
+def norm_bwd(dy: torch.Tensor, dres_in: torch.Tensor | None, h: torch.Tensor,
+             weight: torch.Tensor | None, bias: torch.Tensor | None,
+             mean: torch.Tensor | None, rstd: torch.Tensor, offset: float, dims: int,
+             per_head: bool, x_dtype: torch.dtype, residual_dtype: torch.dtype | None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dres, dweight, dbias); absent ones are empty tensors."""
+    return run_backward(dy, dres_in, h, weight, bias, mean, rstd, offset, dims, per_head,
+                        x_dtype, residual_dtype)[0]
 
 
 @norm_bwd.register_fake

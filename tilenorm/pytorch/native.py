@@ -2,9 +2,10 @@
 
 A Python ``torch.autograd.Function`` that only allocates its outputs costs about what
 torch's whole RMSNorm forward + backward does (bench/NOTES.md #39), so the eager autograd
-path runs in C++ (#40): the prepared call's parameter blocks
+path runs in C++ (#40, #42): the prepared call's parameter blocks
 (:class:`tilenorm.launch.driver.LaunchRecipe`) launched by ``cuLaunchKernelEx`` from a C++
-autograd node. The extension is compiled once per torch build and source into
+autograd node; it also registers the custom ops' kernels for CUDA tensors, which compiled
+graphs call (#43). The extension is compiled once per torch build and source into
 ``$TILENORM_CACHE_DIR`` (default ``~/.cache/tilenorm``) with the C++ compiler torch's
 extensions use (``$CXX``, default ``c++``); it needs torch's and Python's headers, no CUDA
 headers. Without a compiler, or with ``TILENORM_NATIVE=0``, the ops take the Python path:
@@ -124,8 +125,9 @@ def module() -> ModuleType | None:
         warnings.warn(f"tilenorm: the C++ host path is unavailable ({error}); the ops take the "
                       f"Python path (same results, more host time a call)", stacklevel=3)
         return None
-    from tilenorm.pytorch import calls
+    from tilenorm.pytorch import calls, custom_ops
 
+    loaded.set_op_fallbacks(custom_ops.run_forward, custom_ops.run_backward)
     calls.layouts = loaded.layout_key
     calls.cached_call, calls.remember_call = loaded.cached_call, loaded.remember_call
     calls.forget_cached_calls = loaded.forget_calls
