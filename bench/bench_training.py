@@ -3,6 +3,7 @@ and under torch.compile (issue 17).
 
     python bench/bench_training.py                        # the default matrix, bf16, CUDA
     python bench/bench_training.py --models llama --sizes host --modes eager --plot
+    python bench/bench_training.py --sizes host --profile     # host-bound, with host profiles
     python bench/bench_training.py --device cpu --sizes tiny --modes eager --dtype float32
 
 Models are built from configs (no downloads), random weights from ``--seed``, norm weights
@@ -45,47 +46,69 @@ A provider that fails to import is recorded under ``absent`` and skipped; one th
 patch or run a configuration is recorded under ``failures``; the run goes on.
 
 Modes (``--modes``): ``eager``, and ``compile``: ``torch.compile(model, dynamic=False)`` of the
-whole model (default inductor), ``torch._dynamo.reset()`` between configurations.
+whole model (default inductor), one per provider's model, ``torch._dynamo.reset()`` between
+model/size/modes (and between providers with ``--timing sequential``). The providers' compiled
+models share the forward's code object, their cache entries told apart by guards (the norm
+modules' classes; two models of one structure share an entry), so dynamo's recompile limits
+are raised to 64 per code object and 1024 in all and hitting one raises instead of silently
+running eagerly (``fail_on_recompile_limit_hit``; the settings are the record's ``dynamo``).
 
 One training step: ``model(input_ids=ids, labels=ids, use_cache=False).loss`` (transformers'
 own shifted cross entropy), ``loss.backward()``, ``torch.optim.AdamW(lr=--lr, fused=True)``
 step (foreach where fused is unavailable), ``zero_grad(set_to_none=True)``; weights in
 ``--dtype`` (bf16), ``model.train()``. Step i takes batch i mod ``--batches`` of a fixed set of
-token batches drawn from a Zipf distribution over the vocabulary: a unigram law the model
-learns, so that the loss moves (on uniform tokens the initial loss, ~log(vocab), is already the
-best there is). The learning rate is fixed, 1e-4 by default: on the CPU, Llama at the host
-size with 1 x 256 tokens in bf16, 100 steps took the loss from 10.48 to 6.30, and a correct norm
-rounding once (torch.nn.RMSNorm) ended 1e-4 from HF's loss; at 3e-4 the same pair ended 1e-2
-apart and at 1e-3 (a loss spike on the way) 2e-2: bf16 trajectories that large steps make
-diverge from any rounding difference.
+token batches drawn from a Zipf distribution over the text ids (every id but pad, bos and eos):
+a unigram law the model learns, so that the loss moves (on uniform tokens the initial loss,
+~log(vocab), is already the best there is). Gemma3 once diverged here, HF's own run included:
+the batches held the pad id (Zipf's most frequent rank), whose embedding row is zero, so a
+sequence starting with it kept an exactly zero residual row through every layer, and each
+RMSNorm backward of a zero row scales the gradient by 1/sqrt(eps) = 1e3: with Gemma3's norms
+before and after each sublayer that grew ~2e5 a layer and overflowed (inf, then NaN) within 8
+layers, in bf16 and fp32 alike (Llama and Qwen3: ~2e2 a layer, finite). The learning rate
+is fixed, 1e-4 by default: on the CPU, Llama at the host size with 1 x 256 tokens in bf16, 100
+steps took the loss from 10.45 to 6.30, and a correct norm rounding once (torch.nn.RMSNorm)
+ended 1.0e-4 (relative) from HF's loss; at 3e-4 the same pair ended 3.8e-4 apart and at 1e-3
+3.1e-2: bf16 trajectories that large steps make diverge from any rounding difference.
 
-Timing: step 0 (which compiles, under compile) and ``--warmup`` / ``--compile-warmup`` steps in
-all untimed, then ``--steps`` steps back to back, each between two CUDA events (no
-synchronization in between, as in a training loop: a GPU-bound step is its GPU time, a
-host-bound one includes the host's time); the median is recorded, with every step's time, the
-first step's wall time and the peak memory of the timed steps above the weights
-(``torch.cuda.max_memory_allocated``, reset after the warm-up, less what was allocated before
-the optimizer: gradients, optimizer state and activations). On the CPU the wall time of each
-step.
+Timing (``--timing``), per model/size/mode. ``interleaved`` (default): every provider's copy is
+built, patched, compiled and started first: step 0 (which compiles, under compile; its
+gradients are the step-0 check), then untimed steps up to ``--warmup`` / ``--compile-warmup``
+steps, or to the end of the training run where there is one (its loss is the trained-loss
+check). Then one untimed round and ``--steps / --round-steps`` timed rounds: round k runs
+``--round-steps`` steps of every provider before round k + 1 of any, the order rotated by one
+each round, garbage collected and synchronized before each provider's turn, so that the host's
+and the GPU's drift over the minutes of a run reaches every provider alike (timed one after
+another, providers differed by 20-40% at the host size, #41). ``sequential``: the same for one
+provider at a time, each freed before the next (for less memory: interleaved, the gpu size
+holds 6 copies of a ~0.5B-parameter model with AdamW state, ~20 GB). Within a turn the steps
+run back to back, each between two CUDA events (no synchronization in between, as in a
+training loop: a GPU-bound step is its GPU time, a host-bound one includes the host's time);
+the median over all of a provider's timed steps is recorded, with every step's time, the
+timing, rounds and steps per round, the first step's wall time and the peak memory above the
+weights (the most allocated during a turn beyond what was allocated before it, plus the
+optimizer state: gradients, optimizer state and activations). On the CPU the wall time of
+each step. ``--profile``: 3 more steps per provider under ``torch.profiler`` (CPU activity
+only) after the timed rounds; the 15 ops with the most self CPU time (name, count, self CPU
+us over the 3 steps) are the row's ``profile_top``: where the host's time goes.
 
 Correctness, against a reference: the hf provider in eager mode run once more per model/size
 (so that the hf rows show the run-to-run noise of HF itself, e.g. the attention backward's
 atomics, and compile's difference from eager). At step 0, before the update: the loss's
 relative difference, the relative difference of the global gradient norm, and the largest
 relative difference of a parameter's gradient norm (which parameter is recorded). Then the loss
-after ``--train-steps`` updates (the loss of step ``--train-steps``; the same run continues past
-the timed steps), for the sizes of ``--train-sizes`` in eager mode (``--train-compile``: compile
+after ``--train-steps`` updates (the loss of step ``--train-steps``, before the timed steps of
+the same run), for the sizes of ``--train-sizes`` in eager mode (``--train-compile``: compile
 too; ``--train-steps 0``: never).
 
-Budget: the default matrix (3 models x 2 sizes x 2 modes x 6 providers) is meant for one device
-call of 10 minutes, and whole-model compiles (one per compiled configuration) dominate it.
-Configurations run eager first, then compiled, model by model, size by size; each is written to
-the record as it ends, and one that would end past ``--budget-s`` (by the longest configuration
-so far of its size and mode) is skipped and recorded as such, so that the run ends in time with
-what it measured. The rest is a second call writing the same file (``--modes compile --models
-gemma3``, say): a record already at the path keeps its rows, each replaced by a new row or
-failure of its configuration (a skip leaves a row in place), so that a split run gives one
-record.
+Budget: whole-model compiles (one per provider of each compiled model/size) dominate a run;
+the default matrix (3 models x 2 sizes x 2 modes x 6 providers) takes more than one device call
+of 10 minutes. Model/size/modes run eager first, then compiled, model by model, size by size,
+each with all its providers or none; each is written to the record as it ends, and one that
+would end past ``--budget-s`` (by the most seconds a provider took so far at its size and mode)
+is skipped and recorded as such, so that the run ends in time with what it measured. The rest
+is a second call writing the same file (``--modes compile --models gemma3``, say): a record
+already at the path keeps its rows, each replaced by a new row or failure of its configuration
+(a skip leaves a row in place), so that a split run gives one record.
 
 Writes bench/results/<device>-<date>-training-<commit>.json (or ``--out``), with ``--plot`` a
 PNG beside it, and prints the step times, peak memory, correctness and the targets (PASS /
@@ -660,7 +683,8 @@ def print_tables(record: dict) -> None:
     copy_gbps = record["copy_gbps"]
     print(f"\n{record['device']} ({'-' if copy_gbps is None else f'{copy_gbps:.0f}'} GB/s copy), "
           f"{record['dtype']}, commit {record['commit']}; the median of "
-          f"{record['args']['steps']} timed steps")
+          f"{record['args']['steps']} timed steps per provider, timed "
+          f"{record['args'].get('timing', 'sequential')}")
     for title, column, fmt in (("step ms", "step_ms", "{:.2f}"),
                                ("peak GiB above the weights", "peak_gib", "{:.2f}")):
         if all(r[column] is None for r in record["rows"]):
@@ -731,8 +755,9 @@ def plot(record: dict, path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
     for ax in list(axes.flat)[len(groups):]:
         ax.axis("off")
-    fig.suptitle(f"Training step, {record['device']}, {record['dtype']}, {record['commit']} "
-                 f"(ms on the bars)", fontsize=11)
+    fig.suptitle(f"Training step, {record['device']}, {record['dtype']}, {record['commit']}, "
+                 f"timed {record['args'].get('timing', 'sequential')} (ms on the bars)",
+                 fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

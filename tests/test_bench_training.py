@@ -49,3 +49,115 @@ def test_smoke_run_records_every_provider(tmp_path):
     ref = record["references"]["llama/tiny"]["losses"]
     assert len(ref) == TRAIN_STEPS + 1 and ref[-1] < ref[0]
     assert {t["pass"] for t in record["targets"] if "loss" in t["target"]} == {True}
+
+
+class _FakeRunner:
+    """Stands in for ``bench_training.Runner`` in ``time_rounds``: logs each turn."""
+
+    def __init__(self, name: str, log: list, fail_at_turn: int | None = None):
+        self.name, self.log, self.fail_at_turn = name, log, fail_at_turn
+        self.step_ms: list[float] = []
+        self.turns = 0
+
+    def timed(self, steps: int) -> list[float]:
+        self.turns += 1
+        if self.turns == self.fail_at_turn:
+            raise RuntimeError(f"{self.name} broke")
+        self.log.append((self.name, steps))
+        return [float(len(self.log))] * steps
+
+
+def test_time_rounds_interleaves_and_rotates():
+    log: list = []
+    runners = {n: _FakeRunner(n, log) for n in "abc"}
+    failed: dict = {}
+    rounds = bench_training.time_rounds(dict(runners), steps=5, round_steps=2, failed=failed)
+    assert rounds == 3 and not failed
+    # One untimed round, then round k of every runner before round k + 1 of any, the order
+    # rotated by one each round; the last round runs what is left of the steps.
+    assert log == [("a", 2), ("b", 2), ("c", 2),
+                   ("b", 2), ("c", 2), ("a", 2),
+                   ("c", 2), ("a", 2), ("b", 2),
+                   ("a", 1), ("b", 1), ("c", 1)]
+    # Only the timed rounds' steps are kept: those of turns 4 to 12 in the log.
+    assert runners["a"].step_ms == [6.0, 6.0, 8.0, 8.0, 10.0]
+    assert all(len(r.step_ms) == 5 for r in runners.values())
+
+
+def test_time_rounds_drops_a_failing_runner():
+    log: list = []
+    runners = {"a": _FakeRunner("a", log), "b": _FakeRunner("b", log, fail_at_turn=2)}
+    failed: dict = {}
+    bench_training.time_rounds(runners, steps=4, round_steps=2, failed=failed)
+    assert set(failed) == {"b"} and "broke" in str(failed["b"])
+    assert set(runners) == {"a"} and len(runners["a"].step_ms) == 4
+
+
+@pytest.mark.parametrize("timing", ["interleaved", "sequential"])
+def test_timing_modes_record_every_provider(tmp_path, timing):
+    out = tmp_path / "training.json"
+    bench_training.main([
+        "--device", "cpu", "--sizes", "tiny", "--modes", "eager", "--dtype", "float32",
+        "--models", "llama", "--providers", "hf,torch", "--steps", "4", "--round-steps", "2",
+        "--warmup", "1", "--train-steps", "3", "--budget-s", "0", "--timing", timing,
+        "--profile", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert not record["failures"] and not record["skipped"]
+    assert record["args"]["timing"] == timing
+    rows = {r["provider"]: r for r in record["rows"]}
+    assert set(rows) == {"hf", "torch"}
+    for r in rows.values():
+        assert (r["timing"], r["rounds"], r["round_steps"]) == (timing, 2, 2)
+        assert len(r["steps_ms"]) == 4 and all(v > 0 for v in r["steps_ms"])
+        assert r["step_ms"] > 0 and r["config_s"] > 0
+        # Both got their step-0 check and trained-loss check before the timed rounds.
+        assert r["train_steps"] == 3 and r["loss0_rel"] < 1e-3 and r["train_loss_rel"] < 1e-3
+        assert r["profile_steps"] == bench_training.PROFILE_STEPS
+        top = r["profile_top"]
+        assert 0 < len(top) <= bench_training.PROFILE_TOP
+        assert all(e["count"] > 0 and e["self_cpu_us"] >= 0 and e["name"] for e in top)
+        assert [e["self_cpu_us"] for e in top] == sorted((e["self_cpu_us"] for e in top),
+                                                         reverse=True)
+
+
+def test_batches_hold_no_special_ids():
+    size = bench_training.SIZES["tiny"]
+    ids = bench_training.make_batches(size, 8, 1, bench_training.torch.device("cpu"))
+    assert ids.shape == (8, size.batch, size.seq)
+    assert int(ids.min()) >= bench_training.FIRST_TEXT_ID
+    assert int(ids.max()) < size.vocab
+    assert max(bench_training.SPECIAL_IDS.values()) < bench_training.FIRST_TEXT_ID
+    # Still a Zipf law: the first text id is the most frequent.
+    counts = ids.flatten().bincount(minlength=size.vocab)
+    assert int(counts.argmax()) == bench_training.FIRST_TEXT_ID
+
+
+def test_gemma3_tiny_bf16_is_finite_and_trains(tmp_path):
+    out = tmp_path / "training.json"
+    record = bench_training.main([
+        "--device", "cpu", "--sizes", "tiny", "--modes", "eager", "--dtype", "bfloat16",
+        "--models", "gemma3", "--providers", "hf", "--steps", "2", "--warmup", "1",
+        "--train-steps", str(TRAIN_STEPS), "--budget-s", "0", "--out", str(out)])
+    assert not record["failures"]
+    (row,) = record["rows"]
+    assert math.isfinite(row["loss0"]) and math.isfinite(row["grad_norm"])
+    assert row["grad_norm"] > 0 and row["param_grad_rel_max"] == 0.0
+    ref = record["references"]["gemma3/tiny"]
+    assert math.isfinite(ref["grad_norm"])
+    assert all(math.isfinite(v) for v in ref["losses"]) and ref["losses"][-1] < ref["losses"][0]
+
+
+def test_gemma3_host_step0_gradients_are_finite():
+    """The configuration that diverged (#41): HF's Gemma3 at the host size, 8 layers, on the
+    benchmark's first batch. With the pad id in the batches, a sequence starting with it kept a
+    zero residual row whose norms' backward overflowed; fp32 overflowed as bf16 did."""
+    torch = bench_training.torch
+    spec, size = bench_training.MODELS["gemma3"], bench_training.SIZES["host"]
+    device = torch.device("cpu")
+    model = bench_training.build_base(spec, size, device, torch.float32, 0)
+    ids = bench_training.make_batches(size, 1, 1, device)[0]
+    loss = bench_training.forward_backward(model, ids)
+    assert math.isfinite(float(loss))
+    norms = bench_training.grad_norms(model)
+    bad = [n for n, v in norms.items() if not math.isfinite(v)]
+    assert not bad, bad
