@@ -760,9 +760,10 @@ bool is_dtype(const c10::TypePtr& type) {
   return type->kind() == c10::TypeKind::ScalarTypeType;
 }
 
-// An argument as Python sees it: a dtype where the schema says so (the stack holds an int).
+// An argument as Python sees it: a dtype where the schema says so (the stack holds an int;
+// the argument's type() says int, its real_type() ScalarType).
 py::object to_python(const c10::IValue& v, const c10::Argument& argument) {
-  if (v.isInt() && is_dtype(argument.type())) {
+  if (v.isInt() && is_dtype(argument.real_type())) {
     return py::reinterpret_borrow<py::object>(
         reinterpret_cast<PyObject*>(torch::getTHPDtype(static_cast<at::ScalarType>(v.toInt()))));
   }
