@@ -20,6 +20,8 @@
 
 #include <array>
 #include <memory>
+#include <mutex>
+#include <shared_mutex>
 #include <type_traits>
 #include <unordered_map>
 #include <cstring>
@@ -711,9 +713,34 @@ void set_op_fallbacks(py::handle forward, py::handle backward) {
   op_fallbacks() = OpFallbacks{forward.ptr(), backward.ptr()};
 }
 
+// The kernels run on any thread (autograd's backward threads included), without the GIL.
 template <typename Native>
-std::unordered_map<std::string, c10::intrusive_ptr<Native>>& op_calls() {
-  static std::unordered_map<std::string, c10::intrusive_ptr<Native>> calls;
+struct OpCalls {
+  std::shared_mutex mutex;
+  std::unordered_map<std::string, c10::intrusive_ptr<Native>> calls;
+
+  c10::intrusive_ptr<Native> find(const std::string& key) {
+    if (key.empty()) return {};
+    std::shared_lock lock(mutex);
+    auto found = calls.find(key);
+    return found == calls.end() ? c10::intrusive_ptr<Native>() : found->second;
+  }
+
+  void insert(const std::string& key, c10::intrusive_ptr<Native> native) {
+    std::unique_lock lock(mutex);
+    if (calls.size() >= kMaxCachedCalls) calls.clear();
+    calls[key] = std::move(native);
+  }
+
+  void clear() {
+    std::unique_lock lock(mutex);
+    calls.clear();
+  }
+};
+
+template <typename Native>
+OpCalls<Native>& op_calls() {
+  static OpCalls<Native> calls;
   return calls;
 }
 
@@ -771,9 +798,11 @@ py::object to_python(const c10::IValue& v, const c10::Argument& argument) {
 }
 
 // Runs the Python implementation on the op's arguments (the stack's last `count`), replaces
-// them with its outputs and returns the C++ twin it hands back (None where it has none).
-py::object run_fallback(PyObject* fallback, const c10::OperatorHandle& op,
-                        torch::jit::Stack* stack, size_t count) {
+// them with its outputs and remembers the C++ twin it hands back under `key` (none where it
+// hands back None or the key is empty). Python objects live only while the GIL is held.
+template <typename Native>
+void run_fallback(PyObject* fallback, const c10::OperatorHandle& op, torch::jit::Stack* stack,
+                  size_t count, const std::string& key) {
   TORCH_CHECK(fallback != nullptr, "tilenorm: the custom ops' Python implementation is not set");
   py::gil_scoped_acquire gil;
   auto args = torch::jit::last(*stack, count);
@@ -784,16 +813,10 @@ py::object run_fallback(PyObject* fallback, const c10::OperatorHandle& op,
   py::tuple outputs = result[0];
   torch::jit::drop(*stack, count);
   for (const py::handle& t : outputs) stack->emplace_back(THPVariable_Unpack(t.ptr()));
-  return result[1];
-}
-
-template <typename Native>
-void remember_op(const std::string& key, const py::object& native) {
-  if (key.empty() || native.is_none()) return;
-  py::gil_scoped_acquire gil;
-  auto& calls = op_calls<Native>();
-  if (calls.size() >= kMaxCachedCalls) calls.clear();
-  calls[key] = native.cast<c10::intrusive_ptr<Native>>();
+  py::object native = result[1];
+  if (!key.empty() && !native.is_none()) {
+    op_calls<Native>().insert(key, native.cast<c10::intrusive_ptr<Native>>());
+  }
 }
 
 // norm_fwd(x, weight, bias, residual, eps, offset, layer_norm, dims, per_head, out_dtype,
@@ -803,15 +826,13 @@ void norm_fwd_cuda(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   auto args = torch::jit::last(*stack, kArgs);
   std::string key;
   if (!op_key(key, args)) key.clear();
-  auto& calls = op_calls<ForwardNative>();
-  auto found = key.empty() ? calls.end() : calls.find(key);
-  if (found != calls.end()) {
+  if (auto found = op_calls<ForwardNative>().find(key)) {
     const at::Tensor& x = args[0].toTensor();
     const at::Tensor &w = optional_tensor(args[1]), &b = optional_tensor(args[2]),
                      &r = optional_tensor(args[3]);
     std::vector<at::Tensor> out;
     if (operands_aligned(x, w, b, r)) {
-      out = found->second->run(x, w, b, r, args[4].toDouble(), args[5].toDouble());
+      out = found->run(x, w, b, r, args[4].toDouble(), args[5].toDouble());
     }
     if (!out.empty()) {
       at::Tensor h = r.defined() ? out[1].contiguous() : empty_like_dtype(x);
@@ -822,8 +843,7 @@ void norm_fwd_cuda(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       return;
     }
   }
-  py::object native = run_fallback(op_fallbacks().forward, op, stack, kArgs);
-  remember_op<ForwardNative>(key, native);
+  run_fallback<ForwardNative>(op_fallbacks().forward, op, stack, kArgs, key);
 }
 
 // norm_bwd(dy, dres_in, h, weight, bias, mean, rstd, offset, dims, per_head, x_dtype,
@@ -833,11 +853,9 @@ void norm_bwd_cuda(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   auto args = torch::jit::last(*stack, kArgs);
   std::string key;
   if (!op_key(key, args)) key.clear();
-  auto& calls = op_calls<BackwardNative>();
-  auto found = key.empty() ? calls.end() : calls.find(key);
-  if (found != calls.end()) {
+  if (auto found = op_calls<BackwardNative>().find(key)) {
     const at::Tensor &dy = args[0].toTensor(), &h = args[2].toTensor();
-    auto g = found->second->run(dy, optional_tensor(args[1]), h, optional_tensor(args[3]),
+    auto g = found->run(dy, optional_tensor(args[1]), h, optional_tensor(args[3]),
                                 optional_tensor(args[4]), optional_tensor(args[5]),
                                 args[6].toTensor(), args[7].toDouble());
     if (!g.empty()) {
@@ -852,8 +870,7 @@ void norm_bwd_cuda(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       return;
     }
   }
-  py::object native = run_fallback(op_fallbacks().backward, op, stack, kArgs);
-  remember_op<BackwardNative>(key, native);
+  run_fallback<BackwardNative>(op_fallbacks().backward, op, stack, kArgs, key);
 }
 
 void forget_calls() {
