@@ -151,15 +151,31 @@ _PLACEHOLDER = ArrayLayout("float32", (1,), (1,))
 _PLACEHOLDERS: dict = {}
 
 
+class _DriverMemory:
+    """Device memory from the CUDA driver (``cuMemAlloc``), outside torch's caching allocator,
+    seen by torch through ``__cuda_array_interface__``; never freed."""
+
+    def __init__(self, address: int, count: int):
+        self.__cuda_array_interface__ = {"shape": (count,), "typestr": "<f4",
+                                         "data": (address, False), "version": 3}
+
+
 def placeholders(device: torch.device) -> tuple[torch.Tensor, ...]:
     found = _PLACEHOLDERS.get(device)
     if found is None:
-        # On a stream of their own: they live as long as the process, and the current
-        # stream's allocations may be going to a CUDA graph's private pool (torch.compile's
-        # cudagraph trees warm up and record there), which must hold none that outlive it.
-        with torch.cuda.stream(torch.cuda.Stream(device)):
-            found = _PLACEHOLDERS[device] = tuple(
-                torch.empty(1, dtype=torch.float32, device=device) for _ in range(8))
+        # From the driver, not torch's allocator: they live as long as the process, and a
+        # first call inside torch.compile's CUDA graphs (cudagraph trees) allocates from the
+        # graphs' private pool, which must hold nothing that outlives them.
+        from cuda.bindings import driver
+
+        with torch.cuda.device(device):
+            torch.cuda.init()  # and the device's primary context current on this thread
+            error, address = driver.cuMemAlloc(8 * 16)
+            if error != driver.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"tilenorm: cuMemAlloc of the placeholders failed: {error}")
+        found = _PLACEHOLDERS[device] = tuple(
+            torch.as_tensor(_DriverMemory(int(address) + 16 * i, 1), device=device)
+            for i in range(8))
     return found
 
 
