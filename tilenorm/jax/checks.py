@@ -1,7 +1,7 @@
 """Validation of the JAX ops' arguments: every bad input raises a ``TypeError`` or
 ``ValueError`` naming the argument, with the PyTorch ops' messages (``jax.Array`` for
 ``torch.Tensor``), before anything is traced. The checks of Python scalars (eps, offset,
-flags) are the PyTorch layer's own functions; what they check does not depend on a framework.
+flags) and of the normalized dimensions are :mod:`tilenorm.arguments`', shared with PyTorch.
 Shapes and dtypes are static under ``jax.jit``, so every check holds for traced arrays too."""
 
 from __future__ import annotations
@@ -10,8 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tilenorm.jax.spec import LAYER_NORM, RMS_NORM, NormSpec, compute_dtype
-from tilenorm.pytorch.checks import check_eps, check_flag, check_offset
+from tilenorm.arguments import (
+    LAYER_NORM,
+    check_eps,
+    check_flag,
+    check_offset,
+    normalized_dims,
+)
+from tilenorm.jax.spec import NormSpec, compute_dtype
 
 FLOAT_DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32,
                                            jnp.float64))
@@ -40,7 +46,8 @@ def check_x(op: str, x: object, name: str = "x") -> None:
 
 def check_param(op: str, name: str, p: object) -> None:
     """``p`` (weight or bias) must be None or a floating-point array; its dtype may differ
-    from x's (y keeps x's dtype), its shape is checked by :func:`normalized_dims`."""
+    from x's (y keeps x's dtype), its shape is checked by
+    :func:`tilenorm.arguments.normalized_dims`."""
     if p is None:
         return
     if not _is_array(p):
@@ -89,35 +96,6 @@ def axis_names(op: str, axis_name: object) -> tuple[str, ...]:
     return names
 
 
-def normalized_dims(op: str, x, weight, bias, per_head: bool) -> int:
-    """How many trailing dimensions of x are normalized: the weight's (or bias's) number of
-    dimensions, else 1; with ``per_head`` the last one, the weight being (H, N)."""
-    if per_head:
-        if op != RMS_NORM:
-            raise ValueError(f"{op}: per_head weights are an rms_norm option")
-        if x.ndim < 2 or weight is None or tuple(weight.shape) != tuple(x.shape[-2:]):
-            raise ValueError(f"{op}: per_head=True takes x of shape (..., H, N) and a weight of "
-                             f"shape (H, N); got x {tuple(x.shape)} and weight "
-                             f"{None if weight is None else tuple(weight.shape)}")
-        return 1
-    if weight is not None:
-        shape = tuple(weight.shape)
-    elif bias is not None:
-        shape = tuple(bias.shape)
-    else:
-        shape = (x.shape[-1],)
-    if not shape:
-        raise ValueError(f"{op}: normalized_shape must have at least one dimension")
-    if x.ndim < len(shape) or tuple(x.shape[x.ndim - len(shape):]) != shape:
-        raise ValueError(f"{op}: x must end in normalized_shape {shape}, got "
-                         f"{tuple(x.shape)}")
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None and tuple(p.shape) != shape:
-            raise ValueError(f"{op}: {name} must have normalized_shape {shape}, got "
-                             f"{tuple(p.shape)}")
-    return len(shape)
-
-
 def forward_spec(op: str, x, weight, bias, residual, eps, offset, per_head, prenorm,
                  out_dtype, residual_dtype, axis_name) -> NormSpec:
     """Check a forward's arguments; the spec of the call."""
@@ -126,7 +104,7 @@ def forward_spec(op: str, x, weight, bias, residual, eps, offset, per_head, pren
     check_flag(op, "prenorm", prenorm)
     check_param(op, "weight", weight)
     check_param(op, "bias", bias)
-    dims = normalized_dims(op, x, weight, bias, per_head)
+    dims = normalized_dims(op, x, weight, bias, None, per_head)
     check_residual(op, residual, x)
     out_dtype = dtype_arg(op, "out_dtype", out_dtype)
     residual_dtype = dtype_arg(op, "residual_dtype", residual_dtype)
@@ -153,7 +131,7 @@ def backward_spec(op: str, dy, dh, h, weight, bias, mean, rstd, offset, per_head
     check_flag(op, "per_head", per_head)
     check_param(op, "weight", weight)
     check_param(op, "bias", bias)
-    dims = normalized_dims(op, h, weight, bias, per_head)
+    dims = normalized_dims(op, h, weight, bias, None, per_head)
     x_dtype = dtype_arg(op, "x_dtype", x_dtype)
     residual_dtype = dtype_arg(op, "residual_dtype", residual_dtype)
     offset = check_offset(op, offset, weight)

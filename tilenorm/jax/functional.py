@@ -37,8 +37,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import DTypeLike
 
+from tilenorm.arguments import LAYER_NORM, RMS_NORM
 from tilenorm.jax import checks, dispatch, partitioning
-from tilenorm.jax.spec import LAYER_NORM, RMS_NORM, NormSpec
+from tilenorm.jax.spec import NormSpec
 
 AxisName = str | tuple[str, ...] | None
 

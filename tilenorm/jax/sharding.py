@@ -24,9 +24,9 @@ import jax
 from jax.sharding import Mesh, PartitionSpec
 from jax.typing import DTypeLike
 
+from tilenorm.arguments import LAYER_NORM, RMS_NORM
 from tilenorm.jax import checks, functional
 from tilenorm.jax.partitioning import mesh_axes
-from tilenorm.jax.spec import LAYER_NORM, RMS_NORM
 
 
 def _entries(spec: PartitionSpec, ndim: int) -> tuple:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-RMS_NORM, LAYER_NORM = "rms_norm", "layer_norm"
+from tilenorm.arguments import LAYER_NORM
 
 
 @dataclass(frozen=True)

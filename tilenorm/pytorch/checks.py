@@ -4,10 +4,12 @@ numeric checks of Python scalars that Dynamo may have made symbolic are left to 
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
+
+from tilenorm.arguments import check_eps, check_flag, check_offset
+
+__all__ = ["FLOAT_DTYPES", "check_dtype", "check_eps", "check_flag", "check_offset",
+           "check_param", "check_residual", "check_x"]
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -58,29 +60,3 @@ def check_dtype(op: str, name: str, dtype: object) -> None:
     if dtype is not None and dtype not in FLOAT_DTYPES:
         raise TypeError(f"{op}: {name} must be None or one of torch.bfloat16, torch.float16, "
                         f"torch.float32, torch.float64; got {dtype!r}")
-
-
-def check_eps(op: str, eps: object) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"{op}: eps must be a real number, got {type(eps).__name__}")
-    eps = float(eps)
-    if not (eps >= 0 and math.isfinite(eps)):
-        raise ValueError(f"{op}: eps must be finite and >= 0, got {eps}")
-    return eps
-
-
-def check_offset(op: str, offset: object, weight: torch.Tensor | None) -> float:
-    if isinstance(offset, bool) or not isinstance(offset, numbers.Real):
-        raise TypeError(f"{op}: offset must be a real number, got {type(offset).__name__}")
-    offset = float(offset)
-    if not math.isfinite(offset):
-        raise ValueError(f"{op}: offset must be finite, got {offset}")
-    if offset != 0.0 and weight is None:
-        raise ValueError(f"{op}: offset scales the weight as (offset + weight); it needs a "
-                         f"weight")
-    return offset
-
-
-def check_flag(op: str, name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{op}: {name} must be True or False, got {type(value).__name__}")

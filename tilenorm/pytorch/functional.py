@@ -19,11 +19,11 @@ from collections.abc import Sequence
 import torch
 
 from tilenorm import dispatch
+from tilenorm.arguments import LAYER_NORM, RMS_NORM, normalized_dims
 from tilenorm.pytorch import calls, checks, native, reference
 from tilenorm.pytorch.autograd import NormFunction
 from tilenorm.pytorch.calls import NormSpec
 
-RMS_NORM, LAYER_NORM = "rms_norm", "layer_norm"
 #: torch's rms_norm runs in float32 under CUDA autocast from 2.12 on; layer_norm always.
 _TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 _AUTOCASTS_TO_FP32 = {RMS_NORM: _TORCH_VERSION >= (2, 12), LAYER_NORM: True}
@@ -52,60 +52,6 @@ class _Prepared:
         self.call, self.eps, self.offset, self.prenorm = call, eps, offset, prenorm
 
 
-def _normalized(op: str, x: torch.Tensor, weight, bias, normalized_shape, per_head: bool
-                ) -> int:
-    """Check the shapes of x, weight and bias against the normalized dimensions and return
-    how many trailing dimensions are normalized."""
-    if per_head:
-        if op != RMS_NORM:
-            raise ValueError(f"{op}: per_head weights are an rms_norm option")
-        if x.dim() < 2 or weight is None or tuple(weight.shape) != tuple(x.shape[-2:]):
-            raise ValueError(f"{op}: per_head=True takes x of shape (..., H, N) and a weight of "
-                             f"shape (H, N); got x {tuple(x.shape)} and weight "
-                             f"{None if weight is None else tuple(weight.shape)}")
-        if normalized_shape is not None and _shape(op, normalized_shape) != (x.shape[-1],):
-            raise ValueError(f"{op}: with per_head=True each head's last dimension is "
-                             f"normalized: normalized_shape must be None or "
-                             f"({x.shape[-1]},)")
-        return 1
-    if normalized_shape is not None:
-        shape = _shape(op, normalized_shape)
-    elif weight is not None:
-        shape = tuple(weight.shape)
-    elif bias is not None:
-        shape = tuple(bias.shape)
-    else:
-        shape = (x.shape[-1],)
-    if not shape:
-        raise ValueError(f"{op}: normalized_shape must have at least one dimension")
-    if x.dim() < len(shape) or tuple(x.shape[x.dim() - len(shape):]) != shape:
-        raise ValueError(f"{op}: x must end in normalized_shape {shape}, got "
-                         f"{tuple(x.shape)}")
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None and tuple(p.shape) != shape:
-            hint = ("; for one weight per head of x (..., H, N) pass per_head=True"
-                    if op == RMS_NORM and p.dim() == 2 and normalized_shape is not None else "")
-            raise ValueError(f"{op}: {name} must have normalized_shape {shape}, got "
-                             f"{tuple(p.shape)}{hint}")
-    return len(shape)
-
-
-def _shape(op: str, normalized_shape) -> tuple[int, ...]:
-    if isinstance(normalized_shape, bool):
-        raise TypeError(f"{op}: normalized_shape must be an int or a sequence of ints")
-    if isinstance(normalized_shape, int):
-        return (normalized_shape,)
-    try:
-        shape = tuple(normalized_shape)
-    except TypeError:
-        raise TypeError(f"{op}: normalized_shape must be an int or a sequence of ints, got "
-                        f"{type(normalized_shape).__name__}") from None
-    if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
-        raise TypeError(f"{op}: normalized_shape must be an int or a sequence of ints, got "
-                        f"{normalized_shape!r}")
-    return shape
-
-
 def _check_operands(op, x, weight, bias, residual, normalized_shape, per_head, prenorm,
                     out_dtype, residual_dtype) -> int:
     """Every check of a call's arguments but eps and offset; the normalized dimensions."""
@@ -114,7 +60,7 @@ def _check_operands(op, x, weight, bias, residual, normalized_shape, per_head, p
     checks.check_flag(op, "prenorm", prenorm)
     checks.check_param(op, "weight", weight, x)
     checks.check_param(op, "bias", bias, x)
-    dims = _normalized(op, x, weight, bias, normalized_shape, per_head)
+    dims = normalized_dims(op, x, weight, bias, normalized_shape, per_head)
     checks.check_residual(op, residual, x)
     checks.check_dtype(op, "out_dtype", out_dtype)
     checks.check_dtype(op, "residual_dtype", residual_dtype)
@@ -342,7 +288,7 @@ def _prepare_backward(op, dy, dh, h, weight, bias, mean, rstd, offset, normalize
     checks.check_flag(op, "per_head", per_head)
     checks.check_param(op, "weight", weight, h)
     checks.check_param(op, "bias", bias, h)
-    dims = _normalized(op, h, weight, bias, normalized_shape, per_head)
+    dims = normalized_dims(op, h, weight, bias, normalized_shape, per_head)
     checks.check_dtype(op, "x_dtype", x_dtype)
     checks.check_dtype(op, "residual_dtype", residual_dtype)
     offset = checks.check_offset(op, offset, weight)
