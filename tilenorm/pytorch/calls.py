@@ -53,20 +53,14 @@ def clear() -> None:
     forget_cached_calls()
 
 
-def _no_cached_call(*arguments):
+def _nothing(*arguments) -> None:
     return None
-
-
-def _forget_nothing() -> None:
-    pass
 
 
 #: An eager call's arguments to its result when the same arguments were seen before, else
 #: None (the C++ path's ``cached_call``, NOTES #42, once that is loaded); with
 #: ``remember_call`` to add a prepared call and ``forget_cached_calls`` to drop them all.
-cached_call = _no_cached_call
-remember_call = _no_cached_call
-forget_cached_calls = _forget_nothing
+cached_call = remember_call = forget_cached_calls = _nothing
 _experimental.on_change.append(clear)
 
 
@@ -168,8 +162,8 @@ def placeholders(device: torch.device) -> tuple[torch.Tensor, ...]:
         # graphs' private pool, which must hold nothing that outlives them.
         from cuda.bindings import driver
 
-        with torch.cuda.device(device):
-            torch.cuda.init()  # and the device's primary context current on this thread
+        with torch.cuda.device(device):  # its primary context current on this thread
+            torch.cuda.init()
             error, address = driver.cuMemAlloc(8 * 16)
             if error != driver.CUresult.CUDA_SUCCESS:
                 raise RuntimeError(f"tilenorm: cuMemAlloc of the placeholders failed: {error}")

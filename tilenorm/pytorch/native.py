@@ -163,5 +163,4 @@ def disabled():
 
 def _python_path(calls) -> None:
     calls.layouts = calls.python_layouts
-    calls.cached_call, calls.remember_call = calls._no_cached_call, calls._no_cached_call
-    calls.forget_cached_calls = calls._forget_nothing
+    calls.cached_call = calls.remember_call = calls.forget_cached_calls = calls._nothing

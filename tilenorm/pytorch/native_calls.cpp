@@ -19,13 +19,14 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <array>
+#include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <shared_mutex>
+#include <string>
 #include <type_traits>
 #include <unordered_map>
-#include <cstring>
-#include <string>
 #include <utility>
 #include <vector>
 
@@ -210,6 +211,11 @@ uint64_t address(const at::Tensor& t) {
 
 bool aligned(const at::Tensor& t) { return !t.defined() || (address(t) & 15) == 0; }
 
+bool operands_aligned(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                      const at::Tensor& residual) {
+  return aligned(x) && aligned(weight) && aligned(bias) && aligned(residual);
+}
+
 // --- backward --------------------------------------------------------------------------------
 
 // A tilenorm.pytorch.calls.BackwardCall without copies and without the CuTe DSL kernel.
@@ -298,10 +304,11 @@ struct ForwardNative : torch::CustomClassHolder {
   // By whether the gradient of h (the residual stream) reaches the node.
   c10::intrusive_ptr<BackwardNative> backward, backward_dh;
 
-  // (y, h, mean, rstd); empty where an operand is not 16-byte aligned.
+  // (y, h, mean, rstd); empty, allocating nothing, where an operand is not 16-byte aligned.
   std::vector<at::Tensor> run(const at::Tensor& x, const at::Tensor& weight,
                               const at::Tensor& bias, const at::Tensor& residual, double eps,
                               double offset) const {
+    if (!operands_aligned(x, weight, bias, residual)) return {};
     auto options = x.options();
     at::Tensor y = y_like_x ? at::empty_like(x) : at::empty(out_shape, options.dtype(out_dtype));
     at::Tensor rstd = at::empty(stat_shape, options.dtype(at::kFloat));
@@ -410,11 +417,6 @@ struct NormBackward : Node {
   }
 };
 
-bool operands_aligned(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                      const at::Tensor& residual) {
-  return aligned(x) && aligned(weight) && aligned(bias) && aligned(residual);
-}
-
 // The forward through autograd: (y, h), h being x without a residual; empty where an
 // operand is not 16-byte aligned (the caller takes the Python path). Needs attach_backward
 // first.
@@ -422,7 +424,7 @@ std::vector<at::Tensor> autograd_forward(const c10::intrusive_ptr<ForwardNative>
                                          const at::Tensor& x, const at::Tensor& weight,
                                          const at::Tensor& bias, const at::Tensor& residual,
                                          double eps, double offset) {
-  if (!call->backward || !operands_aligned(x, weight, bias, residual)) return {};
+  if (!call->backward) return {};
   auto out = call->run(x, weight, bias, residual, eps, offset);
   if (out.empty()) return {};
   at::Tensor &y = out[0], &h = out[1];
@@ -456,9 +458,8 @@ py::object apply(const c10::intrusive_ptr<ForwardNative>& call, const at::Tensor
 py::object forward(const c10::intrusive_ptr<ForwardNative>& call, const at::Tensor& x,
                    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                    const std::optional<at::Tensor>& residual, double eps, double offset) {
-  at::Tensor w = or_undefined(weight), b = or_undefined(bias), r = or_undefined(residual);
-  if (!operands_aligned(x, w, b, r)) return py::none();
-  auto out = call->run(x, w, b, r, eps, offset);
+  auto out = call->run(x, or_undefined(weight), or_undefined(bias), or_undefined(residual), eps,
+                       offset);
   if (out.empty()) return py::none();
   return py::make_tuple(out[0], out[1], out[2], out[3]);
 }
@@ -478,6 +479,12 @@ py::object backward(const c10::intrusive_ptr<BackwardNative>& call, const at::Te
 // --- cache keys ------------------------------------------------------------------------------
 
 void put(std::string& key, int64_t v) { key.append(reinterpret_cast<const char*>(&v), sizeof(v)); }
+
+void put_double(std::string& key, double v) {
+  int64_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  put(key, bits);
+}
 
 // A tensor's dims, sizes, strides, dtype and device.
 void put_tensor(std::string& key, const at::Tensor& t) {
@@ -513,6 +520,35 @@ py::bytes layout_key(const py::args& operands) {
 
 // --- the call cache ----------------------------------------------------------------------------
 
+// Prepared calls by key, bounded as tilenorm.pytorch.calls is (past its size it starts over).
+// The custom ops' kernels below run on any thread (autograd's backward threads included)
+// without the GIL: a shared lock to find, an exclusive one to change.
+template <typename Value>
+struct CallCache {
+  static constexpr size_t kMaxCalls = 4096;  // tilenorm.pytorch.calls.MAX_CALLS
+  std::shared_mutex mutex;
+  std::unordered_map<std::string, Value> calls;
+
+  std::optional<Value> find(const std::string& key) {
+    if (key.empty()) return std::nullopt;
+    std::shared_lock lock(mutex);
+    auto found = calls.find(key);
+    if (found == calls.end()) return std::nullopt;
+    return found->second;
+  }
+
+  void insert(const std::string& key, Value value) {
+    std::unique_lock lock(mutex);
+    if (calls.size() >= kMaxCalls) calls.clear();
+    calls[key] = std::move(value);
+  }
+
+  void clear() {
+    std::unique_lock lock(mutex);
+    calls.clear();
+  }
+};
+
 // An eager call whose arguments were seen before goes from them to its prepared call here,
 // in C++: tilenorm.pytorch.functional looks up and checks in Python only the first time
 // (bench/NOTES.md #42). The key is every argument of the call as given, plus the state the
@@ -523,14 +559,13 @@ struct CachedCall {
   double eps = 0.0, offset = 0.0;
   bool prenorm = false;
 };
-constexpr size_t kMaxCachedCalls = 4096;  // as tilenorm.pytorch.calls.MAX_CALLS
 
-std::unordered_map<std::string, CachedCall>& cached_calls() {
-  static std::unordered_map<std::string, CachedCall> calls;
+CallCache<CachedCall>& cached_calls() {
+  static CallCache<CachedCall> calls;
   return calls;
 }
 
-// A number (not a bool) as a double; None as NaN with its own tag.
+// A number (not a bool) as a double after a tag of 1; None as a tag of 0.
 bool put_number(std::string& key, PyObject* v) {
   double value;
   if (v == Py_None) {
@@ -549,9 +584,7 @@ bool put_number(std::string& key, PyObject* v) {
     return false;
   }
   put(key, 1);
-  int64_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  put(key, bits);
+  put_double(key, value);
   return true;
 }
 
@@ -649,22 +682,17 @@ py::object cached_call(py::handle op, py::handle x, py::handle weight, py::handl
                      prenorm, residual_dtype, out_dtype};
   std::string key;
   if (!args.key(key)) return py::none();
-  auto found = cached_calls().find(key);
-  if (found == cached_calls().end()) return py::none();
-  const CachedCall& cached = found->second;
+  auto cached = cached_calls().find(key);
+  if (!cached) return py::none();
   const at::Tensor &xt = tensor_or_undefined(x), &w = tensor_or_undefined(weight),
                    &b = tensor_or_undefined(bias), &r = tensor_or_undefined(residual);
   bool grad = at::GradMode::is_enabled() &&
               (xt.requires_grad() || (w.defined() && w.requires_grad()) ||
                (b.defined() && b.requires_grad()) || (r.defined() && r.requires_grad()));
-  std::vector<at::Tensor> out;
-  if (grad) {
-    out = autograd_forward(cached.call, xt, w, b, r, cached.eps, cached.offset);
-  } else if (operands_aligned(xt, w, b, r)) {
-    out = cached.call->run(xt, w, b, r, cached.eps, cached.offset);
-  }
+  auto out = grad ? autograd_forward(cached->call, xt, w, b, r, cached->eps, cached->offset)
+                  : cached->call->run(xt, w, b, r, cached->eps, cached->offset);
   if (out.empty()) return py::none();
-  if (cached.prenorm) return py::make_tuple(out[0], out[1]);
+  if (cached->prenorm) return py::make_tuple(out[0], out[1]);
   return py::cast(out[0]);
 }
 
@@ -680,9 +708,8 @@ bool remember_call(py::handle op, py::handle x, py::handle weight, py::handle bi
                      prenorm, residual_dtype, out_dtype};
   std::string key;
   if (!args.key(key)) return false;
-  auto& calls = cached_calls();
-  if (calls.size() >= kMaxCachedCalls) calls.clear();
-  calls[key] = CachedCall{call, checked_eps, checked_offset, prenorm.ptr() == Py_True};
+  cached_calls().insert(key,
+                        CachedCall{call, checked_eps, checked_offset, prenorm.ptr() == Py_True});
   return true;
 }
 
@@ -713,34 +740,9 @@ void set_op_fallbacks(py::handle forward, py::handle backward) {
   op_fallbacks() = OpFallbacks{forward.ptr(), backward.ptr()};
 }
 
-// The kernels run on any thread (autograd's backward threads included), without the GIL.
 template <typename Native>
-struct OpCalls {
-  std::shared_mutex mutex;
-  std::unordered_map<std::string, c10::intrusive_ptr<Native>> calls;
-
-  c10::intrusive_ptr<Native> find(const std::string& key) {
-    if (key.empty()) return {};
-    std::shared_lock lock(mutex);
-    auto found = calls.find(key);
-    return found == calls.end() ? c10::intrusive_ptr<Native>() : found->second;
-  }
-
-  void insert(const std::string& key, c10::intrusive_ptr<Native> native) {
-    std::unique_lock lock(mutex);
-    if (calls.size() >= kMaxCachedCalls) calls.clear();
-    calls[key] = std::move(native);
-  }
-
-  void clear() {
-    std::unique_lock lock(mutex);
-    calls.clear();
-  }
-};
-
-template <typename Native>
-OpCalls<Native>& op_calls() {
-  static OpCalls<Native> calls;
+CallCache<c10::intrusive_ptr<Native>>& op_calls() {
+  static CallCache<c10::intrusive_ptr<Native>> calls;
   return calls;
 }
 
@@ -755,10 +757,7 @@ bool op_key(std::string& key, c10::ArrayRef<c10::IValue> args) {
       put_tensor(key, v.toTensor());
     } else if (v.isDouble()) {
       put(key, -3);
-      double d = v.toDouble();
-      int64_t bits;
-      std::memcpy(&bits, &d, sizeof(bits));
-      put(key, bits);
+      put_double(key, v.toDouble());
     } else if (v.isBool()) {
       put(key, -4);
       put(key, v.toBool());
@@ -780,7 +779,8 @@ const at::Tensor& optional_tensor(const c10::IValue& v) {
   return v.isNone() ? undefined : v.toTensor();
 }
 
-at::Tensor empty_like_dtype(const at::Tensor& t) { return at::empty({0}, t.options()); }
+// An absent output: no elements, t's dtype and device (the ops' Python implementation's too).
+at::Tensor absent_like(const at::Tensor& t) { return at::empty({0}, t.options()); }
 
 bool is_dtype(const c10::TypePtr& type) {
   if (auto optional = type->cast<c10::OptionalType>()) return is_dtype(optional->getElementType());
@@ -830,13 +830,10 @@ void norm_fwd_cuda(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     const at::Tensor& x = args[0].toTensor();
     const at::Tensor &w = optional_tensor(args[1]), &b = optional_tensor(args[2]),
                      &r = optional_tensor(args[3]);
-    std::vector<at::Tensor> out;
-    if (operands_aligned(x, w, b, r)) {
-      out = found->run(x, w, b, r, args[4].toDouble(), args[5].toDouble());
-    }
+    auto out = (*found)->run(x, w, b, r, args[4].toDouble(), args[5].toDouble());
     if (!out.empty()) {
-      at::Tensor h = r.defined() ? out[1].contiguous() : empty_like_dtype(x);
-      at::Tensor mean = out[2].defined() ? out[2] : empty_like_dtype(out[3]);
+      at::Tensor h = r.defined() ? out[1].contiguous() : absent_like(x);
+      at::Tensor mean = out[2].defined() ? out[2] : absent_like(out[3]);
       at::Tensor y = out[0].contiguous(), rstd = out[3];
       torch::jit::drop(*stack, kArgs);
       torch::jit::push(*stack, std::move(y), std::move(h), std::move(mean), std::move(rstd));
@@ -855,15 +852,14 @@ void norm_bwd_cuda(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (!op_key(key, args)) key.clear();
   if (auto found = op_calls<BackwardNative>().find(key)) {
     const at::Tensor &dy = args[0].toTensor(), &h = args[2].toTensor();
-    auto g = found->run(dy, optional_tensor(args[1]), h, optional_tensor(args[3]),
-                                optional_tensor(args[4]), optional_tensor(args[5]),
-                                args[6].toTensor(), args[7].toDouble());
+    auto g = (*found)->run(dy, optional_tensor(args[1]), h, optional_tensor(args[3]),
+                           optional_tensor(args[4]), optional_tensor(args[5]),
+                           args[6].toTensor(), args[7].toDouble());
     if (!g.empty()) {
       at::Tensor dx = g[0];
-      at::Tensor dres = !g[1].defined() ? empty_like_dtype(dx)
-                        : g[1].is_same(dx) ? dx.clone() : g[1];
-      at::Tensor dweight = g[2].defined() ? g[2] : empty_like_dtype(dx);
-      at::Tensor dbias = g[3].defined() ? g[3] : empty_like_dtype(dx);
+      at::Tensor dres = !g[1].defined() ? absent_like(dx) : g[1].is_same(dx) ? dx.clone() : g[1];
+      at::Tensor dweight = g[2].defined() ? g[2] : absent_like(dx);
+      at::Tensor dbias = g[3].defined() ? g[3] : absent_like(dx);
       torch::jit::drop(*stack, kArgs);
       torch::jit::push(*stack, std::move(dx), std::move(dres), std::move(dweight),
                        std::move(dbias));
