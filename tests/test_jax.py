@@ -12,9 +12,12 @@ import numpy as np
 import pytest
 
 jax = pytest.importorskip("jax")
-# Before any backend starts: 8 CPU devices for the sharding tests (this module is the only one
-# that imports jax; each pytest-xdist worker is its own process), float64 for references.
-with contextlib.suppress(RuntimeError):  # a backend already up keeps its device count
+# Before any backend starts: the CPU backend only (on the GPU host JAX would otherwise take 75%
+# of the GPU's memory from the torch tests beside it), 8 CPU devices for the sharding tests
+# (this module is the only one that imports jax; each pytest-xdist worker is its own process),
+# float64 for references.
+with contextlib.suppress(RuntimeError):  # a backend already up keeps its platform and devices
+    jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", True)
 
