@@ -151,6 +151,37 @@ def test_compiled_graphs_run_seen_calls_in_cpp_and_match_the_python_path():
 
 
 @gpu
+@pytest.mark.parametrize("layer_norm,residual", [(False, False), (False, True), (True, False)])
+def test_ops_differentiate_in_cpp_for_cuda_tensors(layer_norm, residual):
+    """For CUDA tensors the ops' autograd is the C++ one (the custom op's Python autograd costs
+    host time in every compiled call, bench/NOTES.md #44): a NormOpBackward on every output
+    under grad mode, none under no_grad, and gradients of y and h as the float64 reference's."""
+    from tilenorm.testing import float64_norm
+
+    g, seed = fresh_generator("cuda")
+
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g, device="cuda").to(dtype).requires_grad_()
+
+    x, dy, dh = rand(6, 5, 256), rand(6, 5, 256), rand(6, 5, 256)
+    w = rand(256, dtype=torch.float32)
+    b = rand(256, dtype=torch.float32) if layer_norm else None
+    r = rand(6, 5, 256) if residual else None
+    args = (x, w, b, r, 1e-5, 0.0, layer_norm, 1, False, None, None)
+    with torch.no_grad():
+        assert all(t.grad_fn is None for t in torch.ops.tilenorm.norm_fwd(*args))
+    y, h, _, _ = outs = torch.ops.tilenorm.norm_fwd(*args)
+    assert {t.grad_fn.name() for t in outs} == {"tilenorm::NormOpBackward"}
+    torch.autograd.backward([y, h] if residual else [y], [dy, dh] if residual else [dy])
+    ref = float64_norm(x, w, b, 1e-5, layer_norm=layer_norm, residual=r, dy=dy,
+                       dh=dh if residual else None)
+    for got, want in ((y, ref.y), (x.grad, ref.dx), (w.grad, ref.dweight),
+                      *(((b.grad, ref.dbias),) if layer_norm else ()),
+                      *(((h, ref.h), (r.grad, ref.dresidual)) if residual else ())):
+        assert rel_error(got, want) <= 1e-2, seed
+
+
+@gpu
 def test_cuda_graphs_of_compile_from_a_fresh_process():
     """mode="reduce-overhead" (cudagraph trees) when a process's first tilenorm call happens
     inside the compiled region: nothing tilenorm keeps was allocated from the graphs' private

@@ -5,8 +5,8 @@ autograd, so a compiled graph holds them without a break (``fullgraph=True``, dy
 CUDA graphs); inside, they run the same prepared calls as eager mode, which pick kernel or
 reference at run time. For CUDA tensors the C++ host path registers kernels of its own that
 run a call seen before without Python and fall back on :func:`run_forward` /
-:func:`run_backward` (NOTES #43). Eager calls do not come here: the dispatcher costs ~8 us a
-call.
+:func:`run_backward` (NOTES #43), and its own autograd, the formula below in C++ (NOTES #44).
+Eager calls do not come here: the dispatcher costs ~8 us a call.
 """
 
 from __future__ import annotations

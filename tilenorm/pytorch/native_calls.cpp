@@ -16,6 +16,8 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <dlfcn.h>
 #include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <array>
@@ -869,6 +871,105 @@ void norm_bwd_cuda(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   run_fallback<BackwardNative>(op_fallbacks().backward, op, stack, kArgs, key);
 }
 
+// --- the custom ops' autograd for CUDA tensors -----------------------------------------------
+
+// torch.library.custom_op registers a Python autograd kernel at the Autograd alias key, and a
+// compiled graph's every call passes it, grad mode on or off (bench/NOTES.md #43). These C++
+// ones, registered at AutogradCUDA, take precedence for CUDA tensors; the Python one stays
+// for other devices and where this module is not built. Same formula as
+// tilenorm.pytorch.custom_ops._setup_context / _backward.
+
+// The backward of one norm_fwd call: norm_bwd through the dispatcher, so that AOTAutograd
+// traces it into a compiled graph's backward as it does the Python formula.
+struct NormOpBackward : Node {
+  torch::autograd::SavedVariable h, weight, bias, mean, rstd;
+  double offset = 0.0;
+  c10::IValue dims;  // SymInt: symbolic while traced with dynamic shapes
+  bool per_head = false, has_residual = false;
+  at::ScalarType x_dtype, y_dtype, residual_dtype;
+
+  std::string name() const override { return "tilenorm::NormOpBackward"; }
+
+  void release_variables() override {
+    h.reset_data();
+    weight.reset_data();
+    bias.reset_data();
+    mean.reset_data();
+    rstd.reset_data();
+  }
+
+  // Inputs: the gradients of (y, h, mean, rstd). Outputs, in the order of the next edges: the
+  // gradients of x, weight, bias and residual.
+  variable_list apply(variable_list&& grads) override {
+    static const c10::OperatorHandle norm_bwd =
+        c10::Dispatcher::singleton().findSchemaOrThrow("tilenorm::norm_bwd", "");
+    NodePtr self = getptr();
+    at::Tensor saved_h = h.unpack(self), w = weight.unpack(self), b = bias.unpack(self),
+               m = mean.unpack(self);
+    at::Tensor dy = grads[0].defined() ? grads[0]
+                                       : at::zeros(saved_h.sizes(), saved_h.options().dtype(y_dtype));
+    auto optional = [](const at::Tensor& t) { return t.defined() ? c10::IValue(t) : c10::IValue(); };
+    torch::jit::Stack stack{dy,
+                            has_residual ? optional(grads[1]) : c10::IValue(),
+                            saved_h,
+                            optional(w),
+                            optional(b),
+                            optional(m),
+                            rstd.unpack(self),
+                            offset,
+                            dims,
+                            per_head,
+                            static_cast<int64_t>(x_dtype),
+                            has_residual ? c10::IValue(static_cast<int64_t>(residual_dtype))
+                                         : c10::IValue()};
+    norm_bwd.callBoxed(&stack);
+    auto out = [&](size_t i, bool present) { return present ? stack[i].toTensor() : at::Tensor(); };
+    return {out(0, true), out(2, w.defined()), out(3, b.defined()), out(1, has_residual)};
+  }
+};
+
+// norm_fwd: below autograd at once where no gradient is wanted (a compiled graph's calls),
+// else with a NormOpBackward on its outputs.
+void norm_fwd_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                       torch::jit::Stack* stack) {
+  constexpr size_t kArgs = 11;
+  auto args = torch::jit::last(*stack, kArgs);
+  at::Tensor x = args[0].toTensor(), weight = optional_tensor(args[1]),
+             bias = optional_tensor(args[2]), residual = optional_tensor(args[3]);
+  const bool wants_grad = torch::autograd::compute_requires_grad(x, weight, bias, residual);
+  NodePtr node;
+  if (wants_grad) {
+    node = new_node<NormOpBackward>();
+    auto* backward = static_cast<NormOpBackward*>(node.get());
+    backward->set_next_edges(torch::autograd::collect_next_edges(x, weight, bias, residual));
+    backward->weight = torch::autograd::SavedVariable(weight, false);
+    backward->bias = torch::autograd::SavedVariable(bias, false);
+    if (!residual.defined()) backward->h = torch::autograd::SavedVariable(x, false);
+    backward->offset = args[5].toDouble();
+    backward->dims = args[7];
+    backward->per_head = args[8].toBool();
+    backward->x_dtype = x.scalar_type();
+    backward->has_residual = residual.defined();
+    backward->residual_dtype = residual.defined() ? residual.scalar_type() : x.scalar_type();
+  }
+  const bool layer_norm = args[6].toBool();
+  {
+    at::AutoDispatchBelowADInplaceOrView below;
+    op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+  }
+  if (!wants_grad) return;
+  for (size_t i = stack->size() - 4; i < stack->size(); ++i) {  // y, h, mean, rstd
+    torch::autograd::create_gradient_edge((*stack)[i].toTensor(), node);
+  }
+  auto outputs = torch::jit::last(*stack, 4);
+  auto* backward = static_cast<NormOpBackward*>(node.get());
+  const at::Tensor &y = outputs[0].toTensor(), &h = outputs[1].toTensor();
+  backward->y_dtype = y.scalar_type();
+  if (residual.defined()) backward->h = torch::autograd::SavedVariable(h, true);
+  if (layer_norm) backward->mean = torch::autograd::SavedVariable(outputs[2].toTensor(), true);
+  backward->rstd = torch::autograd::SavedVariable(outputs[3].toTensor(), true);
+}
+
 void forget_calls() {
   cached_calls().clear();
   op_calls<ForwardNative>().clear();
@@ -880,6 +981,12 @@ void forget_calls() {
 TORCH_LIBRARY_IMPL(tilenorm, CUDA, m) {
   m.impl("norm_fwd", torch::CppFunction::makeFromBoxedFunction<&norm_fwd_cuda>());
   m.impl("norm_bwd", torch::CppFunction::makeFromBoxedFunction<&norm_bwd_cuda>());
+}
+
+TORCH_LIBRARY_IMPL(tilenorm, AutogradCUDA, m) {
+  m.impl("norm_fwd", torch::CppFunction::makeFromBoxedFunction<&norm_fwd_autograd>());
+  // norm_bwd is not differentiated: torch's fallback for that, in C++.
+  m.impl("norm_bwd", torch::autograd::autogradNotImplementedFallback());
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
