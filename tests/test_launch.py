@@ -11,7 +11,7 @@ from tilenorm.launch.cutile import NormFeatures
 from tilenorm.launch.driver import ArrayLayout, DriverLaunch, signature
 from tilenorm.layout import contiguous_strides
 from tilenorm.planner import plan_row_norm
-from tilenorm.pytorch.calls import DTYPE_NAMES, kernel_view, placeholders
+from tilenorm.pytorch.calls import DTYPE_NAMES, NormSpec, kernel_view, operand_views, placeholders
 from tilenorm.testing import fresh_generator
 
 gpu = pytest.mark.gpu
@@ -34,6 +34,42 @@ def test_layout_knows_when_elements_overlap(shape, strides, disjoint):
 def test_kernel_view_folds_what_strides_allow(shape, strides, dims, heads, expected):
     t = torch.empty_strided(shape, strides)
     assert kernel_view(t, dims, heads) == expected
+
+
+def _heads_first(b, s, h, d):
+    """(B, S, H, D) values in (B, H, S, D) storage: the attention's gradient layout."""
+    return torch.empty(b, h, s, d).transpose(1, 2)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("lead,others,shape3,copied", [
+    # An h of (B, S, H, D) with a gradient laid out heads first: one factoring for both.
+    (torch.empty(1, 32, 8, 64), [_heads_first(1, 32, 8, 64)], (32, 8, 64), []),
+    (torch.empty(1, 32, 8, 64), [_heads_first(1, 32, 8, 64), torch.empty(1, 32, 8, 64)],
+     (32, 8, 64), []),
+    # With a batch the gradient folds into no (rows, heads) view: it is copied.
+    (torch.empty(2, 32, 8, 64), [_heads_first(2, 32, 8, 64)], None, [1]),
+    (torch.empty(4, 64), [torch.empty(4, 64), None], None, []),
+])
+def test_operand_views_index_every_operand_alike(per_head, lead, others, shape3, copied):
+    """Every operand is read through one (rows, heads, cols) shape; each one's strides in it
+    address the element its logical index names (a compiled Qwen3's q/k-norm gradients were
+    read through h's factoring once, bench/NOTES.md #44)."""
+    spec = NormSpec("rms_norm", False, 1, per_head)
+    got_shape3, strides, offsets = operand_views(spec, lead, *others)
+    if shape3 is not None:
+        assert got_shape3 == shape3
+    operands = [lead, *others]
+    assert [i for i, (t, st) in enumerate(zip(operands, strides, strict=True))
+            if t is not None and st is None] == copied
+    for t, st in zip(operands, strides, strict=True):
+        if t is None or st is None:
+            continue
+        values = torch.arange(t.numel(), dtype=torch.float32).view(t.shape)
+        laid = torch.empty_strided(t.shape, t.stride()).copy_(values)
+        seen = laid.as_strided(got_shape3, st, laid.storage_offset())
+        assert torch.equal(seen.reshape(t.shape), values)
+    assert len(offsets) == sum(t is not None for t in operands)
 
 
 def _bound_kernels():

@@ -603,6 +603,37 @@ def test_launch_level_pair_matches_autograd():
 
 
 @gpu
+@pytest.mark.parametrize("batch,kv_heads", [(1, 8), (1, 2), (2, 8)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_backward_of_gradients_laid_out_heads_first(batch, kv_heads, residual):
+    """A compiled graph hands the q/k norms' backward a gradient laid out (B, H, S, D) against
+    an h of (B, S, H, D) (the attention's layout): the kernels read both in one (rows, heads)
+    factoring, or copy (batch 2), and the launch level and the op agree with float64."""
+    g, seed = fresh_generator("cuda")
+    s, d = 256, 64
+
+    def heads_first(dtype):  # (B, S, H, D) values in (B, H, S, D) storage
+        return torch.randn(batch, kv_heads, s, d, generator=g, device="cuda",
+                           dtype=dtype).transpose(1, 2)
+
+    x = torch.randn(batch, s, kv_heads, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn_like(x) if residual else None
+    w = 1 + 0.5 * torch.randn(d, generator=g, device="cuda", dtype=torch.bfloat16)
+    dy, dh = heads_first(torch.bfloat16), heads_first(torch.bfloat16) if residual else None
+    y, h, rstd = tilenorm.rms_norm_forward(x, w, EPS, residual=r)
+    dx, dr, dw = tilenorm.rms_norm_backward(dy, h, w, rstd, dh=dh, x_dtype=x.dtype,
+                                            residual_dtype=None if r is None else r.dtype)
+    ref = float64_norm(x, w, eps=EPS, residual=r, dy=dy, dh=dh)
+    assert rel(dx, ref.dx) <= 1e-2 and rel(dw, ref.dweight) <= 1e-2, seed
+    if residual:
+        assert rel(dr, ref.dresidual) <= 1e-2, seed
+    op_dx, _, op_dw, _ = torch.ops.tilenorm.norm_bwd(
+        dy, dh, h, w, None, None, rstd, 0.0, 1, False, x.dtype,
+        None if r is None else r.dtype)
+    assert torch.equal(op_dx, dx) and torch.equal(op_dw, dw), seed
+
+
+@gpu
 def test_kernels_launch_beside_a_replaced_ct_launch(monkeypatch):
     """TileGym replaces ``ct.launch`` with a positional-only wrapper when it is imported; the
     kernels, dependent launches included, must keep running beside it."""

@@ -373,21 +373,56 @@ def shape3_of(spec: NormSpec, x: torch.Tensor
     return view[0], view[1], max_offset(*view)
 
 
+def _strides_as(t: torch.Tensor, shape3: tuple[int, int, int]) -> tuple[int, ...] | None:
+    """The strides of ``t`` viewed as ``shape3``, or None where no view has that shape."""
+    try:
+        return tuple(t.view(shape3).stride())
+    except RuntimeError:
+        return None
+
+
+def operand_views(spec: NormSpec, lead: torch.Tensor, *others: torch.Tensor | None
+                  ) -> tuple[tuple[int, int, int], list, list[int]]:
+    """(the (rows, heads, cols) shape the kernels index every operand by, each operand's
+    strides in it (None: the kernels read a contiguous copy, or the operand is absent), the
+    largest offset each present operand is read at).
+
+    Every operand must factor its rows into (rows, heads) alike: a gradient laid out
+    (B, H, S, D) views as (S, H, D) where its h of (B, S, H, D) views as (S * H, 1, D), and
+    read with the other's shape it addresses the wrong rows. The lead (x, or h) sets the shape
+    unless another operand's own view is one that every operand can take (a compiled graph's
+    gradients come in such layouts): then that one, and nothing is copied."""
+    operands = (lead, *others)
+    own = [None if t is None else kernel_view(t, spec.dims, spec.per_head) for t in operands]
+
+    def strides_in(shape3):
+        return [None if t is None else v[1] if v is not None and v[0] == shape3
+                else _strides_as(t, shape3) for t, v in zip(operands, own, strict=True)]
+
+    for view in own:
+        if view is None:
+            continue
+        strides = strides_in(view[0])
+        if all(s is not None for s, t in zip(strides, operands, strict=True) if t is not None):
+            shape3 = view[0]
+            break
+    else:
+        shape3, lead_strides, _ = shape3_of(spec, lead)
+        strides = [lead_strides] + strides_in(shape3)[1:]
+    offsets = [t.numel() - 1 if st is None else max_offset(shape3, st)
+               for t, st in zip(operands, strides, strict=True) if t is not None]
+    return shape3, strides, offsets
+
+
 def build_forward(spec: NormSpec, x, weight, bias, residual, out_dtype, residual_dtype,
                   has_offset: bool) -> ForwardCall:
     """The prepared forward for these (already checked) operands; h is stored in
     ``residual_dtype``, default the residual's dtype."""
     if residual is not None and residual_dtype is None:
         residual_dtype = residual.dtype
-    shape3, x_strides, x_offset = shape3_of(spec, x)
+    shape3, (x_strides, r_strides), offsets = operand_views(spec, x, residual)
     copy_x = x_strides is None
-    offsets = [x_offset]
-    copy_residual = False
-    r_view = None
-    if residual is not None:
-        r_view = kernel_view(residual, spec.dims, spec.per_head)
-        copy_residual = r_view is None
-        offsets.append(residual.numel() - 1 if copy_residual else max_offset(*r_view))
+    copy_residual = residual is not None and r_strides is None
     dtypes = tuple(t.dtype for t in (x, weight, bias, residual) if t is not None)
     dtypes += tuple(d for d in (out_dtype, residual_dtype) if d is not None)
     decision = dispatch.decide(problem(spec, x, shape3, offsets, dtypes))
@@ -408,8 +443,7 @@ def build_forward(spec: NormSpec, x, weight, bias, residual, out_dtype, residual
                "y": _layout(call.out_dtype, shape3),
                "rstd": _layout(torch.float32, shape3[:2])}
     if residual is not None:
-        layouts["residual"] = _layout(residual.dtype, shape3,
-                                      None if copy_residual else r_view[1])
+        layouts["residual"] = _layout(residual.dtype, shape3, r_strides)
         layouts["residual_out"] = _layout(residual_dtype, shape3)
     if spec.layer_norm:
         layouts["mean"] = _layout(torch.float32, shape3[:2])
@@ -630,16 +664,12 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
     fused residual add) for these (already checked) operands. ``device``: where it runs,
     default h's (the forward prepares its outputs' backwards from meta tensors)."""
     device = h.device if device is None else device
-    shape3, h_strides, h_offset = shape3_of(spec, h)
-    copy_h = h_strides is None
-    views = [kernel_view(t, spec.dims, spec.per_head) if t is not None else None
-             for t in (dy, dres_in)]
-    copy = (views[0] is None, copy_h, dres_in is not None and views[1] is None)
-    offsets = [h_offset] + [t.numel() - 1 if v is None else max_offset(*v)
-                            for t, v in zip((dy, dres_in), views, strict=True) if t is not None]
+    shape3, (h_strides, dy_strides, dres_strides), offsets = operand_views(spec, h, dy,
+                                                                           dres_in)
+    copy = (dy_strides is None, h_strides is None, dres_in is not None and dres_strides is None)
     dtypes = tuple(t.dtype for t in (h, weight, bias) if t is not None)
     # The forward's decision: its problem is h's (x, or the residual stream).
-    decision = dispatch.decide(problem(spec, h, shape3, [h_offset], dtypes, device))
+    decision = dispatch.decide(problem(spec, h, shape3, offsets[:1], dtypes, device))
     features = NormFeatures(layer_norm=spec.layer_norm, has_weight=weight is not None,
                             per_head_weight=spec.per_head, has_bias=bias is not None,
                             has_offset=offset != 0)
@@ -674,7 +704,7 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
     call.partial = cutile.PartialBuffer.of(plan, groups)
     call.row_kernel = cutile.bind_backward(plan, features, dres_in is not None, split)
     heads, cols = shape3[1], shape3[2]
-    layouts = {"dy": _layout(dy.dtype, shape3, None if copy[0] else views[0][1]),
+    layouts = {"dy": _layout(dy.dtype, shape3, dy_strides),
                "h": _layout(h.dtype, shape3, h_strides),
                "rstd": _layout(torch.float32, shape3[:2]),
                "dx": _layout(x_dtype, shape3)}
@@ -683,7 +713,7 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
     if spec.layer_norm:
         layouts["mean"] = _layout(torch.float32, shape3[:2])
     if dres_in is not None:
-        layouts["dres_in"] = _layout(dres_in.dtype, shape3, None if copy[2] else views[1][1])
+        layouts["dres_in"] = _layout(dres_in.dtype, shape3, dres_strides)
     if split:
         layouts["dres"] = _layout(residual_dtype, shape3)
     partial_layout = ArrayLayout("float32", *call.partial.group())
