@@ -381,18 +381,9 @@ at::Tensor dense(const at::Tensor& g) {
   return aligned(out) ? out : out.clone();
 }
 
-// The backward of one forward call, written as a plain autograd node rather than a
-// torch::autograd::Function, whose generic bookkeeping (input and output metadata, a
-// name-keyed map of saved values, output wrapping) costs more host time than the launches
-// (bench/NOTES.md #42). Saved tensors are SavedVariables: in-place modification is caught,
-// saved-tensor hooks (activation checkpointing, offloading) see them, and the graph frees
-// them after a backward.
-struct NormBackward : Node {
-  c10::intrusive_ptr<ForwardNative> call;
-  double offset = 0.0;
+// What both backward nodes below save; autograd releases it after a backward.
+struct SavesOperands : Node {
   torch::autograd::SavedVariable h, weight, bias, mean, rstd;
-
-  std::string name() const override { return "tilenorm::NormBackward"; }
 
   void release_variables() override {
     h.reset_data();
@@ -401,6 +392,19 @@ struct NormBackward : Node {
     mean.reset_data();
     rstd.reset_data();
   }
+};
+
+// The backward of one forward call, written as a plain autograd node rather than a
+// torch::autograd::Function, whose generic bookkeeping (input and output metadata, a
+// name-keyed map of saved values, output wrapping) costs more host time than the launches
+// (bench/NOTES.md #42). Saved tensors are SavedVariables: in-place modification is caught,
+// saved-tensor hooks (activation checkpointing, offloading) see them, and the graph frees
+// them after a backward.
+struct NormBackward : SavesOperands {
+  c10::intrusive_ptr<ForwardNative> call;
+  double offset = 0.0;
+
+  std::string name() const override { return "tilenorm::NormBackward"; }
 
   // Inputs: the gradients of y and, with a residual, of h. Outputs, in the order of the next
   // edges: the gradients of x, weight, bias and residual.
@@ -881,22 +885,13 @@ void norm_bwd_cuda(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
 // The backward of one norm_fwd call: norm_bwd through the dispatcher, so that AOTAutograd
 // traces it into a compiled graph's backward as it does the Python formula.
-struct NormOpBackward : Node {
-  torch::autograd::SavedVariable h, weight, bias, mean, rstd;
+struct NormOpBackward : SavesOperands {
   double offset = 0.0;
   c10::IValue dims;  // SymInt: symbolic while traced with dynamic shapes
   bool per_head = false, has_residual = false;
   at::ScalarType x_dtype, y_dtype, residual_dtype;
 
   std::string name() const override { return "tilenorm::NormOpBackward"; }
-
-  void release_variables() override {
-    h.reset_data();
-    weight.reset_data();
-    bias.reset_data();
-    mean.reset_data();
-    rstd.reset_data();
-  }
 
   // Inputs: the gradients of (y, h, mean, rstd). Outputs, in the order of the next edges: the
   // gradients of x, weight, bias and residual.
