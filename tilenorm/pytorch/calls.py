@@ -496,7 +496,7 @@ class BackwardCall:
     #: dx is allocated like h (h contiguous, dx in h's dtype): the cheapest allocation.
     dx_like_h: bool = False
     #: The C++ prepared call (:mod:`tilenorm.pytorch.native`), None where the Python path
-    #: runs (the CuTe DSL kernel, copies).
+    #: runs (the CuTe DSL kernel).
     native: object = None
 
     def run(self, dy, dres_in, h, weight, bias, mean, rstd, offset: float):
@@ -736,7 +736,7 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
     needed = [d for d, used in zip(launchers, (first is not None, True, groups > 0),
                                    strict=True) if used]
     cpp = native.module()
-    if cpp is not None and call.cute is None and not any(copy) and None not in needed:
+    if cpp is not None and call.cute is None and None not in needed:
         first_d, row_d, reduce_d = launchers
         call.native = cpp.make_backward(
             row_d.recipe, None if first_d is None else first_d.recipe,
@@ -744,7 +744,7 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
             list(shape3[:2] + call.row_kernel.workspace) if first is not None else [],
             math.prod(call.partial.shape) if groups else 0,
             call.partial.group_offset(int(weight is not None)), x_dtype, residual_dtype,
-            split, call.dx_like_h)
+            split, call.dx_like_h, list(shape3), *copy)
     return call
 
 

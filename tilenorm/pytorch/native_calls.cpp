@@ -220,11 +220,15 @@ bool operands_aligned(const at::Tensor& x, const at::Tensor& weight, const at::T
 
 // --- backward --------------------------------------------------------------------------------
 
-// A tilenorm.pytorch.calls.BackwardCall without copies and without the CuTe DSL kernel.
+// A tilenorm.pytorch.calls.BackwardCall without the CuTe DSL kernel.
 struct BackwardNative : torch::CustomClassHolder {
   bool has_first = false, has_reduce = false;
   Recipe first, row, reduce;
   std::vector<int64_t> row_sums_shape;
+  // The kernels' (rows, heads, cols) shape, and which operands they read from contiguous
+  // copies in it: those with no view there (tilenorm.pytorch.calls.operand_views).
+  std::vector<int64_t> shape3;
+  bool copy_dy = false, copy_h = false, copy_dres_in = false;
   int64_t partial_numel = 0, partial_b_offset = 0;
   at::ScalarType x_dtype;
   bool has_residual = false, split = false, dx_like_h = false;
@@ -245,14 +249,19 @@ struct BackwardNative : torch::CustomClassHolder {
                                     : at::Tensor();
     at::Tensor row_sums = has_first ? at::empty(row_sums_shape, options.dtype(at::kFloat))
                                     : at::Tensor();
+    auto read = [&](const at::Tensor& t, bool copy) {
+      return copy && t.defined() ? t.reshape(shape3).contiguous() : t;
+    };
+    const at::Tensor dy_read = read(dy, copy_dy), h_read = read(h, copy_h),
+                     dres_in_read = read(dres_in, copy_dres_in);
     std::array<uint64_t, kOperands> p{};
-    p[kDy] = address(dy);
-    p[kH] = address(h);
+    p[kDy] = address(dy_read);
+    p[kH] = address(h_read);
     p[kWeight] = address(weight);
     p[kMean] = address(mean);
     p[kRstd] = address(rstd);
     p[kRowSums] = address(row_sums);
-    p[kDresIn] = address(dres_in);
+    p[kDresIn] = address(dres_in_read);
     p[kDx] = address(dx);
     p[kDres] = address(dres);
     p[kPartial] = address(partial);
@@ -275,8 +284,12 @@ c10::intrusive_ptr<BackwardNative> make_backward(
     const py::handle& row, const py::handle& first, const py::handle& reduce,
     std::vector<int64_t> row_sums_shape, int64_t partial_numel, int64_t partial_b_offset,
     at::ScalarType x_dtype, std::optional<at::ScalarType> residual_dtype, bool split,
-    bool dx_like_h) {
+    bool dx_like_h, std::vector<int64_t> shape3, bool copy_dy, bool copy_h, bool copy_dres_in) {
   auto b = c10::make_intrusive<BackwardNative>();
+  b->shape3 = std::move(shape3);
+  b->copy_dy = copy_dy;
+  b->copy_h = copy_h;
+  b->copy_dres_in = copy_dres_in;
   b->row = Recipe::of(row);
   b->has_first = !first.is_none();
   if (b->has_first) b->first = Recipe::of(first);
