@@ -127,38 +127,33 @@ def decide(spec: NormSpec, x, residual, weight, bias, platform: str) -> Decision
     return Decision(spec.op, platform, kernels.reason, kernels)
 
 
-def _either(spec: NormSpec, arrays: tuple, kernel: Callable | None, reference_fn: Callable):
-    """The reference function, or a platform-dependent choice of the kernel where the kernel
-    path covers the call."""
-    if kernel is None:
-        return reference_fn(spec, *arrays)
-    return lax.platform_dependent(*arrays, default=functools.partial(reference_fn, spec),
-                                  **{_kernel_path.platform: kernel})
+def _either(spec: NormSpec, arrays: tuple, reference_fn: Callable, launch: str, x, residual,
+            weight, bias):
+    """``reference_fn`` over ``arrays``, or a platform-dependent choice of the kernel path's
+    ``launch`` (``"forward"`` or ``"backward"``) where the path covers a call over these x (h
+    for a backward), residual, weight and bias."""
+    path = _kernel_path
+    if path is not None:
+        decision = decide(spec, x, residual, weight, bias, path.platform)
+        if decision.uses_kernel:
+            kernel = functools.partial(getattr(path, launch), spec, decision.kernels)
+            return lax.platform_dependent(*arrays, default=functools.partial(reference_fn, spec),
+                                          **{path.platform: kernel})
+    return reference_fn(spec, *arrays)
 
 
 def forward(spec: NormSpec, x, residual, weight, bias):
     """``(y, h, mean, rstd)`` of one shard, as :func:`tilenorm.jax.reference.forward`."""
-    path = _kernel_path
-    kernel = None
-    if path is not None:
-        decision = decide(spec, x, residual, weight, bias, path.platform)
-        if decision.uses_kernel:
-            kernel = functools.partial(path.forward, spec, decision.kernels)
-    return _either(spec, (x, residual, weight, bias), kernel, reference.forward)
+    return _either(spec, (x, residual, weight, bias), reference.forward, "forward", x,
+                   residual, weight, bias)
 
 
 def backward(spec: NormSpec, dy, dh, h, weight, bias, mean, rstd, row_axes=()):
     """``(dx, dresidual, dweight, dbias)`` of one shard, as
     :func:`tilenorm.jax.reference.backward`; dweight and dbias are summed with ``psum`` over
     ``row_axes``, the mesh axes that split the rows sharing a weight."""
-    path = _kernel_path
-    kernel = None
-    if path is not None:
-        decision = decide(spec, h, None, weight, bias, path.platform)
-        if decision.uses_kernel:
-            kernel = functools.partial(path.backward, spec, decision.kernels)
-    dx, dres, dweight, dbias = _either(spec, (dy, dh, h, weight, bias, mean, rstd), kernel,
-                                       reference.backward)
+    dx, dres, dweight, dbias = _either(spec, (dy, dh, h, weight, bias, mean, rstd),
+                                       reference.backward, "backward", h, None, weight, bias)
     if row_axes:
         dweight, dbias = (None if g is None else lax.psum(g, row_axes)
                           for g in (dweight, dbias))
