@@ -41,7 +41,7 @@ def launch(bound: BoundKernel, arrays: dict[str, torch.Tensor], *scalars: float)
     tensor_launcher(bound, arrays)(*scalars)
 
 
-def _run(fwd, bwd, f, x, w, b, r, dy, dh, eps, offset, out_dtype, res_dtype):
+def _run(fwd, bwd, f, x, w, b, r, dys, dh, eps, offset, out_dtype, res_dtype):
     m, heads, n = x.shape
     y = poisoned(x.shape, out_dtype)
     h_out = poisoned(x.shape, res_dtype) if r is not None else None
@@ -59,10 +59,11 @@ def _run(fwd, bwd, f, x, w, b, r, dy, dh, eps, offset, out_dtype, res_dtype):
     dw = poisoned(w.shape, w.dtype) if w is not None else None
     db = poisoned(b.shape, b.dtype) if b is not None else None
     groups = (w is not None) + (b is not None)
-    kernel = cutile.bind_backward(bwd, f, dh is not None, split)
+    kernel = cutile.bind_backward(bwd, f, dh is not None, split, dy_terms=len(dys))
     buffer = cutile.PartialBuffer.of(bwd, groups)
     partial = poisoned(buffer.shape, torch.float32) if groups else None
-    operands = dict(dy=dy, h=h, weight=w3, mean=mean, rstd=rstd, dres_in=dh, dx=dx, dres=dres)
+    operands = dict(zip(("dy", "dy2", "dy3"), dys, strict=False))
+    operands.update(h=h, weight=w3, mean=mean, rstd=rstd, dres_in=dh, dx=dx, dres=dres)
     if groups:
         parts = [partial.as_strided(*buffer.group(), g * buffer.group_size)
                  for g in range(groups)]
@@ -85,11 +86,12 @@ def _run(fwd, bwd, f, x, w, b, r, dy, dh, eps, offset, out_dtype, res_dtype):
 
 def check_kernels(m, heads, n, *, x_dtype=torch.bfloat16, w_dtype=None, layer_norm=False,
                   has_weight=True, per_head=False, has_bias=False, offset=0.0,
-                  res_dtype=None, out_dtype=None, eps=1e-6, repeats=1, x=None, tol=None):
+                  res_dtype=None, out_dtype=None, eps=1e-6, repeats=1, x=None, tol=None,
+                  dy_terms=1):
     """Forward and backward of one problem: no unwritten (NaN-poisoned) element, ``repeats``
     reruns bit-identical, every output within tolerance of float64 (``tol`` overrides the
     dtype's for y and the gradients). ``x`` may be given as a (m, heads, n) view with any
-    strides."""
+    strides. y's gradient comes as ``dy_terms`` arrays that the backward adds up."""
     g, seed = fresh_generator("cuda")
     w_dtype = w_dtype or x_dtype
     out_dtype = out_dtype or x_dtype
@@ -107,12 +109,14 @@ def check_kernels(m, heads, n, *, x_dtype=torch.bfloat16, w_dtype=None, layer_no
         if has_bias else None
     r = torch.randn(x.shape, generator=g, device="cuda", dtype=res_dtype) \
         if res_dtype is not None else None
-    dy = torch.randn(x.shape, generator=g, device="cuda", dtype=out_dtype)
+    dys = [torch.randn(x.shape, generator=g, device="cuda", dtype=out_dtype)
+           for _ in range(dy_terms)]
+    dy = sum(t.double() for t in dys)
     dh = torch.randn(x.shape, generator=g, device="cuda", dtype=res_dtype) \
         if res_dtype is not None else None
     fwd, bwd = plans(m, heads, n, x_dtype.itemsize, per_head,
                      op="layer_norm" if layer_norm else "rms_norm")
-    args = (fwd, bwd, f, x, w, b, r, dy, dh, eps, offset, out_dtype, res_dtype)
+    args = (fwd, bwd, f, x, w, b, r, dys, dh, eps, offset, out_dtype, res_dtype)
     outs = _run(*args)
     for name, t in outs.items():
         assert not t.isnan().any(), f"{name} has unwritten (poisoned) elements; seed {seed}"

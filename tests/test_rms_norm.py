@@ -254,8 +254,9 @@ def test_custom_ops_have_fake_implementations():
                                                            True, 2, False, None, None)
     assert (y.shape, y.dtype, h.dtype, mean.shape, rstd.shape, rstd.dtype) == (
         x.shape, torch.float32, torch.float32, (0,), (2, 3), torch.float32)
-    assert (dx.shape, dx.dtype, dres.dtype, dw.shape, dw.dtype, db.shape) == (
-        x.shape, torch.bfloat16, torch.bfloat16, (64,), torch.float32, (0,))
+    # The residual in x's dtype: its gradient is dx, which the autograd formula hands over.
+    assert (dx.shape, dx.dtype, dres.shape, dw.shape, dw.dtype, db.shape) == (
+        x.shape, torch.bfloat16, (0,), (64,), torch.float32, (0,))
     assert mean_ln.shape == rstd2.shape == (2,)
 
 
@@ -404,6 +405,18 @@ def test_feature_kernels_match_float64(case, n):
                                             w_dtype=torch.float32),
     }[case]
     check_kernels(777, 1, n, eps=EPS, repeats=1, **kw)
+
+
+@gpu
+@pytest.mark.parametrize("n", FEATURE_NS)
+@pytest.mark.parametrize("dy_terms,kw", [
+    (2, {}), (3, {}), (3, dict(res_dtype=torch.bfloat16)), (2, dict(res_dtype=torch.float32)),
+    (3, dict(layer_norm=True, has_bias=True)), (2, dict(offset=1.0, has_weight=True))],
+    ids=["2", "3", "3-residual", "2-residual-fp32", "3-layer-norm", "2-offset"])
+def test_gradient_terms_add_up_in_the_kernels(dy_terms, kw, n):
+    """y's gradient in parts (a compiled graph's unsummed gradients) gives the backward of
+    their sum, single pass, split and column split alike."""
+    check_kernels(555, 1, n, eps=EPS, repeats=1, dy_terms=dy_terms, **kw)
 
 
 @gpu
@@ -632,6 +645,44 @@ def test_backward_of_gradients_laid_out_heads_first(batch, kv_heads, residual):
             dy, dh, h, w, None, None, rstd, 0.0, 1, False, x.dtype,
             None if r is None else r.dtype)
         assert torch.equal(op_dx, dx) and torch.equal(op_dw, dw), seed
+
+
+@gpu
+@pytest.mark.parametrize("residual_dtype", [None, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("terms", [2, 3])
+def test_op_adds_gradient_parts(terms, residual_dtype):
+    """norm_bwd with dy2 (and dy3), as the compiled graphs' pass calls it, on strided parts
+    (a heads-first one among them): the backward of their sum, in its Python fallback and its
+    C++ call alike, and dres only where the residual's dtype is not x's."""
+    g, seed = fresh_generator("cuda")
+    b, s, heads, d = 2, 128, 4, 64
+    x = torch.randn(b, s, heads, d, generator=g, device="cuda", dtype=torch.bfloat16)
+    r = None if residual_dtype is None else torch.randn(
+        x.shape, generator=g, device="cuda", dtype=residual_dtype)
+    w = 1 + 0.5 * torch.randn(d, generator=g, device="cuda", dtype=torch.bfloat16)
+    parts = [torch.randn(x.shape, generator=g, device="cuda", dtype=torch.bfloat16),
+             torch.randn(b, heads, s, d, generator=g, device="cuda",
+                         dtype=torch.bfloat16).transpose(1, 2),
+             torch.randn(b * s, heads * d, generator=g, device="cuda",
+                         dtype=torch.bfloat16).view(x.shape)][:terms]
+    dh = None if r is None else torch.randn(x.shape, generator=g, device="cuda",
+                                            dtype=residual_dtype)
+    y, h, _, rstd = torch.ops.tilenorm.norm_fwd(x, w, None, r, EPS, 0.0, False, 1, False,
+                                                None, None)
+    ref = float64_norm(x, w, eps=EPS, residual=r, dy=sum(p.double() for p in parts), dh=dh)
+    for _ in range(2):  # the Python fallback once, then the C++ call
+        dx, dres, dw, _ = torch.ops.tilenorm.norm_bwd(
+            parts[0], dh, h if r is not None else x, w, None, None, rstd, 0.0, 1, False,
+            x.dtype, residual_dtype, *parts[1:])
+        assert rel(dx, ref.dx) <= 1e-2 and rel(dw, ref.dweight) <= 1e-2, seed
+        split = residual_dtype not in (None, x.dtype)
+        assert dres.numel() == (x.numel() if split else 0), seed
+        if split:
+            assert rel(dres, ref.dresidual) <= 1e-5, seed
+        again = torch.ops.tilenorm.norm_bwd(
+            parts[0], dh, h if r is not None else x, w, None, None, rstd, 0.0, 1, False,
+            x.dtype, residual_dtype, *parts[1:])
+        assert torch.equal(again[0], dx) and torch.equal(again[2], dw), seed
 
 
 @gpu

@@ -56,7 +56,8 @@ class BackwardFacts:
     """What one backward call brings beyond its problem: whether the forward had a fused
     residual add, whether the gradient that reached its h is an input, a weight offset,
     whether dy, h and dx share x's dtype, whether h and dy are contiguous rows on
-    16-byte-aligned storage, and the largest offset its operands reach."""
+    16-byte-aligned storage, the largest offset its operands reach, and in how many parts
+    y's gradient comes (a compiled graph's, which the cuTile kernels add up)."""
 
     has_residual: bool
     has_dres_in: bool
@@ -64,6 +65,7 @@ class BackwardFacts:
     same_dtypes: bool
     dense_aligned: bool
     max_offset: int
+    dy_terms: int = 1
 
 
 @dataclass(frozen=True)
@@ -182,11 +184,13 @@ def backward_kernel(decision: Decision, call: BackwardFacts
                     ) -> CuteBackwardPlan | RowNormPlan:
     """The kernel plan that runs one backward call of a decision that uses kernels: the CuTe
     DSL backward where it has a plan and the call allows it (no fused residual, no weight
-    offset, dx in x's dtype, contiguous rows on 16-byte-aligned storage), else the cuTile
-    backward, with 64-bit offsets where the call's strided operands pass 2^31 - 1."""
+    offset, dx in x's dtype, contiguous rows on 16-byte-aligned storage, y's gradient in one
+    part), else the cuTile backward, with 64-bit offsets where the call's strided operands
+    pass 2^31 - 1."""
     cute_plan = decision.cute_backward
     if (cute_plan is not None and not call.has_residual and not call.has_dres_in
-            and not call.has_offset and call.same_dtypes and call.dense_aligned):
+            and not call.has_offset and call.same_dtypes and call.dense_aligned
+            and call.dy_terms == 1):
         return cute_plan
     plan = decision.backward
     if plan.index_bits == 32 and call.max_offset > MAX_INT32_OFFSET:

@@ -20,7 +20,10 @@ the row back from L2 ("chunked"); the backward is column split, each program own
 tile of its rows: a first kernel writes each tile's share of the row sums, a second adds them
 up and writes dx ("row_sums", "columns").
 
-The backward writes dx (and, for a fused residual, the residual's gradient) and folds
+The backward reads y's gradient as the sum of ``DY_TERMS`` (1 to 3) arrays, added in fp32 as
+they load: a compiled graph whose norm output feeds several projections hands over their
+gradients unsummed (:mod:`tilenorm.pytorch.graph_passes`), which saves the pass that would add
+them. It writes dx (and, for a fused residual, the residual's gradient) and folds
 ``sum(dy * x_hat)`` (and ``sum(dy)``) over the program's rows into its slot of a fp32 partial
 buffer; ``column_sums`` (:mod:`tilenorm.kernels.cutile_column_sums`) adds the slots in a fixed
 order. No M x N temporary, no atomics: results are bit-for-bit repeatable.
@@ -105,6 +108,16 @@ def _column_mask(chunk, cols, TILE_N):
 
 def _load3(a, index, shape):
     return ct.load(a, index=index, shape=shape, padding_mode=ZERO)
+
+
+def _load_dy(dy, dy2, dy3, index, shape, DY_TERMS):
+    """y's gradient, fp32: the sum of its ``DY_TERMS`` parts."""
+    g = _load3(dy, index, shape).astype(ct.float32)
+    if DY_TERMS > 1:
+        g = g + _load3(dy2, index, shape).astype(ct.float32)
+    if DY_TERMS > 2:
+        g = g + _load3(dy3, index, shape).astype(ct.float32)
+    return g
 
 
 def _row_stat(a, row_tile, head_tile, TILE_A, TILE_H):
@@ -317,12 +330,12 @@ def _store_dx(d, dres_in, dx, dres, index, HAS_DRES_IN, STORE_DRES):
         _store(dres, index, d.astype(dres.dtype))
 
 
-def norm_bwd_single(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, partial_b,
-                    offset: float, inv_n: float,
+def norm_bwd_single(dy, dy2, dy3, h, weight, mean, rstd, dres_in, dx, dres, partial_w,
+                    partial_b, offset: float, inv_n: float,
                     TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                     LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
                     HAS_BIAS: ConstBool, HAS_DRES_IN: ConstBool, STORE_DRES: ConstBool,
-                    HAS_OFFSET: ConstBool, DEPENDENT: ConstBool):
+                    HAS_OFFSET: ConstBool, DY_TERMS: ConstInt, DEPENDENT: ConstBool):
     start_after_predecessor(DEPENDENT)
     shape = (TILE_A, TILE_H, TILE_N)
     head_tiles = ct.num_tiles(h, axis=1, shape=shape)
@@ -335,7 +348,7 @@ def norm_bwd_single(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, par
     for t in range(program, row_tiles, ct.num_blocks(0)):
         row_tile, head_tile = t // head_tiles, t % head_tiles
         v = _load3(h, (row_tile, head_tile, 0), shape).astype(ct.float32)
-        g = _load3(dy, (row_tile, head_tile, 0), shape).astype(ct.float32)
+        g = _load_dy(dy, dy2, dy3, (row_tile, head_tile, 0), shape, DY_TERMS)
         # Rows past the end load rstd = 0, which zeroes their x_hat and dx (never stored).
         r = _row_stat(rstd, row_tile, head_tile, TILE_A, TILE_H)
         x_hat = _x_hat(v, mean, r, row_tile, head_tile, TILE_A, TILE_H, LAYER_NORM)
@@ -358,12 +371,13 @@ def norm_bwd_single(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, par
         _store_partial(partial_b, db, slot, head_tile_w, 0, PER_HEAD)
 
 
-def norm_bwd_split(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, partial_b,
-                   offset: float, inv_n: float,
+def norm_bwd_split(dy, dy2, dy3, h, weight, mean, rstd, dres_in, dx, dres, partial_w,
+                   partial_b, offset: float, inv_n: float,
                    TILE_A: ConstInt, TILE_H: ConstInt, TILE_N: ConstInt,
                    LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool,
                    HAS_BIAS: ConstBool, HAS_DRES_IN: ConstBool, STORE_DRES: ConstBool,
-                   HAS_OFFSET: ConstBool, DEPENDENT: ConstBool, SPLIT_N: ConstInt):
+                   HAS_OFFSET: ConstBool, DY_TERMS: ConstInt, DEPENDENT: ConstBool,
+                   SPLIT_N: ConstInt):
     """The single-pass backward over the two pieces of :func:`norm_fwd_split`."""
     start_after_predecessor(DEPENDENT)
     first, second = (TILE_A, 1, TILE_N), (TILE_A, 1, SPLIT_N)
@@ -377,8 +391,8 @@ def norm_bwd_split(dy, h, weight, mean, rstd, dres_in, dx, dres, partial_w, part
     for t in range(program, row_tiles, ct.num_blocks(0)):
         v = _load3(h, (t, 0, 0), first).astype(ct.float32)
         v2 = _load3(h, (t, 0, at), second).astype(ct.float32)
-        g = _load3(dy, (t, 0, 0), first).astype(ct.float32)
-        g2 = _load3(dy, (t, 0, at), second).astype(ct.float32)
+        g = _load_dy(dy, dy2, dy3, (t, 0, 0), first, DY_TERMS)
+        g2 = _load_dy(dy, dy2, dy3, (t, 0, at), second, DY_TERMS)
         # Padding columns load dy = 0: they add nothing to the sums and are never stored.
         r = _row_stat(rstd, t, 0, TILE_A, 1)
         x_hat = _x_hat(v, mean, r, t, 0, TILE_A, 1, LAYER_NORM)
@@ -422,21 +436,22 @@ def _split_program(h, TILE_N):
             ct.num_blocks(0) // (col_tiles * heads), ct.num_tiles(h, axis=0, shape=shape))
 
 
-def _split_x_hat_wdy(dy, h, scale, mean, rstd, row, head, col_tile, offset, TILE_N,
-                     LAYER_NORM, HAS_OFFSET):
+def _split_x_hat_wdy(dy, dy2, dy3, h, scale, mean, rstd, row, head, col_tile, offset, TILE_N,
+                     LAYER_NORM, HAS_OFFSET, DY_TERMS):
     """(dy, x_hat, w * dy, rstd) of one column tile of one vector, fp32."""
     shape = (1, 1, TILE_N)
     v = _load3(h, (row, head, col_tile), shape).astype(ct.float32)
-    g = _load3(dy, (row, head, col_tile), shape).astype(ct.float32)
+    g = _load_dy(dy, dy2, dy3, (row, head, col_tile), shape, DY_TERMS)
     r = _row_stat(rstd, row, head, 1, 1)
     x_hat = _x_hat(v, mean, r, row, head, 1, 1, LAYER_NORM)
     # Padding columns load dy = 0: they add nothing to any sum and are never stored.
     return g, x_hat, _times_scale(g, scale, offset, HAS_OFFSET), r
 
 
-def norm_bwd_row_sums(dy, h, weight, mean, rstd, row_sums, offset: float,
+def norm_bwd_row_sums(dy, dy2, dy3, h, weight, mean, rstd, row_sums, offset: float,
                       TILE_N: ConstInt, LAYER_NORM: ConstBool, HAS_WEIGHT: ConstBool,
-                      PER_HEAD: ConstBool, HAS_OFFSET: ConstBool, DEPENDENT: ConstBool):
+                      PER_HEAD: ConstBool, HAS_OFFSET: ConstBool, DY_TERMS: ConstInt,
+                      DEPENDENT: ConstBool):
     """First kernel of the column-split backward (rows wider than one tile): each program
     writes its column tile's share of sum(x_hat * wdy) (and of sum(wdy)) for every vector it
     owns to ``row_sums[row, head, 0 (1), column tile]``. Splitting rows across programs keeps
@@ -445,8 +460,9 @@ def norm_bwd_row_sums(dy, h, weight, mean, rstd, row_sums, offset: float,
     group, head, col_tile, row_groups, rows = _split_program(h, TILE_N)
     scale = _scale(weight, head, col_tile, 1, TILE_N, HAS_WEIGHT, PER_HEAD)
     for row in range(group, rows, row_groups):
-        _, x_hat, wdy, _ = _split_x_hat_wdy(dy, h, scale, mean, rstd, row, head, col_tile,
-                                            offset, TILE_N, LAYER_NORM, HAS_OFFSET)
+        _, x_hat, wdy, _ = _split_x_hat_wdy(dy, dy2, dy3, h, scale, mean, rstd, row, head,
+                                            col_tile, offset, TILE_N, LAYER_NORM, HAS_OFFSET,
+                                            DY_TERMS)
         if LAYER_NORM:
             sum_hw, sum_w = _row_sums(x_hat * wdy, wdy)
             _store(row_sums, (row, head, 1, col_tile), sum_w.reshape((1, 1, 1, 1)))
@@ -455,12 +471,12 @@ def norm_bwd_row_sums(dy, h, weight, mean, rstd, row_sums, offset: float,
         _store(row_sums, (row, head, 0, col_tile), sum_hw.reshape((1, 1, 1, 1)))
 
 
-def norm_bwd_columns(dy, h, weight, mean, rstd, row_sums, dres_in, dx, dres, partial_w,
-                     partial_b, offset: float, inv_n: float,
+def norm_bwd_columns(dy, dy2, dy3, h, weight, mean, rstd, row_sums, dres_in, dx, dres,
+                     partial_w, partial_b, offset: float, inv_n: float,
                      TILE_N: ConstInt, SUM_TILES: ConstInt, LAYER_NORM: ConstBool,
                      HAS_WEIGHT: ConstBool, PER_HEAD: ConstBool, HAS_BIAS: ConstBool,
                      HAS_DRES_IN: ConstBool, STORE_DRES: ConstBool, HAS_OFFSET: ConstBool,
-                     DEPENDENT: ConstBool):
+                     DY_TERMS: ConstInt, DEPENDENT: ConstBool):
     """Second kernel of the column-split backward, on :func:`norm_bwd_row_sums`'s programs:
     a vector's sums are its tiles' shares added in a fixed order (``SUM_TILES``: the column
     tiles padded to a power of two), then dx is written for the program's column tile and
@@ -475,8 +491,9 @@ def norm_bwd_columns(dy, h, weight, mean, rstd, row_sums, dres_in, dx, dres, par
     last = rows - 1 - (rows - 1 - group) % row_groups
     for i in range(group, rows, row_groups):
         row = last + group - i
-        g, x_hat, wdy, r = _split_x_hat_wdy(dy, h, scale, mean, rstd, row, head, col_tile,
-                                            offset, TILE_N, LAYER_NORM, HAS_OFFSET)
+        g, x_hat, wdy, r = _split_x_hat_wdy(dy, dy2, dy3, h, scale, mean, rstd, row, head,
+                                            col_tile, offset, TILE_N, LAYER_NORM, HAS_OFFSET,
+                                            DY_TERMS)
         c_hw = ct.sum(_load3(row_sums, (row, head, 0, 0), sums), axis=3) * inv_n
         if LAYER_NORM:
             c_w = ct.sum(_load3(row_sums, (row, head, 1, 0), sums), axis=3) * inv_n

@@ -48,6 +48,7 @@ class Variant:
     residual: str | None = None  # the residual stream's dtype
     heads: int = 1
     index_bits: int = 32
+    dy_terms: int = 1  # the backward's parts of y's gradient (dy, dy2, dy3)
 
 
 @dataclass(frozen=True)
@@ -113,8 +114,10 @@ def plan_jobs(plan: RowNormPlan, v: Variant) -> Iterator[ExportJob]:
         yield _job(f"fwd {name}", cutile.bind_forward(plan, f), layouts)
         return
     split = f.has_residual and v.residual != v.x
-    bound = cutile.bind_backward(plan, f, f.has_residual, split)
-    layouts.update(dy=_dense(v.out or v.x, rows3), h=_dense(res if f.has_residual else v.x,
+    bound = cutile.bind_backward(plan, f, f.has_residual, split, v.dy_terms)
+    for name in ("dy", "dy2", "dy3")[:v.dy_terms]:
+        layouts[name] = _dense(v.out or v.x, rows3)
+    layouts.update(h=_dense(res if f.has_residual else v.x,
                                                             rows3), dx=_dense(v.x, rows3))
     if f.has_residual:
         layouts["dres_in"] = _dense(res, rows3)
@@ -168,6 +171,16 @@ def variants() -> list[Variant]:
             for v in out]
 
 
+def gradient_term_variants() -> list[Variant]:
+    """Backward variants whose y gradient comes in parts (a compiled graph's, summed in the
+    kernel), built on the same three configurations as :func:`variants`."""
+    residual = replace(RMS, has_residual=True)
+    return [Variant("rms 2 gradient terms", RMS, dy_terms=2),
+            Variant("rms 3 gradient terms", RMS, dy_terms=3),
+            Variant("rms residual 3 gradient terms", residual, residual="bfloat16", dy_terms=3),
+            Variant("layer_norm 3 gradient terms", LAYER_NORM, dy_terms=3)]
+
+
 def op_of(v: Variant) -> str:
     return "layer_norm" if v.features.layer_norm else "rms_norm"
 
@@ -177,7 +190,7 @@ def jobs() -> Iterator[ExportJob]:
         for v in OP_VARIANTS.values():
             for plan in plans(direction, op_of(v)):  # every tile configuration
                 yield from plan_jobs(plan, v)
-        for v in variants():
+        for v in variants() + (gradient_term_variants() if direction == "backward" else []):
             chosen = plans(direction, op_of(v), itemsize=ITEMSIZE[v.x])
             single = [p for p in chosen if p.single_pass and not p.split_cols]
             split = [p for p in chosen if p.split_cols]

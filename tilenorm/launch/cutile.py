@@ -49,13 +49,13 @@ class NormFeatures:
 #: Each kernel's array parameters, in order (the other parameters are scalars).
 ARRAYS = {
     norm_fwd_single: ("x", "residual", "weight", "bias", "y", "residual_out", "mean", "rstd"),
-    norm_bwd_single: ("dy", "h", "weight", "mean", "rstd", "dres_in", "dx", "dres",
-                      "partial_w", "partial_b"),
+    norm_bwd_single: ("dy", "dy2", "dy3", "h", "weight", "mean", "rstd", "dres_in", "dx",
+                      "dres", "partial_w", "partial_b"),
 }
 ARRAYS[norm_fwd_chunked] = ARRAYS[norm_fwd_split] = ARRAYS[norm_fwd_single]
 ARRAYS[norm_bwd_split] = ARRAYS[norm_bwd_single]
-ARRAYS[norm_bwd_row_sums] = ("dy", "h", "weight", "mean", "rstd", "row_sums")
-ARRAYS[norm_bwd_columns] = ARRAYS[norm_bwd_row_sums] + ARRAYS[norm_bwd_single][5:]
+ARRAYS[norm_bwd_row_sums] = ("dy", "dy2", "dy3", "h", "weight", "mean", "rstd", "row_sums")
+ARRAYS[norm_bwd_columns] = ARRAYS[norm_bwd_row_sums] + ARRAYS[norm_bwd_single][7:]
 ARRAYS[column_sums._pyfunc] = ("partial", "out_a", "out_b")
 
 #: (single pass, split single pass, wider rows) kernels per direction.
@@ -160,27 +160,35 @@ def bind_forward(plan: RowNormPlan, features: NormFeatures) -> BoundKernel:
     return _bound(kernel_source(plan), plan, constants)
 
 
+#: The most parts of y's gradient a backward adds up as it loads them (dy, dy2, dy3).
+MAX_DY_TERMS = 3
+
+
 def bind_backward(plan: RowNormPlan, features: NormFeatures, has_dres_in: bool,
-                  store_dres: bool) -> BoundKernel:
-    """The backward's row kernel for ``plan``; runtime arguments ``(dy, h, weight, mean,
-    rstd, dres_in, dx, dres, partial_w, partial_b, offset)`` (see bind_forward; the partial
-    buffers are (slots, heads or 1, cols) fp32). A column-split plan's kernel also takes the
-    ``row_sums`` workspace after rstd, and carries the row-sums kernel (``first``: ``(dy, h,
+                  store_dres: bool, dy_terms: int = 1) -> BoundKernel:
+    """The backward's row kernel for ``plan``; runtime arguments ``(dy, dy2, dy3, h, weight,
+    mean, rstd, dres_in, dx, dres, partial_w, partial_b, offset)`` (see bind_forward; y's
+    gradient is the sum of the first ``dy_terms`` of dy, dy2, dy3; the partial buffers are
+    (slots, heads or 1, cols) fp32). A column-split plan's kernel also takes the ``row_sums``
+    workspace after rstd, and carries the row-sums kernel (``first``: ``(dy, dy2, dy3, h,
     weight, mean, rstd, row_sums, offset)``)."""
+    if not 1 <= dy_terms <= MAX_DY_TERMS:
+        raise ValueError(f"dy_terms must be 1 to {MAX_DY_TERMS}, got {dy_terms}")
     f = features
     fn = kernel_source(plan)
     if plan.column_split:
         first = _bound(norm_bwd_row_sums, plan,
                        (plan.tile_cols, f.layer_norm, f.has_weight, f.per_head_weight,
-                        f.has_offset, plan.dependent_launch))
+                        f.has_offset, dy_terms, plan.dependent_launch))
         sums = 2 if f.layer_norm else 1
         constants = (1.0 / plan.cols, plan.tile_cols, next_pow2(plan.col_tiles), f.layer_norm,
                      f.has_weight, f.per_head_weight, f.has_bias, has_dres_in, store_dres,
-                     f.has_offset, plan.dependent_launch)
+                     f.has_offset, dy_terms, plan.dependent_launch)
         return _bound(fn, plan, constants, first=first, workspace=(sums, plan.col_tiles))
     constants = (1.0 / plan.cols, plan.tile_rows, plan.tile_heads, plan.tile_cols,
                  f.layer_norm, f.has_weight, f.per_head_weight, f.has_bias, has_dres_in,
-                 store_dres, f.has_offset, plan.dependent_launch) + _split_constant(plan)
+                 store_dres, f.has_offset, dy_terms,
+                 plan.dependent_launch) + _split_constant(plan)
     return _bound(fn, plan, constants)
 
 

@@ -143,6 +143,8 @@ def _param_layout(p: torch.Tensor, heads: int, cols: int) -> ArrayLayout:
 #: by slot: one buffer per slot, so that no two kernel arguments alias.
 _PLACEHOLDER = ArrayLayout("float32", (1,), (1,))
 _PLACEHOLDERS: dict = {}
+#: At least as many as any kernel has array parameters (13).
+_PLACEHOLDER_COUNT = 16
 
 
 class _DriverMemory:
@@ -164,12 +166,12 @@ def placeholders(device: torch.device) -> tuple[torch.Tensor, ...]:
 
         with torch.cuda.device(device):  # its primary context current on this thread
             torch.cuda.init()
-            error, address = driver.cuMemAlloc(8 * 16)
+            error, address = driver.cuMemAlloc(_PLACEHOLDER_COUNT * 16)
             if error != driver.CUresult.CUDA_SUCCESS:
                 raise RuntimeError(f"tilenorm: cuMemAlloc of the placeholders failed: {error}")
         found = _PLACEHOLDERS[device] = tuple(
             torch.as_tensor(_DriverMemory(int(address) + 16 * i, 1), device=device)
-            for i in range(8))
+            for i in range(_PLACEHOLDER_COUNT))
     return found
 
 
@@ -481,7 +483,8 @@ class BackwardCall:
     residual_dtype: torch.dtype | None
     device: torch.device
     shape3: tuple[int, int, int] = (0, 0, 0)
-    copy: tuple[bool, bool, bool] = (False, False, False)  # dy, h, dres_in
+    #: Which operands the kernels read from contiguous copies: dy, h, dres_in, dy2, dy3.
+    copy: tuple[bool, ...] = (False,) * 5
     plan: RowNormPlan | None = None
     cute: CuteBackwardPlan | None = None
     row_kernel: cutile.BoundKernel | None = None
@@ -499,18 +502,19 @@ class BackwardCall:
     #: runs (the CuTe DSL kernel).
     native: object = None
 
-    def run(self, dy, dres_in, h, weight, bias, mean, rstd, offset: float):
+    def run(self, dy, dres_in, h, weight, bias, mean, rstd, offset: float, dy_more=()):
         """(dx, dres, dweight, dbias): dres (the residual's gradient) is dx itself when the
-        residual has x's dtype, None without a residual."""
+        residual has x's dtype, None without a residual. y's gradient is dy plus each of
+        ``dy_more`` (as many as the call was built for)."""
         if self.native is not None:
             out = native.module().backward(self.native, dy, dres_in, h, weight, bias, mean,
-                                           rstd, offset)
+                                           rstd, offset, *dy_more)
             if out is not None:
                 return out
         if not self.decision.uses_kernel:
             dx, dh, dweight, dbias = reference.norm_backward(
                 dy, dres_in, h, weight, bias, mean, rstd, offset=offset, x_dtype=self.x_dtype,
-                dims=self.spec.dims)
+                dims=self.spec.dims, dy_more=tuple(dy_more))
             dres = None if self.residual_dtype is None else dh.to(self.residual_dtype)
             return dx, dres, dweight, dbias
         dev = self.device
@@ -526,18 +530,17 @@ class BackwardCall:
             bias, memory_format=torch.contiguous_format)
         partial = torch.empty(self.partial.shape, dtype=torch.float32, device=dev) \
             if self.groups else None
-        copy_dy, copy_h, copy_dres = self.copy
-        dys = dy.reshape(self.shape3) if copy_dy else dy
-        hs = h.reshape(self.shape3) if copy_h else h
-        dreses = dres_in.reshape(self.shape3) if copy_dres and dres_in is not None else dres_in
+        operands = (dy, h, dres_in, *dy_more)
+        dy, h, dres_in, *dy_more = (t.reshape(self.shape3) if copy and t is not None else t
+                                    for t, copy in zip(operands, self.copy, strict=False))
         stream = torch._C._cuda_getCurrentRawStream(dev.index)
-        self._launch(stream, dys, hs, weight, mean, rstd, dreses, dx, dres, partial, dweight,
-                     dbias, offset)
+        self._launch(stream, [dy, *dy_more], h, weight, mean, rstd, dres_in, dx, dres,
+                     partial, dweight, dbias, offset)
         if self.residual_dtype is not None and not self.split:
             dres = dx
         return dx, dres, dweight, dbias
 
-    def _launch(self, stream, dy, h, weight, mean, rstd, dres_in, dx, dres, partial, dweight,
+    def _launch(self, stream, dys, h, weight, mean, rstd, dres_in, dx, dres, partial, dweight,
                 dbias, offset):
         row_sums = None
         if self.row_kernel.first is not None:
@@ -549,7 +552,7 @@ class BackwardCall:
             p_w = base if dweight is not None else None
             p_b = base + self.partial.group_offset(int(dweight is not None)) \
                 if dbias is not None else None
-        common = [dy.data_ptr(), h.data_ptr()]
+        common = [t.data_ptr() for t in dys] + [h.data_ptr()]
         if weight is not None:
             common.append(weight.data_ptr())
         if mean is not None:
@@ -569,7 +572,7 @@ class BackwardCall:
         launched = launched and self.launch_row is not None and self.launch_row(
             stream, *row, offset)
         if not launched:
-            self._launch_through_cutile(stream, dy, h, weight, mean, rstd, dres_in, dx, dres,
+            self._launch_through_cutile(stream, dys, h, weight, mean, rstd, dres_in, dx, dres,
                                         partial, dweight, dbias, offset)
         elif partial is not None:
             outs = [t.data_ptr() for t in (dweight, dbias) if t is not None]
@@ -577,14 +580,15 @@ class BackwardCall:
                 self._reduce_through_cutile(
                     stream, partial.as_strided(*self.partial.reduced()), dweight, dbias)
 
-    def _launch_through_cutile(self, stream, dy, h, weight, mean, rstd, dres_in, dx, dres,
+    def _launch_through_cutile(self, stream, dys, h, weight, mean, rstd, dres_in, dx, dres,
                                partial, dweight, dbias, offset):
         """cuTile's own launches on views, for storage that is not 16-byte aligned."""
         shape3, ph = self.shape3, placeholders(self.device)
         stat = shape3[:2]
         weight3 = ph[1] if weight is None else weight.view(1, -1, shape3[2])
         mean2 = ph[4] if mean is None else mean.view(stat)
-        dy3, h3 = _as_shape3(dy, shape3), _as_shape3(h, shape3)
+        h3 = _as_shape3(h, shape3)
+        dy3 = [_as_shape3(t, shape3) for t in dys] + [ph[8], ph[9]][len(dys) - 1:]
         partial_w = partial_b = None
         if partial is not None:
             shape, strides = self.partial.group()
@@ -599,10 +603,10 @@ class BackwardCall:
             if kernel.first is not None:
                 row_sums = torch.empty(stat + kernel.workspace, dtype=torch.float32,
                                        device=self.device)
-                kernel.first.launch(stream, dy3, h3, weight3, mean2, stats[0], row_sums,
+                kernel.first.launch(stream, *dy3, h3, weight3, mean2, stats[0], row_sums,
                                     float(offset))
                 stats = (stats[0], row_sums)
-            kernel.launch(stream, dy3, h3, weight3, mean2, *stats,
+            kernel.launch(stream, *dy3, h3, weight3, mean2, *stats,
                           ph[0] if dres_in is None else _as_shape3(dres_in, shape3),
                           dx.view(shape3), ph[3] if dres is None else dres.view(shape3),
                           ph[5] if dweight is None else partial_w,
@@ -659,14 +663,21 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
                    x_dtype: torch.dtype, residual_dtype: torch.dtype | None,
-                   device: torch.device | None = None) -> BackwardCall:
+                   device: torch.device | None = None, dy_more: tuple = ()) -> BackwardCall:
     """The prepared backward over the normalized input ``h`` (x, or the residual stream of a
     fused residual add) for these (already checked) operands. ``device``: where it runs,
-    default h's (the forward prepares its outputs' backwards from meta tensors)."""
+    default h's (the forward prepares its outputs' backwards from meta tensors). y's
+    gradient is dy plus each of ``dy_more`` (at most two: a compiled graph's parts,
+    :mod:`tilenorm.pytorch.graph_passes`), added up in the kernel."""
     device = h.device if device is None else device
-    shape3, (h_strides, dy_strides, dres_strides), offsets = operand_views(spec, h, dy,
-                                                                           dres_in)
-    copy = (dy_strides is None, h_strides is None, dres_in is not None and dres_strides is None)
+    if len(dy_more) >= cutile.MAX_DY_TERMS:
+        raise ValueError(f"y's gradient in {len(dy_more) + 1} parts; the kernels add up at "
+                         f"most {cutile.MAX_DY_TERMS}")
+    shape3, strides, offsets = operand_views(spec, h, dy, dres_in, *dy_more)
+    h_strides, dy_strides, dres_strides, *more_strides = strides
+    copy = (dy_strides is None, h_strides is None, dres_in is not None and dres_strides is None,
+            *(st is None for st in more_strides))
+    copy += (False,) * (5 - len(copy))
     dtypes = tuple(t.dtype for t in (h, weight, bias) if t is not None)
     # The forward's decision: its problem is h's (x, or the residual stream).
     decision = dispatch.decide(problem(spec, h, shape3, offsets[:1], dtypes, device))
@@ -685,7 +696,7 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
     dense = not any(copy) and h.is_contiguous() and dy.is_contiguous()
     facts = dict(has_residual=residual_dtype is not None, has_dres_in=dres_in is not None,
                  has_offset=offset != 0, same_dtypes=x_dtype == h.dtype == dy.dtype,
-                 max_offset=max(offsets))
+                 max_offset=max(offsets), dy_terms=1 + len(dy_more))
     chosen = dispatch.backward_kernel(decision, BackwardFacts(dense_aligned=dense, **facts))
     # Unaligned storage is known only per call: the plan for it is the one without the CuTe
     # DSL kernel.
@@ -702,9 +713,12 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
                 **_reduce_outputs(weight, bias)}, device, arch)
     call.plan = plan
     call.partial = cutile.PartialBuffer.of(plan, groups)
-    call.row_kernel = cutile.bind_backward(plan, features, dres_in is not None, split)
+    call.row_kernel = cutile.bind_backward(plan, features, dres_in is not None, split,
+                                           1 + len(dy_more))
     heads, cols = shape3[1], shape3[2]
-    layouts = {"dy": _layout(dy.dtype, shape3, dy_strides),
+    layouts = {name: _layout(t.dtype, shape3, st) for name, t, st in
+               zip(("dy2", "dy3"), dy_more, more_strides, strict=False)}
+    layouts |= {"dy": _layout(dy.dtype, shape3, dy_strides),
                "h": _layout(h.dtype, shape3, h_strides),
                "rstd": _layout(torch.float32, shape3[:2]),
                "dx": _layout(x_dtype, shape3)}
@@ -744,7 +758,7 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
             list(shape3[:2] + call.row_kernel.workspace) if first is not None else [],
             math.prod(call.partial.shape) if groups else 0,
             call.partial.group_offset(int(weight is not None)), x_dtype, residual_dtype,
-            split, call.dx_like_h, list(shape3), *copy)
+            split, call.dx_like_h, list(shape3), list(copy), 1 + len(dy_more))
     return call
 
 
@@ -759,12 +773,14 @@ def forward_call(spec: NormSpec, x, weight, bias, residual, out_dtype, residual_
 
 
 def backward_call(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
-                  x_dtype: torch.dtype, residual_dtype: torch.dtype | None) -> BackwardCall:
+                  x_dtype: torch.dtype, residual_dtype: torch.dtype | None,
+                  dy_more: tuple = ()) -> BackwardCall:
     """The prepared backward for these operands' layout (operands checked by the caller)."""
     key = ("backward", spec, meta(dy), meta(dres_in), meta(h), meta(weight), meta(bias),
-           offset != 0, x_dtype, residual_dtype, experimental_enabled())
+           offset != 0, x_dtype, residual_dtype, experimental_enabled(),
+           *(meta(t) for t in dy_more))
     return cached(key, lambda: build_backward(spec, dy, dres_in, h, weight, bias, offset,
-                                              x_dtype, residual_dtype))
+                                              x_dtype, residual_dtype, dy_more=dy_more))
 
 
 def _reduce_outputs(weight, bias) -> dict:

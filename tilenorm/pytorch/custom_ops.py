@@ -7,13 +7,16 @@ reference at run time. For CUDA tensors the C++ host path registers kernels of i
 run a call seen before without Python and fall back on :func:`run_forward` /
 :func:`run_backward` (NOTES #43), and its own autograd, the formula below in C++ (NOTES #44).
 Eager calls do not come here: the dispatcher costs ~8 us a call.
+
+Tracing either op installs :mod:`tilenorm.pytorch.graph_passes` in inductor's config (once):
+its post-grad pass hands ``norm_bwd`` a gradient's parts unsummed, for the kernel to add.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tilenorm.pytorch import checks, reference
+from tilenorm.pytorch import checks, graph_passes, reference
 from tilenorm.pytorch.calls import NormSpec, backward_call, forward_call
 
 
@@ -57,6 +60,7 @@ def norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
 @norm_fwd.register_fake
 def _(x, weight, bias, residual, eps, offset, layer_norm, dims, per_head, out_dtype,
       residual_dtype):
+    graph_passes.install()
     acc = reference.compute_dtype(x.dtype)
     rstd = torch.empty(x.shape[:x.dim() - dims], dtype=acc, device=x.device)
     mean = torch.empty_like(rstd) if layer_norm else rstd.new_empty(0)
@@ -66,15 +70,19 @@ def _(x, weight, bias, residual, eps, offset, layer_norm, dims, per_head, out_dt
 
 
 def run_backward(dy, dres_in, h, weight, bias, mean, rstd, offset, dims, per_head, x_dtype,
-                 residual_dtype):
+                 residual_dtype, dy2=None, dy3=None):
     """norm_bwd's outputs and its prepared call's C++ twin, as :func:`run_forward`."""
     spec = _spec(mean is not None, dims, per_head)
-    call = backward_call(spec, dy, dres_in, h, weight, bias, offset, x_dtype, residual_dtype)
-    dx, dres, dweight, dbias = call.run(dy, dres_in, h, weight, bias, mean, rstd, offset)
-    # Contiguous, as the fake says (the reference path keeps a strided dy's layout); custom-op
-    # outputs may not alias each other.
+    dy_more = tuple(t for t in (dy2, dy3) if t is not None)
+    call = backward_call(spec, dy, dres_in, h, weight, bias, offset, x_dtype, residual_dtype,
+                         dy_more)
+    dx, dres, dweight, dbias = call.run(dy, dres_in, h, weight, bias, mean, rstd, offset,
+                                        dy_more)
+    # Contiguous, as the fake says (the reference path keeps a strided dy's layout). The
+    # residual's gradient is dx itself unless its dtype differs (custom-op outputs may not
+    # alias each other: the autograd formula hands dx to both, NOTES #45).
     dx = dx.contiguous()
-    dres = None if dres is None else dx.clone() if dres is dx else dres.contiguous()
+    dres = None if dres is None or residual_dtype == x_dtype else dres.contiguous()
     return (dx, _empty(dx) if dres is None else dres,
             _empty(dx) if dweight is None else dweight.contiguous(),
             _empty(dx) if dbias is None else dbias.contiguous()), call.native
@@ -84,22 +92,28 @@ def run_backward(dy, dres_in, h, weight, bias, mean, rstd, offset, dims, per_hea
 def norm_bwd(dy: torch.Tensor, dres_in: torch.Tensor | None, h: torch.Tensor,
              weight: torch.Tensor | None, bias: torch.Tensor | None,
              mean: torch.Tensor | None, rstd: torch.Tensor, offset: float, dims: int,
-             per_head: bool, x_dtype: torch.dtype, residual_dtype: torch.dtype | None
+             per_head: bool, x_dtype: torch.dtype, residual_dtype: torch.dtype | None,
+             dy2: torch.Tensor | None = None, dy3: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dres, dweight, dbias); absent ones are empty tensors."""
+    """(dx, dres, dweight, dbias); absent ones are empty tensors, and so is dres where the
+    residual has x's dtype (its gradient is dx). y's gradient is dy, plus dy2 and dy3 where
+    given: a compiled graph's gradients of an output that several layers read, which
+    :mod:`tilenorm.pytorch.graph_passes` hands over unsummed for the kernel to add."""
     return run_backward(dy, dres_in, h, weight, bias, mean, rstd, offset, dims, per_head,
-                        x_dtype, residual_dtype)[0]
+                        x_dtype, residual_dtype, dy2, dy3)[0]
 
 
 @norm_bwd.register_fake
 def _(dy, dres_in, h, weight, bias, mean, rstd, offset, dims, per_head, x_dtype,
-      residual_dtype):
+      residual_dtype, dy2=None, dy3=None):
+    graph_passes.install()
+
     def like(p):  # a fresh contiguous tensor each: outputs must not alias
         return h.new_empty(0, dtype=x_dtype) if p is None else torch.empty(
             p.shape, dtype=p.dtype, device=p.device)
 
     return (torch.empty(h.shape, dtype=x_dtype, device=h.device),
-            like(None) if residual_dtype is None else torch.empty(
+            like(None) if residual_dtype in (None, x_dtype) else torch.empty(
                 h.shape, dtype=residual_dtype, device=h.device),
             like(weight), like(bias))
 
@@ -119,6 +133,8 @@ def _backward(ctx, dy, dh, _dmean, _drstd):
     dx, dres, dweight, dbias = torch.ops.tilenorm.norm_bwd(
         dy, dh if has_residual else None, h, weight, bias, mean, rstd, ctx.offset, ctx.dims,
         ctx.per_head, ctx.x_dtype, ctx.residual_dtype)
+    if ctx.residual_dtype == ctx.x_dtype:
+        dres = dx
     return (dx, dweight if weight is not None else None, dbias if bias is not None else None,
             dres if has_residual else None, None, None, None, None, None, None, None)
 

@@ -121,13 +121,13 @@ void* current_stream(const c10::Device& device) {
 // The operands a kernel may take, by the names of the kernels' array parameters.
 enum Operand : int {
   kX, kResidual, kWeight, kBias, kY, kResidualOut, kMean, kRstd,
-  kDy, kH, kRowSums, kDresIn, kDx, kDres, kPartialW, kPartialB, kPartial, kOutA, kOutB,
-  kOperands
+  kDy, kDy2, kDy3, kH, kRowSums, kDresIn, kDx, kDres, kPartialW, kPartialB, kPartial, kOutA,
+  kOutB, kOperands
 };
 const std::array<const char*, kOperands> kOperandNames = {
     "x", "residual", "weight", "bias", "y", "residual_out", "mean", "rstd",
-    "dy", "h", "row_sums", "dres_in", "dx", "dres", "partial_w", "partial_b", "partial",
-    "out_a", "out_b"};
+    "dy", "dy2", "dy3", "h", "row_sums", "dres_in", "dx", "dres", "partial_w", "partial_b",
+    "partial", "out_a", "out_b"};
 enum Scalar : int { kEps, kOffset, kScalars };
 const std::array<const char*, kScalars> kScalarNames = {"eps", "offset"};
 
@@ -226,9 +226,13 @@ struct BackwardNative : torch::CustomClassHolder {
   Recipe first, row, reduce;
   std::vector<int64_t> row_sums_shape;
   // The kernels' (rows, heads, cols) shape, and which operands they read from contiguous
-  // copies in it: those with no view there (tilenorm.pytorch.calls.operand_views).
+  // copies in it: those with no view there (tilenorm.pytorch.calls.operand_views); in the
+  // order dy, h, dres_in, dy2, dy3.
   std::vector<int64_t> shape3;
-  bool copy_dy = false, copy_h = false, copy_dres_in = false;
+  std::array<bool, 5> copy{};
+  // In how many parts y's gradient comes (dy, dy2, dy3: a compiled graph's, which the
+  // kernels add up).
+  int64_t dy_terms = 1;
   int64_t partial_numel = 0, partial_b_offset = 0;
   at::ScalarType x_dtype;
   bool has_residual = false, split = false, dx_like_h = false;
@@ -238,7 +242,11 @@ struct BackwardNative : torch::CustomClassHolder {
   std::vector<at::Tensor> run(const at::Tensor& dy, const at::Tensor& dres_in,
                               const at::Tensor& h, const at::Tensor& weight,
                               const at::Tensor& bias, const at::Tensor& mean,
-                              const at::Tensor& rstd, double offset) const {
+                              const at::Tensor& rstd, double offset,
+                              const at::Tensor& dy2 = at::Tensor(),
+                              const at::Tensor& dy3 = at::Tensor()) const {
+    TORCH_CHECK(dy2.defined() + dy3.defined() + 1 == dy_terms,
+                "tilenorm: a backward prepared for ", dy_terms, " parts of y's gradient");
     auto options = h.options();
     at::Tensor dx = dx_like_h ? at::empty_like(h) : at::empty(h.sizes(), options.dtype(x_dtype));
     at::Tensor dres = split ? at::empty(h.sizes(), options.dtype(residual_dtype)) : at::Tensor();
@@ -252,10 +260,13 @@ struct BackwardNative : torch::CustomClassHolder {
     auto read = [&](const at::Tensor& t, bool copy) {
       return copy && t.defined() ? t.reshape(shape3).contiguous() : t;
     };
-    const at::Tensor dy_read = read(dy, copy_dy), h_read = read(h, copy_h),
-                     dres_in_read = read(dres_in, copy_dres_in);
+    const at::Tensor dy_read = read(dy, copy[0]), h_read = read(h, copy[1]),
+                     dres_in_read = read(dres_in, copy[2]), dy2_read = read(dy2, copy[3]),
+                     dy3_read = read(dy3, copy[4]);
     std::array<uint64_t, kOperands> p{};
     p[kDy] = address(dy_read);
+    p[kDy2] = address(dy2_read);
+    p[kDy3] = address(dy3_read);
     p[kH] = address(h_read);
     p[kWeight] = address(weight);
     p[kMean] = address(mean);
@@ -284,12 +295,12 @@ c10::intrusive_ptr<BackwardNative> make_backward(
     const py::handle& row, const py::handle& first, const py::handle& reduce,
     std::vector<int64_t> row_sums_shape, int64_t partial_numel, int64_t partial_b_offset,
     at::ScalarType x_dtype, std::optional<at::ScalarType> residual_dtype, bool split,
-    bool dx_like_h, std::vector<int64_t> shape3, bool copy_dy, bool copy_h, bool copy_dres_in) {
+    bool dx_like_h, std::vector<int64_t> shape3, std::vector<bool> copy, int64_t dy_terms) {
   auto b = c10::make_intrusive<BackwardNative>();
   b->shape3 = std::move(shape3);
-  b->copy_dy = copy_dy;
-  b->copy_h = copy_h;
-  b->copy_dres_in = copy_dres_in;
+  TORCH_CHECK(copy.size() == b->copy.size(), "tilenorm: a copy flag per backward operand");
+  std::copy(copy.begin(), copy.end(), b->copy.begin());
+  b->dy_terms = dy_terms;
   b->row = Recipe::of(row);
   b->has_first = !first.is_none();
   if (b->has_first) b->first = Recipe::of(first);
@@ -488,9 +499,10 @@ py::object forward(const c10::intrusive_ptr<ForwardNative>& call, const at::Tens
 py::object backward(const c10::intrusive_ptr<BackwardNative>& call, const at::Tensor& dy,
                     const std::optional<at::Tensor>& dres_in, const at::Tensor& h,
                     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                    const std::optional<at::Tensor>& mean, const at::Tensor& rstd, double offset) {
+                    const std::optional<at::Tensor>& mean, const at::Tensor& rstd, double offset,
+                    const std::optional<at::Tensor>& dy2, const std::optional<at::Tensor>& dy3) {
   auto g = call->run(dy, or_undefined(dres_in), h, or_undefined(weight), or_undefined(bias),
-                     or_undefined(mean), rstd, offset);
+                     or_undefined(mean), rstd, offset, or_undefined(dy2), or_undefined(dy3));
   if (g.empty()) return py::none();
   return py::make_tuple(g[0], g[1], g[2], g[3]);
 }
@@ -863,9 +875,10 @@ void norm_fwd_cuda(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 // norm_bwd(dy, dres_in, h, weight, bias, mean, rstd, offset, dims, per_head, x_dtype,
-// residual_dtype) -> (dx, dres, dweight, dbias); absent ones empty, none aliasing another.
+// residual_dtype, dy2, dy3) -> (dx, dres, dweight, dbias); absent ones empty (dres too where
+// it would be dx), none aliasing another.
 void norm_bwd_cuda(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  constexpr size_t kArgs = 12;
+  constexpr size_t kArgs = 14;
   auto args = torch::jit::last(*stack, kArgs);
   std::string key;
   if (!op_key(key, args)) key.clear();
@@ -873,10 +886,11 @@ void norm_bwd_cuda(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     const at::Tensor &dy = args[0].toTensor(), &h = args[2].toTensor();
     auto g = (*found)->run(dy, optional_tensor(args[1]), h, optional_tensor(args[3]),
                            optional_tensor(args[4]), optional_tensor(args[5]),
-                           args[6].toTensor(), args[7].toDouble());
+                           args[6].toTensor(), args[7].toDouble(), optional_tensor(args[12]),
+                           optional_tensor(args[13]));
     if (!g.empty()) {
       at::Tensor dx = g[0];
-      at::Tensor dres = !g[1].defined() ? absent_like(dx) : g[1].is_same(dx) ? dx.clone() : g[1];
+      at::Tensor dres = !g[1].defined() || g[1].is_same(dx) ? absent_like(dx) : g[1];
       at::Tensor dweight = g[2].defined() ? g[2] : absent_like(dx);
       at::Tensor dbias = g[3].defined() ? g[3] : absent_like(dx);
       torch::jit::drop(*stack, kArgs);
@@ -929,10 +943,15 @@ struct NormOpBackward : SavesOperands {
                             per_head,
                             static_cast<int64_t>(x_dtype),
                             has_residual ? c10::IValue(static_cast<int64_t>(residual_dtype))
-                                         : c10::IValue()};
+                                         : c10::IValue(),
+                            c10::IValue(),
+                            c10::IValue()};
     norm_bwd.callBoxed(&stack);
     auto out = [&](size_t i, bool present) { return present ? stack[i].toTensor() : at::Tensor(); };
-    return {out(0, true), out(2, w.defined()), out(3, b.defined()), out(1, has_residual)};
+    // norm_bwd leaves dres empty where it is dx (its outputs may not alias).
+    const bool dres_is_dx = residual_dtype == x_dtype;
+    return {out(0, true), out(2, w.defined()), out(3, b.defined()),
+            out(dres_is_dx ? 0 : 1, has_residual)};
   }
 };
 
@@ -1005,7 +1024,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attach_backward", &attach_backward);
   m.def("apply", &apply);
   m.def("forward", &forward);
-  m.def("backward", &backward);
+  m.def("backward", &backward, py::arg("call"), py::arg("dy"), py::arg("dres_in"), py::arg("h"),
+        py::arg("weight"), py::arg("bias"), py::arg("mean"), py::arg("rstd"), py::arg("offset"),
+        py::arg("dy2") = py::none(), py::arg("dy3") = py::none());
   m.def("layout_key", &layout_key);
   m.def("cached_call", &cached_call);
   m.def("remember_call", &remember_call);

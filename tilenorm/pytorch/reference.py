@@ -98,12 +98,14 @@ def _fold(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def norm_backward(dy: torch.Tensor, dres_in: torch.Tensor | None, h: torch.Tensor,
                   weight: torch.Tensor | None, bias: torch.Tensor | None,
                   mean: torch.Tensor | None, rstd: torch.Tensor, *, offset: float = 0.0,
-                  x_dtype: torch.dtype | None = None, dims: int = 1
+                  x_dtype: torch.dtype | None = None, dims: int = 1,
+                  dy_more: tuple[torch.Tensor, ...] = ()
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                              torch.Tensor | None]:
     """(dx, dh, dweight, dbias) from the forward's h, mean and rstd. dh is the gradient of the
     residual stream in h's dtype (the residual's gradient); dx the same values in
-    ``x_dtype`` (default h's dtype)."""
+    ``x_dtype`` (default h's dtype). y's gradient is ``dy`` plus each of ``dy_more``, added
+    in the computation dtype."""
     acc = compute_dtype(h.dtype)
     stat = h.shape[:h.dim() - dims] + (1,) * dims
     axes = _dims(dims)
@@ -112,6 +114,8 @@ def norm_backward(dy: torch.Tensor, dres_in: torch.Tensor | None, h: torch.Tenso
         hf = h.to(acc)
         x_hat = (hf - mean.to(acc).reshape(stat) if mean is not None else hf) * r
         g = dy.to(acc)
+        for part in dy_more:
+            g = g + part.to(acc)
         wdy = g * (weight.to(acc) + offset) if weight is not None else g
         d = wdy - x_hat * (x_hat * wdy).mean(dim=axes, keepdim=True)
         if mean is not None:

@@ -14,6 +14,11 @@ weight in fp32 and rounds once, to the dtype the family's forward returns (for l
 promotion of the weight's and x's dtypes). The llama kind's extra rounding of ``x_hat`` to x's
 dtype before the multiply is therefore skipped: identical in fp32, within one rounding of the
 low-precision dtype (bf16/fp16) otherwise.
+
+One exception: a per-head (q/k) norm, x of (batch, seq, heads, head_dim), inside a graph that
+torch.compile traces runs the family's own forward. Inductor fuses that with the RoPE that
+follows (and their backwards), reading and writing q and k once each way, where a norm
+kernel of its own, however fast, adds a pass out and back (bench/NOTES.md #45).
 """
 
 from __future__ import annotations
@@ -26,6 +31,20 @@ from torch.nn.modules import module as _torch_module
 
 from tilenorm.pytorch.functional import LAYER_NORM as LAYER_NORM_OP
 from tilenorm.pytorch.functional import _autocast_out_dtype, layer_norm, rms_norm
+
+
+def _per_head_under_compile(forward: Callable[..., torch.Tensor]
+                            ) -> Callable[..., torch.Tensor]:
+    """``forward``, except for per-head vectors in a graph torch.compile traces, where the
+    patched class's original forward runs (see the module docstring)."""
+
+    def per_head_to_inductor(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 4 and torch.compiler.is_compiling():
+            return type(self)._tilenorm_original.forward(self, x)
+        return forward(self, x)
+
+    per_head_to_inductor.__name__ = per_head_to_inductor.__qualname__ = forward.__name__
+    return per_head_to_inductor
 
 
 def _llama_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -81,9 +100,9 @@ class NormKind:
     fused: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-LLAMA = NormKind("llama", _llama_forward, _llama_add_norm)
-OLMO2 = NormKind("olmo2", _olmo2_forward, _olmo2_add_norm)
-GEMMA = NormKind("gemma", _gemma_forward, _gemma_add_norm)
+LLAMA = NormKind("llama", _per_head_under_compile(_llama_forward), _llama_add_norm)
+OLMO2 = NormKind("olmo2", _per_head_under_compile(_olmo2_forward), _olmo2_add_norm)
+GEMMA = NormKind("gemma", _per_head_under_compile(_gemma_forward), _gemma_add_norm)
 LAYER_NORM = NormKind("layer_norm", _layer_norm_forward, _layer_norm_add_norm)
 
 

@@ -204,6 +204,8 @@ def _patch_norm(report: Report, path: str, name: str, module: torch.nn.Module,
         module.__class__ = norm.patched
     if per_head:
         report.per_head_norms += 1
+        report.note("per-head q/k norms run the family's own forward inside a graph "
+                    "torch.compile traces, where inductor fuses them with RoPE")
     else:
         report.norm_modules += 1
 
