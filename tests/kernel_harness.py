@@ -190,7 +190,7 @@ def check_launch_modes_agree(m, heads, n, *, layer_norm=False, per_head=False, c
     fwd, bwd = plans(m, heads, n, 2, per_head, op="layer_norm" if layer_norm else "rms_norm")
 
     def run(fwd_plan, bwd_plan):
-        return _run(fwd_plan, bwd_plan, f, x, w, b, None, dy, None, 1e-6, 0.0, x.dtype, None)
+        return _run(fwd_plan, bwd_plan, f, x, w, b, None, [dy], None, 1e-6, 0.0, x.dtype, None)
 
     expected = run(_ordinary(fwd), _ordinary(bwd))
     results = [run(fwd, bwd) for _ in range(chain)]
