@@ -496,7 +496,9 @@ def test_per_head_weights_split_with_their_heads():
     def norm(x, w, b):
         return tj.rms_norm(x, w, offset=1.0, per_head=True)
 
-    y, grads = _grads(norm, x, wh, None)(x, wh, None)
+    # Against the unsharded jit: XLA's fusions round dx differently from eager's ops (a bf16
+    # flip in dx at some seeds), which is not what sharding is checked for.
+    y, grads = jax.jit(_grads(norm, x, wh, None))(x, wh, None)
     xs, ws = _put(mesh, x, "data", "model"), _put(mesh, wh, "model")
     sy, sgrads = jax.jit(_grads(norm, x, wh, None))(xs, ws, None)
     assert jnp.array_equal(sy, y), seed  # rows and heads are independent: the same bits
