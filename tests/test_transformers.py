@@ -420,6 +420,39 @@ def test_torch_compile_fullgraph_traces_the_fused_calls(family):
     assert len(qk_norms) == EXPECTED[family][1]
 
 
+def test_inductor_hands_norm_bwd_the_projections_gradients_unsummed():
+    """In a compiled patched Llama's backward, each layer's input norm gets the q, k and v
+    projections' gradients as dy, dy2, dy3 and its MLP norm gate's and up's as dy, dy2
+    (tilenorm.pytorch.graph_passes), and the gradients are eager's."""
+    from torch._inductor import config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    parts = []
+
+    class Record(CustomGraphPass):
+        def __call__(self, graph):
+            parts.extend(1 + len(n.kwargs) for n in graph.nodes
+                         if n.target is torch.ops.tilenorm.norm_bwd.default)
+
+        def uuid(self):
+            return None  # no graph cache: the passes run
+
+    torch._dynamo.reset()
+    model = build("llama")
+    ref = copy.deepcopy(model)
+    tt.apply(model)
+    ids, proj = _inputs()
+    saved = config.post_grad_custom_post_pass
+    config.post_grad_custom_post_pass = Record()  # tracing puts the fold before it
+    try:
+        with config.patch(fx_graph_cache=False):
+            got = _run(torch.compile(model), ids, proj)
+    finally:
+        config.post_grad_custom_post_pass = saved
+    assert sorted(parts) == [1] + [2] * LAYERS + [3] * LAYERS
+    assert _worst(got, _run(ref, ids, proj)) <= 1e-5
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3", "phi3"])
 def test_gradient_checkpointing(family):
     """The patched layers are checkpointed (their MLP runs again in the backward) and give
