@@ -686,6 +686,39 @@ def test_op_adds_gradient_parts(terms, residual_dtype):
 
 
 @gpu
+@pytest.mark.parametrize("op,n,residual", [("rms", 20000, False), ("rms", 65536, True),
+                                           ("layer", 12288, False)])
+def test_ops_backward_of_rows_wider_than_one_tile(op, n, residual):
+    """The column-split backward (row sums, then columns) through the ops, their C++ call
+    and its Python twin: against float64, and twice bit for bit."""
+    g, seed = fresh_generator("cuda")
+    x = torch.randn(96, n, generator=g, device="cuda", dtype=torch.bfloat16)
+    w = 1 + 0.5 * torch.randn(n, generator=g, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn_like(x) if residual else None
+    dy = torch.randn_like(x)
+    grads = []
+    with tilenorm.experimental():
+        assert tilenorm.explain(x, w, layer_norm=op == "layer").backward.column_split
+        for _ in range(2):
+            leaves = [t.detach().requires_grad_() for t in (x, w) + ((r,) if residual else ())]
+            if op == "layer":
+                y = tilenorm.layer_norm(leaves[0], leaves[1], eps=EPS)
+            elif residual:
+                y, _ = tilenorm.rms_norm(leaves[0], leaves[1], eps=EPS, residual=leaves[2],
+                                         prenorm=True)
+            else:
+                y = tilenorm.rms_norm(leaves[0], leaves[1], eps=EPS)
+            y.backward(dy)
+            grads.append([t.grad for t in leaves])
+    ref = float64_norm(x, w, eps=EPS, layer_norm=op == "layer", residual=r, dy=dy)
+    assert rel(grads[0][0], ref.dx) <= 1e-2 and rel(grads[0][1], ref.dweight) <= 1e-2, seed
+    if residual:
+        assert rel(grads[0][2], ref.dresidual) <= 1e-2, seed
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b), seed
+
+
+@gpu
 def test_kernels_launch_beside_a_replaced_ct_launch(monkeypatch):
     """TileGym replaces ``ct.launch`` with a positional-only wrapper when it is imported; the
     kernels, dependent launches included, must keep running beside it."""

@@ -736,10 +736,10 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
     if bias is not None:
         layouts["partial_b"] = partial_layout
     first = call.row_kernel.first
-    launchers = [None, _driver_launch(call.row_kernel, layouts, device, arch), None]
-    if first is not None:
+    if first is not None:  # written by the first kernel, read by the row kernel
         layouts["row_sums"] = _layout(torch.float32, shape3[:2] + call.row_kernel.workspace)
-        launchers[0] = _driver_launch(first, layouts, device, arch)
+    launchers = [None if first is None else _driver_launch(first, layouts, device, arch),
+                 _driver_launch(call.row_kernel, layouts, device, arch), None]
     if groups:
         call.reduce = cutile.bind_reduce(plan, groups)
         launchers[2] = _driver_launch(call.reduce, {
