@@ -117,8 +117,7 @@ def plan_jobs(plan: RowNormPlan, v: Variant) -> Iterator[ExportJob]:
     bound = cutile.bind_backward(plan, f, f.has_residual, split, v.dy_terms)
     for part in ("dy", "dy2", "dy3")[:v.dy_terms]:
         layouts[part] = _dense(v.out or v.x, rows3)
-    layouts.update(h=_dense(res if f.has_residual else v.x,
-                                                            rows3), dx=_dense(v.x, rows3))
+    layouts.update(h=_dense(res if f.has_residual else v.x, rows3), dx=_dense(v.x, rows3))
     if f.has_residual:
         layouts["dres_in"] = _dense(res, rows3)
     if split:

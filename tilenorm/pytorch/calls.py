@@ -661,6 +661,12 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def dres_apart(x_dtype: torch.dtype, residual_dtype: torch.dtype | None) -> bool:
+    """Whether a backward writes the residual's gradient apart from dx: only where the
+    residual's dtype is not x's (the values are the same; elsewhere dx serves both)."""
+    return residual_dtype is not None and residual_dtype != x_dtype
+
+
 def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
                    x_dtype: torch.dtype, residual_dtype: torch.dtype | None,
                    device: torch.device | None = None, dy_more: tuple = ()) -> BackwardCall:
@@ -684,7 +690,7 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
     features = NormFeatures(layer_norm=spec.layer_norm, has_weight=weight is not None,
                             per_head_weight=spec.per_head, has_bias=bias is not None,
                             has_offset=offset != 0)
-    split = residual_dtype is not None and residual_dtype != x_dtype
+    split = dres_apart(x_dtype, residual_dtype)
     call = BackwardCall(spec=spec, decision=decision, features=features, x_dtype=x_dtype,
                         residual_dtype=residual_dtype, device=device, shape3=shape3,
                         copy=copy, split=split,

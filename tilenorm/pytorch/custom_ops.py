@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from tilenorm.pytorch import checks, graph_passes, reference
-from tilenorm.pytorch.calls import NormSpec, backward_call, forward_call
+from tilenorm.pytorch.calls import NormSpec, backward_call, dres_apart, forward_call
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:
@@ -82,7 +82,7 @@ def run_backward(dy, dres_in, h, weight, bias, mean, rstd, offset, dims, per_hea
     # residual's gradient is dx itself unless its dtype differs (custom-op outputs may not
     # alias each other: the autograd formula hands dx to both, NOTES #45).
     dx = dx.contiguous()
-    dres = None if dres is None or residual_dtype == x_dtype else dres.contiguous()
+    dres = dres.contiguous() if call.split else None
     return (dx, _empty(dx) if dres is None else dres,
             _empty(dx) if dweight is None else dweight.contiguous(),
             _empty(dx) if dbias is None else dbias.contiguous()), call.native
@@ -113,8 +113,8 @@ def _(dy, dres_in, h, weight, bias, mean, rstd, offset, dims, per_head, x_dtype,
             p.shape, dtype=p.dtype, device=p.device)
 
     return (torch.empty(h.shape, dtype=x_dtype, device=h.device),
-            like(None) if residual_dtype in (None, x_dtype) else torch.empty(
-                h.shape, dtype=residual_dtype, device=h.device),
+            torch.empty(h.shape, dtype=residual_dtype, device=h.device)
+            if dres_apart(x_dtype, residual_dtype) else like(None),
             like(weight), like(bias))
 
 
@@ -133,7 +133,7 @@ def _backward(ctx, dy, dh, _dmean, _drstd):
     dx, dres, dweight, dbias = torch.ops.tilenorm.norm_bwd(
         dy, dh if has_residual else None, h, weight, bias, mean, rstd, ctx.offset, ctx.dims,
         ctx.per_head, ctx.x_dtype, ctx.residual_dtype)
-    if ctx.residual_dtype == ctx.x_dtype:
+    if not dres_apart(ctx.x_dtype, ctx.residual_dtype):
         dres = dx
     return (dx, dweight if weight is not None else None, dbias if bias is not None else None,
             dres if has_residual else None, None, None, None, None, None, None, None)
