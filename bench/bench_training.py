@@ -155,11 +155,16 @@ class Size:
     vocab: int
     #: Host-bound: the size of the "no slower than torch" target.
     host_bound: bool
+    #: Timed steps per provider and steps of one provider in a round, unless --steps /
+    #: --round-steps say otherwise. A host-bound step's time spreads by 30% within a run
+    #: (NOTES #47) and costs ~15 ms, so that size takes ten times the steps.
+    steps: int = 20
+    round_steps: int = 2
 
 
 SIZES = {s.name: s for s in (
     Size("gpu", 2, 4096, 2048, 8, 16, 32000, host_bound=False),
-    Size("host", 1, 1024, 512, 8, 8, 32000, host_bound=True),
+    Size("host", 1, 1024, 512, 8, 8, 32000, host_bound=True, steps=200, round_steps=10),
     Size("tiny", 1, 64, 64, 2, 4, 512, host_bound=True),
 )}
 
@@ -682,8 +687,8 @@ def print_tables(record: dict) -> None:
     groups = _groups(record["rows"])
     copy_gbps = record["copy_gbps"]
     print(f"\n{record['device']} ({'-' if copy_gbps is None else f'{copy_gbps:.0f}'} GB/s copy), "
-          f"{record['dtype']}, commit {record['commit']}; the median of "
-          f"{record['args']['steps']} timed steps per provider, timed "
+          f"{record['dtype']}, commit {record['commit']}; the median of each provider's "
+          f"timed steps ({record['args']['steps'] or 'the size default'}), timed "
           f"{record['args'].get('timing', 'sequential')}")
     for title, column, fmt in (("step ms", "step_ms", "{:.2f}"),
                                ("peak GiB above the weights", "peak_gib", "{:.2f}")):
@@ -851,7 +856,8 @@ class Workbench:
                 log(f"{provider} ready (first step {runners[provider].first_step_s:.1f} s, "
                     f"{runners[provider].wall_s:.1f} s)")
             failed: dict[str, Exception] = {}
-            rounds = time_rounds(runners, args.steps, args.round_steps, failed) if runners else 0
+            steps, round_steps = args.steps or size.steps, args.round_steps or size.round_steps
+            rounds = time_rounds(runners, steps, round_steps, failed) if runners else 0
             out.update(failed)
             for provider, runner in runners.items():
                 profile = None
@@ -862,9 +868,12 @@ class Workbench:
                         profile = f"{type(e).__name__}: {e}"[:300]
                 trace = runner.trace()
                 step_ms = statistics.median(trace.step_ms)
+                quartiles = (statistics.quantiles(trace.step_ms, n=4)
+                             if len(trace.step_ms) > 1 else [step_ms] * 3)
                 out[provider] = {
                     **infos[provider], "timing": args.timing, "rounds": rounds,
-                    "round_steps": args.round_steps, "step_ms": step_ms,
+                    "round_steps": round_steps, "step_ms": step_ms,
+                    "step_ms_p25": quartiles[0], "step_ms_p75": quartiles[2],
                     "steps_ms": trace.step_ms,
                     "tokens_per_s": size.batch * size.seq / (step_ms * 1e-3),
                     "first_step_s": trace.first_step_s, "peak_gib": trace.peak_gib,
@@ -897,10 +906,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sizes", default="gpu,host", help="of gpu, host, tiny")
     parser.add_argument("--modes", default="eager,compile")
     parser.add_argument("--providers", default=",".join(PROVIDERS))
-    parser.add_argument("--steps", type=int, default=20,
-                        help="timed steps per provider (their median recorded)")
-    parser.add_argument("--round-steps", type=int, default=2,
-                        help="steps of one provider in a round")
+    parser.add_argument("--steps", type=int,
+                        help="timed steps per provider (their median recorded; default: the "
+                             "size's, 200 at the host size, 20 otherwise)")
+    parser.add_argument("--round-steps", type=int,
+                        help="steps of one provider in a round (default: the size's, 10 at "
+                             "the host size, 2 otherwise)")
     parser.add_argument("--timing", choices=TIMINGS, default="interleaved",
                         help="interleaved: every provider of a model/size/mode built first, "
                              "then timed in rounds; sequential: one provider after another, "
@@ -929,7 +940,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--experimental", action="store_true",
                         help="let tilenorm run kernels not yet validated on a GPU")
     args = parser.parse_args(argv)
-    if min(args.steps, args.round_steps, args.warmup, args.compile_warmup, args.batches) < 1:
+    given = [v for v in (args.steps, args.round_steps) if v is not None]
+    if min(*given, args.warmup, args.compile_warmup, args.batches) < 1:
         parser.error("--steps, --round-steps, --warmup, --compile-warmup and --batches must "
                      "be >= 1")
     started = time.perf_counter()
