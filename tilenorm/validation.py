@@ -99,8 +99,9 @@ def _junit_counts(path: Path) -> dict:
     return total
 
 
-def summarize(junit: Path, commit: str, out: Path) -> dict:
-    """On the GPU host after the GPU tests: what ran, where, and how it went."""
+def summarize(junit: Path, commit: str, out: Path, markers: str | None = None) -> dict:
+    """On the GPU host after the GPU tests: what ran (``markers``: pytest's ``-m``), where,
+    and how it went."""
     import torch
 
     counts = _junit_counts(junit)
@@ -111,6 +112,7 @@ def summarize(junit: Path, commit: str, out: Path) -> dict:
         "commit": commit,
         "torch": torch.__version__,
         "tests": counts,
+        "markers": markers,
         "source_sha256": {f.name: f.digest() for f in FAMILIES if f.runnable()},
     }
     out.write_text(json.dumps(summary, indent=2) + "\n")
@@ -140,7 +142,8 @@ def record(summary_path: Path) -> list[str]:
             "date": summary["date"],
             "commit": summary["commit"],
             "tests": f"{tests['passed']} passed, {tests['failures'] + tests['errors']} failed, "
-                     f"{tests['skipped']} skipped",
+                     f"{tests['skipped']} skipped"
+                     + (f" (-m '{summary['markers']}')" if summary.get("markers") else ""),
         }
         recorded.append(family.name)
     RECORD_FILE.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
@@ -154,12 +157,13 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--junit", type=Path, required=True)
     s.add_argument("--commit", required=True)
     s.add_argument("--out", type=Path, required=True)
+    s.add_argument("--markers", help="the pytest -m expression the run selected")
     r = sub.add_parser("record", help="record a passing GPU run in validation.json")
     r.add_argument("summary", type=Path)
     sub.add_parser("status", help="print each kernel family's status")
     args = parser.parse_args(argv)
     if args.command == "summarize":
-        print(json.dumps(summarize(args.junit, args.commit, args.out), indent=2))
+        print(json.dumps(summarize(args.junit, args.commit, args.out, args.markers), indent=2))
     elif args.command == "record":
         print("recorded:", ", ".join(record(args.summary)) or "nothing")
     else:
