@@ -83,8 +83,11 @@ provider at a time, each freed before the next (for less memory: interleaved, th
 holds 6 copies of a ~0.5B-parameter model with AdamW state, ~20 GB). Within a turn the steps
 run back to back, each between two CUDA events (no synchronization in between, as in a
 training loop: a GPU-bound step is its GPU time, a host-bound one includes the host's time);
-the median over all of a provider's timed steps is recorded, with every step's time, the
-timing, rounds and steps per round, the first step's wall time and the peak memory above the
+a turn's steps sum to its time, and the median over the turns of their mean step time is
+recorded (a step's own time is not: where the host is the bottleneck the GPU's queue moves
+time between back-to-back steps, and single steps spread by +-20% around a steady mean,
+NOTES #47), with its quartiles, every step's and every turn's time, the timing, rounds and
+steps per round, the first step's wall time and the peak memory above the
 weights (the most allocated during a turn beyond what was allocated before it, plus the
 optimizer state: gradients, optimizer state and activations). On the CPU the wall time of
 each step. ``--profile``: 3 more steps per provider under ``torch.profiler`` (CPU activity
@@ -416,6 +419,8 @@ class Trace:
     grads0: dict[str, float]
     losses: list[float]
     step_ms: list[float] = field(default_factory=list)
+    #: Each timed turn's mean step time (its steps run back to back).
+    turn_ms: list[float] = field(default_factory=list)
     first_step_s: float = 0.0
     peak_gib: float | None = None
     fused_adamw: bool = False
@@ -435,6 +440,7 @@ class Runner:
         self.grads0: dict[str, float] = {}
         self.first_step_s = 0.0
         self.step_ms: list[float] = []
+        self.turn_ms: list[float] = []
         self.peak_bytes: int | None = None
         #: Wall seconds of this provider's setup and timed steps (its row's ``config_s``).
         self.wall_s = 0.0
@@ -505,8 +511,8 @@ class Runner:
     def trace(self) -> Trace:
         values = torch.stack(self.losses).float().tolist()
         peak = None if self.peak_bytes is None else self.peak_bytes / 2**30
-        return Trace(values[0], self.grads0, values, self.step_ms, self.first_step_s, peak,
-                     self.fused)
+        return Trace(values[0], self.grads0, values, self.step_ms, self.turn_ms,
+                     self.first_step_s, peak, self.fused)
 
 
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -536,6 +542,7 @@ def time_rounds(runners: dict[str, Runner], steps: int, round_steps: int,
                 continue
             if k:
                 runners[name].step_ms += ms
+                runners[name].turn_ms.append(sum(ms) / len(ms))
         if not runners:
             break
     return rounds
@@ -730,6 +737,16 @@ def print_tables(record: dict) -> None:
         print(f"{t['target']:>62} {show(t['measured']):>9} {show(t['limit']):>9}  {result}")
 
 
+def _quartiles(row: dict) -> tuple[float, float]:
+    """The 25th and 75th percentile of a row's turns' mean step ms (of its steps in records
+    from before turns were kept; its median twice where it has one)."""
+    steps = row.get("turns_ms") or row.get("steps_ms") or [row["step_ms"]]
+    if len(steps) < 2:
+        return row["step_ms"], row["step_ms"]
+    q = statistics.quantiles(steps, n=4)
+    return q[0], q[2]
+
+
 def plot(record: dict, path: Path) -> None:
     """Step time per provider, one panel per model/size/mode, relative to HF's (ms on top)."""
     import matplotlib
@@ -742,12 +759,19 @@ def plot(record: dict, path: Path) -> None:
         raise ValueError("no rows to plot")
     cols = min(4, len(groups))
     nrows = math.ceil(len(groups) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.6 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, cols, figsize=(max(4.2 * cols, 8), 3.6 * nrows),
+                             squeeze=False)
     for ax, ((model, size, mode), by) in zip(axes.flat, groups.items(), strict=False):
         names = [p for p in PROVIDERS if p in by]
         base = by["hf"]["step_ms"] if "hf" in by else 1.0
         values = [by[p]["step_ms"] / base for p in names]
-        bars = ax.bar(range(len(names)), values,
+        # The steps' quartiles as error bars: a host-bound step spreads (NOTES #47).
+        quartiles = [_quartiles(by[p]) for p in names]
+        spread = [[(by[p]["step_ms"] - q[0]) / base for p, q in zip(names, quartiles,
+                                                                   strict=True)],
+                  [(q[1] - by[p]["step_ms"]) / base for p, q in zip(names, quartiles,
+                                                                  strict=True)]]
+        bars = ax.bar(range(len(names)), values, yerr=spread, capsize=2,
                       color=["C3" if p in OURS else "C0" for p in names])
         for bar, p in zip(bars, names, strict=True):
             ax.annotate(f"{by[p]['step_ms']:.1f}", (bar.get_x() + bar.get_width() / 2,
@@ -867,14 +891,13 @@ class Workbench:
                     except Exception as e:  # the profile is extra: its failure is recorded
                         profile = f"{type(e).__name__}: {e}"[:300]
                 trace = runner.trace()
-                step_ms = statistics.median(trace.step_ms)
-                quartiles = (statistics.quantiles(trace.step_ms, n=4)
-                             if len(trace.step_ms) > 1 else [step_ms] * 3)
+                step_ms = statistics.median(trace.turn_ms)
+                p25, p75 = _quartiles({"step_ms": step_ms, "turns_ms": trace.turn_ms})
                 out[provider] = {
                     **infos[provider], "timing": args.timing, "rounds": rounds,
                     "round_steps": round_steps, "step_ms": step_ms,
-                    "step_ms_p25": quartiles[0], "step_ms_p75": quartiles[2],
-                    "steps_ms": trace.step_ms,
+                    "step_ms_p25": p25, "step_ms_p75": p75,
+                    "steps_ms": trace.step_ms, "turns_ms": trace.turn_ms,
                     "tokens_per_s": size.batch * size.seq / (step_ms * 1e-3),
                     "first_step_s": trace.first_step_s, "peak_gib": trace.peak_gib,
                     "fused_adamw": trace.fused_adamw, "config_s": runner.wall_s,
@@ -937,9 +960,18 @@ def main(argv: list[str] | None = None) -> dict:
                         help="skip configurations that would end later (0: no limit)")
     parser.add_argument("--out", type=Path, help="JSON path (default bench/results/...)")
     parser.add_argument("--plot", action="store_true", help="a PNG beside the JSON")
+    parser.add_argument("--report", type=Path, metavar="RECORD",
+                        help="run nothing: print a record's tables and plot it beside itself "
+                             "(a record written over several calls)")
     parser.add_argument("--experimental", action="store_true",
                         help="let tilenorm run kernels not yet validated on a GPU")
     args = parser.parse_args(argv)
+    if args.report:
+        record = json.loads(args.report.read_text())
+        plot(record, args.report.with_suffix(".png"))
+        print(f"wrote {args.report.with_suffix('.png')}")
+        print_tables(record)
+        return record
     given = [v for v in (args.steps, args.round_steps) if v is not None]
     if min(*given, args.warmup, args.compile_warmup, args.batches) < 1:
         parser.error("--steps, --round-steps, --warmup, --compile-warmup and --batches must "

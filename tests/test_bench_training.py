@@ -57,6 +57,7 @@ class _FakeRunner:
     def __init__(self, name: str, log: list, fail_at_turn: int | None = None):
         self.name, self.log, self.fail_at_turn = name, log, fail_at_turn
         self.step_ms: list[float] = []
+        self.turn_ms: list[float] = []
         self.turns = 0
 
     def timed(self, steps: int) -> list[float]:
@@ -64,7 +65,7 @@ class _FakeRunner:
         if self.turns == self.fail_at_turn:
             raise RuntimeError(f"{self.name} broke")
         self.log.append((self.name, steps))
-        return [float(len(self.log))] * steps
+        return [float(len(self.log)) + i for i in range(steps)]
 
 
 def test_time_rounds_interleaves_and_rotates():
@@ -80,8 +81,10 @@ def test_time_rounds_interleaves_and_rotates():
                    ("c", 2), ("a", 2), ("b", 2),
                    ("a", 1), ("b", 1), ("c", 1)]
     # Only the timed rounds' steps are kept: those of turns 4 to 12 in the log.
-    assert runners["a"].step_ms == [6.0, 6.0, 8.0, 8.0, 10.0]
+    assert runners["a"].step_ms == [6.0, 7.0, 8.0, 9.0, 10.0]
     assert all(len(r.step_ms) == 5 for r in runners.values())
+    # A turn's mean step time, one a timed turn: its steps' times sum to the turn's.
+    assert runners["a"].turn_ms == [6.5, 8.5, 10.0]
 
 
 def test_time_rounds_drops_a_failing_runner():
