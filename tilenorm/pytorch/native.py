@@ -15,38 +15,25 @@ same kernels and results, more host time a call. ``python -m tilenorm`` builds i
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
-import hashlib
 import importlib.machinery
 import importlib.util
 import os
-import shutil
-import subprocess
-import sys
 import sysconfig
-import tempfile
 import warnings
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from tilenorm.launch import build as launch_build
+from tilenorm.launch.build import cache_root
+
+__all__ = ["available", "build", "cache_root", "disabled", "library_path", "module"]
+
 SOURCE = Path(__file__).with_name("native_calls.cpp")
 MODULE = "tilenorm_native_calls"
-
-
-def cache_root() -> Path:
-    """Where built host code lives: ``$TILENORM_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/tilenorm`` (``~/.cache/tilenorm``)."""
-    root = os.environ.get("TILENORM_CACHE_DIR")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tilenorm"
-
-
-def _compiler() -> str:
-    return os.environ.get("CXX") or "c++"
+_compiler = launch_build.compiler
 
 
 def _flags() -> list[str]:
@@ -55,7 +42,8 @@ def _flags() -> list[str]:
 
     flags = ["-O2", "-std=c++20", "-fPIC", "-shared", "-fvisibility=hidden",
              f"-DTORCH_EXTENSION_NAME={MODULE}", "-DTORCH_API_INCLUDE_EXTENSION_H",
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+             f"-I{launch_build.RECIPE_HEADER.parent}"]
     with warnings.catch_warnings():  # torch >= 2.10 calls these flags pybind11's business
         warnings.simplefilter("ignore")
         abi = getattr(cpp_extension, "_get_pybind11_abi_build_flags", list)()
@@ -69,11 +57,9 @@ def _flags() -> list[str]:
 
 
 def build_key() -> str:
-    """The source, torch build, Python and compiler that a built module is valid for."""
-    h = hashlib.sha256(SOURCE.read_bytes())
-    h.update(f"{torch.__version__} {torch.version.git_version} {sys.version} "
-             f"{_compiler()}".encode())
-    return h.hexdigest()[:16]
+    """The sources, torch build, Python and compiler that a built module is valid for."""
+    return launch_build.source_key((SOURCE, launch_build.RECIPE_HEADER),
+                                   f"{torch.__version__} {torch.version.git_version}")
 
 
 def library_path() -> Path:
@@ -88,26 +74,9 @@ def build(verbose: bool = False) -> Path:
     target = library_path()
     if target.exists():
         return target
-    if shutil.which(_compiler()) is None:
-        raise RuntimeError(f"no C++ compiler ({_compiler()!r} not found; set CXX)")
     if not Path(sysconfig.get_paths()["include"], "Python.h").exists():
         raise RuntimeError("Python's headers (Python.h) are not installed")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if target.exists():
-            return target
-        if verbose:
-            print(f"tilenorm: building the C++ host path into {target.parent} (once)",
-                  file=sys.stderr)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            out = Path(tmp) / target.name
-            done = subprocess.run([_compiler(), str(SOURCE), "-o", str(out), *_flags()],
-                                  capture_output=True, text=True)
-            if done.returncode:
-                raise RuntimeError(f"building {SOURCE.name} failed:\n{done.stderr[-4000:]}")
-            os.replace(out, target)
-    return target
+    return launch_build.build_library(SOURCE, target, _flags(), "the C++ host path", verbose)
 
 
 @functools.cache

@@ -7,14 +7,14 @@
 // (bench/NOTES.md #39); this path is what meets torch's host cost (#40, #42).
 //
 // Built on first use by tilenorm.pytorch.native against the installed torch; it needs no CUDA
-// headers: the driver's entry points are looked up in libcuda and its launch structures are
-// declared below.
+// headers: the launch itself is tilenorm/launch/recipe.h's, shared with the JAX launcher.
 
 #include <torch/extension.h>
 
+#include "recipe.h"
+
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
-#include <dlfcn.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -37,78 +37,7 @@ namespace {
 namespace py = pybind11;
 using torch::autograd::variable_list;
 
-// --- the driver ------------------------------------------------------------------------------
-
-// cuda.h: CUlaunchAttribute (an id, then a 64-byte value union) and CUlaunchConfig.
-struct LaunchAttribute {
-  int id;
-  char pad[4];
-  union {
-    int value;
-    char bytes[64];
-  };
-};
-struct LaunchConfig {
-  unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, shared_bytes;
-  void* stream;
-  LaunchAttribute* attrs;
-  unsigned num_attrs;
-};
-constexpr int kProgrammaticStreamSerialization = 6;
-constexpr int kInvalidContext = 201;
-
-struct Driver {
-  int (*launch)(const LaunchConfig*, void*, void**, void**);
-  int (*device_get)(int*, int);
-  int (*primary_retain)(void**, int);
-  int (*primary_release)(int);
-  int (*set_current)(void*);
-  int (*error_string)(int, const char**);
-};
-
-template <typename F>
-F symbol(void* library, const char* name) {
-  void* found = dlsym(library, name);
-  TORCH_CHECK(found != nullptr, "tilenorm: libcuda has no ", name);
-  return reinterpret_cast<F>(found);
-}
-
-const Driver& driver() {
-  static const Driver d = [] {
-    void* cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    TORCH_CHECK(cuda != nullptr, "tilenorm: cannot open libcuda.so.1");
-    Driver out{};
-    out.launch = symbol<decltype(out.launch)>(cuda, "cuLaunchKernelEx");
-    out.device_get = symbol<decltype(out.device_get)>(cuda, "cuDeviceGet");
-    out.primary_retain = symbol<decltype(out.primary_retain)>(cuda, "cuDevicePrimaryCtxRetain");
-    out.primary_release =
-        symbol<decltype(out.primary_release)>(cuda, "cuDevicePrimaryCtxRelease_v2");
-    out.set_current = symbol<decltype(out.set_current)>(cuda, "cuCtxSetCurrent");
-    out.error_string = symbol<decltype(out.error_string)>(cuda, "cuGetErrorString");
-    return out;
-  }();
-  return d;
-}
-
-void check(int result, const char* what) {
-  if (result == 0) return;
-  const char* text = nullptr;
-  driver().error_string(result, &text);
-  TORCH_CHECK(false, what, " failed: CUDA error ", result, ": ", text ? text : "unknown");
-}
-
-// A thread that has made no CUDA runtime call (autograd's backward thread, say) has no current
-// context: make the device's primary context (torch's) current, as the runtime would.
-void make_primary_context_current(int device_index) {
-  const Driver& d = driver();
-  int device = 0;
-  void* context = nullptr;
-  check(d.device_get(&device, device_index), "cuDeviceGet");
-  check(d.primary_retain(&context, device), "cuDevicePrimaryCtxRetain");
-  int result = d.set_current(context);
-  d.primary_release(device);
-  check(result, "cuCtxSetCurrent");
-}
+using tilenorm::launch::Recipe;
 
 void* current_stream(const c10::Device& device) {
   static const c10::impl::DeviceGuardImplInterface* cuda =
@@ -139,73 +68,26 @@ int index_of(const std::array<const char*, N>& names, const std::string& name) {
   TORCH_CHECK(false, "tilenorm: a kernel parameter no prepared call fills: ", name);
 }
 
-constexpr size_t kMaxParamBytes = 4096;
-constexpr size_t kMaxParams = 512;
-
-// A tilenorm.launch.driver.LaunchRecipe.
-struct Recipe {
-  void* kernel = nullptr;
-  std::array<unsigned, 3> grid{};
-  bool dependent = false;
-  std::vector<uint8_t> params;
-  std::vector<uint32_t> param_offsets;
-  std::vector<std::pair<int, uint32_t>> arrays;
-  std::vector<std::pair<int, uint32_t>> scalars;
-
-  static Recipe of(const py::handle& r) {
-    Recipe out;
-    out.kernel = reinterpret_cast<void*>(r.attr("kernel").cast<uintptr_t>());
-    auto grid = r.attr("grid").cast<std::array<unsigned, 3>>();
-    out.grid = grid;
-    out.dependent = r.attr("dependent_launch").cast<bool>();
-    auto params = r.attr("params").cast<std::string>();
-    out.params.assign(params.begin(), params.end());
-    out.param_offsets = r.attr("param_offsets").cast<std::vector<uint32_t>>();
-    TORCH_CHECK(out.params.size() <= kMaxParamBytes && out.param_offsets.size() <= kMaxParams,
-                "tilenorm: a kernel with more parameters than the C++ launcher takes");
-    for (auto& [name, offset] :
-         r.attr("arrays").cast<std::vector<std::pair<std::string, uint32_t>>>()) {
-      out.arrays.emplace_back(index_of(kOperandNames, name), offset);
-    }
-    for (auto& [name, offset] :
-         r.attr("scalars").cast<std::vector<std::pair<std::string, uint32_t>>>()) {
-      out.scalars.emplace_back(index_of(kScalarNames, name), offset);
-    }
-    return out;
+// A tilenorm.launch.driver.LaunchRecipe, its names resolved to the operand and scalar tables.
+Recipe recipe_of(const py::handle& r) {
+  Recipe out;
+  out.kernel = reinterpret_cast<void*>(r.attr("kernel").cast<uintptr_t>());
+  out.grid = r.attr("grid").cast<std::array<unsigned, 3>>();
+  out.dependent = r.attr("dependent_launch").cast<bool>();
+  auto params = r.attr("params").cast<std::string>();
+  out.params.assign(params.begin(), params.end());
+  out.param_offsets = r.attr("param_offsets").cast<std::vector<uint32_t>>();
+  TORCH_CHECK(out.fits(), "tilenorm: a kernel with more parameters than the C++ launcher takes");
+  for (auto& [name, offset] :
+       r.attr("arrays").cast<std::vector<std::pair<std::string, uint32_t>>>()) {
+    out.arrays.emplace_back(index_of(kOperandNames, name), offset);
   }
-
-  // Launch on `stream` with the operands' pointers; false, launching nothing, where one the
-  // kernel takes is null or not 16-byte aligned (the layout promised alignment).
-  bool launch(void* stream, int device_index, const std::array<uint64_t, kOperands>& pointers,
-              const std::array<float, kScalars>& values) const {
-    for (const auto& [operand, offset] : arrays) {
-      uint64_t p = pointers[operand];
-      if (p == 0 || (p & 15) != 0) return false;
-    }
-    alignas(16) uint8_t block[kMaxParamBytes];
-    std::memcpy(block, params.data(), params.size());
-    for (const auto& [operand, offset] : arrays) {
-      std::memcpy(block + offset, &pointers[operand], sizeof(uint64_t));
-    }
-    for (const auto& [scalar, offset] : scalars) {
-      std::memcpy(block + offset, &values[scalar], sizeof(float));
-    }
-    void* args[kMaxParams];
-    for (size_t i = 0; i < param_offsets.size(); ++i) args[i] = block + param_offsets[i];
-    LaunchAttribute attribute{};
-    attribute.id = kProgrammaticStreamSerialization;
-    attribute.value = 1;
-    LaunchConfig config{grid[0], grid[1], grid[2], 1, 1, 1, 0, stream,
-                        dependent ? &attribute : nullptr, dependent ? 1u : 0u};
-    int result = driver().launch(&config, kernel, args, nullptr);
-    if (result == kInvalidContext) {
-      make_primary_context_current(device_index);
-      result = driver().launch(&config, kernel, args, nullptr);
-    }
-    check(result, "cuLaunchKernelEx");
-    return true;
+  for (auto& [name, offset] :
+       r.attr("scalars").cast<std::vector<std::pair<std::string, uint32_t>>>()) {
+    out.scalars.emplace_back(index_of(kScalarNames, name), offset);
   }
-};
+  return out;
+}
 
 uint64_t address(const at::Tensor& t) {
   return t.defined() ? reinterpret_cast<uint64_t>(t.const_data_ptr()) : 0;
@@ -283,9 +165,9 @@ struct BackwardNative : torch::CustomClassHolder {
     const std::array<float, kScalars> values{0.0f, static_cast<float>(offset)};
     void* stream = current_stream(h.device());
     int device = h.device().index();
-    if (has_first && !first.launch(stream, device, p, values)) return {};
-    if (!row.launch(stream, device, p, values)) return {};
-    if (has_reduce && !reduce.launch(stream, device, p, values)) return {};
+    if (has_first && !first.launch(stream, device, p.data(), values.data())) return {};
+    if (!row.launch(stream, device, p.data(), values.data())) return {};
+    if (has_reduce && !reduce.launch(stream, device, p.data(), values.data())) return {};
     if (has_residual && !split) dres = dx;
     return {dx, dres, dweight, dbias};
   }
@@ -301,11 +183,11 @@ c10::intrusive_ptr<BackwardNative> make_backward(
   TORCH_CHECK(copy.size() == b->copy.size(), "tilenorm: a copy flag per backward operand");
   std::copy(copy.begin(), copy.end(), b->copy.begin());
   b->dy_terms = dy_terms;
-  b->row = Recipe::of(row);
+  b->row = recipe_of(row);
   b->has_first = !first.is_none();
-  if (b->has_first) b->first = Recipe::of(first);
+  if (b->has_first) b->first = recipe_of(first);
   b->has_reduce = !reduce.is_none();
-  if (b->has_reduce) b->reduce = Recipe::of(reduce);
+  if (b->has_reduce) b->reduce = recipe_of(reduce);
   b->row_sums_shape = std::move(row_sums_shape);
   b->partial_numel = partial_numel;
   b->partial_b_offset = partial_b_offset;
@@ -350,7 +232,8 @@ struct ForwardNative : torch::CustomClassHolder {
     p[kMean] = address(mean);
     p[kRstd] = address(rstd);
     const std::array<float, kScalars> values{static_cast<float>(eps), static_cast<float>(offset)};
-    if (!recipe.launch(current_stream(x.device()), x.device().index(), p, values)) return {};
+    if (!recipe.launch(current_stream(x.device()), x.device().index(), p.data(),
+                       values.data())) return {};
     return {y, has_residual ? h : x, mean, rstd};
   }
 };
@@ -360,7 +243,7 @@ c10::intrusive_ptr<ForwardNative> make_forward(
     at::ScalarType out_dtype, bool has_mean, std::optional<at::ScalarType> h_dtype,
     bool y_like_x) {
   auto f = c10::make_intrusive<ForwardNative>();
-  f->recipe = Recipe::of(recipe);
+  f->recipe = recipe_of(recipe);
   f->out_shape = std::move(out_shape);
   f->stat_shape = std::move(stat_shape);
   f->out_dtype = out_dtype;
