@@ -47,3 +47,15 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
+
+
+def view_strides(shape3: tuple[int, ...], strides3: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides ``torch.Tensor.view`` gives a (rows, heads, cols) view: a dimension of
+    size one takes the stride of the dimension inside it times that dimension's size. Its
+    value addresses nothing; cuTile specializes on it, so the lean launch keeps torch's (and
+    the JAX launch the same, to share the compiled variants)."""
+    out = list(strides3)
+    for d in range(len(shape3) - 2, -1, -1):
+        if shape3[d] == 1:
+            out[d] = out[d + 1] * shape3[d + 1]
+    return tuple(out)

@@ -10,10 +10,15 @@ batching rule and sharding rules (``pip install tilenorm[jax]``).
 
 :mod:`tilenorm.jax.sharding` runs the ops under ``shard_map``; :mod:`tilenorm.jax.flax` has
 Flax modules (imported on first use).
+
+Importing this module installs the CUDA kernel path (:mod:`tilenorm.jax.kernels`: the cuTile
+kernels as XLA FFI calls) where jaxlib has a CUDA plugin and ``TILENORM_NATIVE`` is not 0; it
+starts no backend and builds nothing until a call is first traced for CUDA.
 """
 
 import importlib
 
+from tilenorm.jax import kernels
 from tilenorm.jax.dispatch import Decision, KernelPath, kernel_path, set_kernel_path
 from tilenorm.jax.functional import (
     explain,
@@ -38,6 +43,8 @@ __all__ = [
     "rms_norm_forward",
     "set_kernel_path",
 ]
+
+kernels.install_default()
 
 
 def __getattr__(name: str):

@@ -4,8 +4,9 @@ The reference path (:mod:`tilenorm.jax.reference`, jnp) runs wherever the kernel
 not. The kernel path is a :class:`KernelPath` installed with :func:`set_kernel_path`: the
 forward and backward of tilenorm's prepared kernels as a JAX call (an XLA FFI call of the
 launches that :mod:`tilenorm.launch.driver` prepares), for one lowering platform. Until one is
-installed — tilenorm does not ship one yet — every call takes the reference path, and
-:func:`decide` says so.
+installed every call takes the reference path, and :func:`decide` says so;
+:mod:`tilenorm.jax.kernels` is tilenorm's, installed on ``import tilenorm.jax`` where jaxlib
+has a CUDA plugin.
 
 Where the kernel path covers a call, the shard's computation is a
 ``jax.lax.platform_dependent`` choice: the kernel path where the program is lowered for its
@@ -119,8 +120,8 @@ def decide(spec: NormSpec, x, residual, weight, bias, platform: str) -> Decision
                                            "weight per example)")
     if path is None:
         return Decision(spec.op, platform,
-                        "tilenorm.jax has no kernel path installed: the XLA FFI call of "
-                        "tilenorm's prepared kernel launches is not wired yet")
+                        "tilenorm.jax has no kernel path installed (jaxlib has no CUDA "
+                        "plugin, or TILENORM_NATIVE=0)")
     kernels = path.covers(_problem(spec, x, residual, weight, bias))
     if not kernels.uses_kernel:
         return Decision(spec.op, platform, kernels.reason)

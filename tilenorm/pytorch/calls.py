@@ -23,7 +23,7 @@ from tilenorm.dispatch import BackwardFacts, Decision, Problem
 from tilenorm.launch import cutile
 from tilenorm.launch.cutile import NormFeatures
 from tilenorm.launch.driver import ArrayLayout, DriverLaunch
-from tilenorm.layout import contiguous_strides, max_offset, view_3d
+from tilenorm.layout import contiguous_strides, max_offset, view_3d, view_strides
 from tilenorm.planner import CuteBackwardPlan, RowNormPlan
 from tilenorm.pytorch import native, reference
 
@@ -115,20 +115,9 @@ def kernel_view(t: torch.Tensor, dims: int, keep_heads: bool
     return view_3d(*folded, keep_heads=keep_heads)
 
 
-def _view_strides(shape3: tuple[int, ...], strides3: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides ``torch.Tensor.view`` gives a (rows, heads, cols) view: a dimension of
-    size one takes the stride of the dimension inside it times that dimension's size. Its
-    value addresses nothing; cuTile specializes on it, so the lean launch keeps torch's."""
-    out = list(strides3)
-    for d in range(len(shape3) - 2, -1, -1):
-        if shape3[d] == 1:
-            out[d] = out[d + 1] * shape3[d + 1]
-    return tuple(out)
-
-
 def _layout(dtype: torch.dtype, shape3, strides3=None) -> ArrayLayout:
     strides3 = contiguous_strides(shape3) if strides3 is None else strides3
-    return ArrayLayout(DTYPE_NAMES[dtype], tuple(shape3), _view_strides(shape3, strides3))
+    return ArrayLayout(DTYPE_NAMES[dtype], tuple(shape3), view_strides(shape3, strides3))
 
 
 def _param_layout(p: torch.Tensor, heads: int, cols: int) -> ArrayLayout:
@@ -136,7 +125,7 @@ def _param_layout(p: torch.Tensor, heads: int, cols: int) -> ArrayLayout:
     last = p.stride(-1)
     row = p.stride(0) if heads > 1 else cols * last
     return ArrayLayout(DTYPE_NAMES[p.dtype], (1, heads, cols),
-                       _view_strides((1, heads, cols), (heads * row, row, last)))
+                       view_strides((1, heads, cols), (heads * row, row, last)))
 
 
 #: Stand-ins for the operands a compiled variant never touches (no weight, no residual, ...),
