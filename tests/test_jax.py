@@ -31,6 +31,10 @@ from tilenorm.device import DeviceInfo  # noqa: E402
 from tilenorm.jax import reference, sharding  # noqa: E402
 from tilenorm.validation import CUTILE_NORM  # noqa: E402
 
+# These tests run the reference path: the CUDA kernel path that import installs where jaxlib
+# has a CUDA plugin is tests/test_jax_gpu.py's.
+tj.set_kernel_path(None)
+
 TOL = {jnp.float32: 1e-6, jnp.float64: 1e-12, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
 GRAD_TOL = {jnp.float32: 1e-5, jnp.float64: 1e-11, jnp.bfloat16: 2e-2, jnp.float16: 4e-3}
 

@@ -120,10 +120,15 @@ def test_vmapped_backward_lowers_with_a_weight_gradient_per_example(kernel_path_
 
 
 def test_kernel_path_is_installed_only_with_a_cuda_plugin():
-    installed = isinstance(tj.kernel_path(), tj.KernelPath) and \
-        tj.kernel_path().forward is kernels.forward
-    assert installed == (kernels.has_cuda_plugin() and
-                         os.environ.get("TILENORM_NATIVE", "1") != "0")
+    previous = tj.set_kernel_path(None)
+    try:
+        kernels.install_default()
+        path = tj.kernel_path()
+        installed = path is not None and path.forward is kernels.forward
+        assert installed == (kernels.has_cuda_plugin() and
+                             os.environ.get("TILENORM_NATIVE", "1") != "0")
+    finally:
+        tj.set_kernel_path(previous)
 
 
 # --- on the GPU ----------------------------------------------------------------------------
