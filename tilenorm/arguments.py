@@ -93,3 +93,9 @@ def _shape(op: str, normalized_shape) -> tuple[int, ...]:
                         f"{normalized_shape!r}")
     return shape
 
+
+def dres_apart(x_dtype: object, residual_dtype: object | None) -> bool:
+    """Whether a backward writes the residual's gradient apart from dx (any framework's
+    dtypes): only where the residual's dtype is not x's (the values are the same; elsewhere
+    dx serves both)."""
+    return residual_dtype is not None and residual_dtype != x_dtype

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tilenorm import dispatch as kernel_dispatch
+from tilenorm.arguments import dres_apart
 from tilenorm.jax import dispatch
 from tilenorm.jax.spec import NormSpec
 from tilenorm.layout import contiguous_strides, view_strides
@@ -248,7 +249,7 @@ def _backward_recipes(spec: NormSpec, decision: kernel_dispatch.Decision, shape3
 
     dy_dtype, h_dtype, weight_dtype, has_bias = dtypes
     has_weight = weight_dtype is not None
-    split = spec.residual_dtype is not None and spec.residual_dtype != spec.x_dtype
+    split = dres_apart(spec.x_dtype, spec.residual_dtype)
     # dense_aligned=False: the cuTile plan, whose launches the FFI call runs (not the CuTe
     # DSL one), with 64-bit offsets where they are needed.
     plan = kernel_dispatch.backward_kernel(decision, kernel_dispatch.BackwardFacts(
@@ -310,7 +311,7 @@ def backward(spec: NormSpec, decision: kernel_dispatch.Decision, dy, dh, h, weig
     prepared = _backward_recipes(spec, decision, s.shape3,
                                  (np.dtype(dy.dtype), np.dtype(h.dtype), _dtype(weight),
                                   bias is not None), dh is not None)
-    split = spec.residual_dtype is not None and spec.residual_dtype != spec.x_dtype
+    split = dres_apart(spec.x_dtype, spec.residual_dtype)
     call.at_result("dx", call.result(s.shape3, spec.x_dtype))
     if split:
         call.at_result("dres", call.result(s.shape3, spec.residual_dtype))

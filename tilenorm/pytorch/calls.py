@@ -19,6 +19,7 @@ import torch
 
 from tilenorm import _experimental, dispatch
 from tilenorm._experimental import experimental_enabled
+from tilenorm.arguments import dres_apart
 from tilenorm.dispatch import BackwardFacts, Decision, Problem
 from tilenorm.launch import cutile
 from tilenorm.launch.cutile import NormFeatures
@@ -648,12 +649,6 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     if t.is_contiguous() and t.data_ptr() % 16 == 0:
         return t
     return t.clone(memory_format=torch.contiguous_format)
-
-
-def dres_apart(x_dtype: torch.dtype, residual_dtype: torch.dtype | None) -> bool:
-    """Whether a backward writes the residual's gradient apart from dx: only where the
-    residual's dtype is not x's (the values are the same; elsewhere dx serves both)."""
-    return residual_dtype is not None and residual_dtype != x_dtype
 
 
 def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from tilenorm.arguments import dres_apart
 from tilenorm.pytorch import checks, graph_passes, reference
-from tilenorm.pytorch.calls import NormSpec, backward_call, dres_apart, forward_call
+from tilenorm.pytorch.calls import NormSpec, backward_call, forward_call
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:
