@@ -79,9 +79,9 @@ def test_a_family_whose_modules_are_missing_is_not_runnable():
 
 
 def test_digest_covers_the_kernels_folder_and_the_measured_settings():
-    """Host code outside tilenorm/kernels and tilenorm/settings.py can change without a GPU
-    re-run; every kernel file is in some family."""
+    """Host code outside tilenorm/kernels and the settings files (settings.py,
+    settings_fp8.py) can change without a GPU re-run; every kernel file is in some family."""
     kernel_files = {f"kernels/{p.name}" for p in (validation.PACKAGE_DIR / "kernels").glob(
         "*.py") if p.name != "__init__.py"}
     sources = {s for family in validation.FAMILIES for s in family.sources}
-    assert sources == kernel_files | {"settings.py"}
+    assert sources == kernel_files | {"settings.py", "settings_fp8.py"}

@@ -13,11 +13,13 @@ that a strided (..., H, D) input needs no copy and a per-head weight (H, D) can 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Literal
 
 from tilenorm.settings import RowNormSettings, settings_for
+from tilenorm.settings_fp8 import fp8_settings_for, row_settings_for
 
 Direction = Literal["forward", "backward"]
 Op = Literal["rms_norm", "layer_norm"]
@@ -302,3 +304,77 @@ def plan_cute_backward(rows: int, cols: int, *, itemsize: int, sm_count: int,
     threads, stages, ctas_per_sm = entry
     return CuteBackwardPlan(rows=rows, cols=cols, threads=threads, stages=stages,
                             ctas_per_sm=ctas_per_sm, grid=min(rows, sm_count * ctas_per_sm))
+
+
+# --- FP8 output (tilenorm.kernels.cutile_row_norm_fp8) -------------------------------------
+
+
+def max_fp8_cols(direction: Direction, op: Op, itemsize: int, arch: tuple[int, int]) -> int:
+    """The widest row the FP8 kernels take: one single-pass tile (for FP8 x, a bf16 tile's
+    width: the kernels hold the row in fp32 alike)."""
+    return max_single_pass_cols(direction, op, max(itemsize, 2), row_settings_for(arch))
+
+
+def plan_fp8_row(rows: int, cols: int, *, itemsize: int, sm_count: int,
+                 arch: tuple[int, int], direction: Direction, op: Op = "rms_norm",
+                 max_offset: int | None = None, persistent: bool = False) -> RowNormPlan:
+    """A single-pass plan of the FP8 row kernels (no split tiles): the bf16 norm's tile for
+    ``itemsize``-byte x (FP8 x planned as 2-byte), with a persistent grid where
+    ``persistent`` (kernels whose per-program amaxes a second kernel reads whole). Raises
+    :class:`UnsupportedShape`, naming the limit, for rows wider than one tile."""
+    settings = row_settings_for(arch)
+    widest = max_fp8_cols(direction, op, itemsize, arch)
+    if cols > widest:
+        kind = "FP8 output" if direction == "forward" else "FP8 input's backward"
+        raise UnsupportedShape(f"{kind}: rows of {cols} elements are wider than one tile; "
+                               f"the {op} FP8 kernels take up to {widest}")
+    plan = plan_row_norm(rows, cols, itemsize=max(itemsize, 2), sm_count=sm_count, arch=arch,
+                         direction=direction, op=op, max_offset=max_offset, settings=settings)
+    if persistent and plan.grid > sm_count * plan.occupancy:
+        plan = dataclasses.replace(plan, grid=sm_count * plan.occupancy)
+    return plan
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """The second pass of a per-tensor FP8 scaling over (rows, cols): ``tile_rows x
+    tile_cols`` blocks, ``grid`` persistent programs; program ``p`` takes blocks ``p, p +
+    grid, ...``, block ``b`` at row block ``b // col_blocks`` and column block
+    ``b % col_blocks``."""
+
+    rows: int
+    cols: int
+    tile_rows: int
+    tile_cols: int
+    grid: int
+    occupancy: int
+    index_bits: int
+    dependent_launch: bool
+
+    @property
+    def col_blocks(self) -> int:
+        return cdiv(self.cols, self.tile_cols)
+
+    @property
+    def blocks(self) -> int:
+        return cdiv(self.rows, self.tile_rows) * self.col_blocks
+
+    def describe(self) -> str:
+        return (f"{self.tile_rows}x{self.tile_cols} blocks, {self.blocks} blocks, persistent "
+                f"grid {self.grid} (occupancy {self.occupancy})")
+
+
+def plan_fp8_quantize(rows: int, cols: int, *, sm_count: int, arch: tuple[int, int],
+                      dependent_launch: bool, max_offset: int | None = None) -> BlockPlan:
+    """The second pass of a per-tensor FP8 scaling; ``dependent_launch`` as its first
+    pass's (it waits for that kernel's writes)."""
+    s = fp8_settings_for(arch)
+    if max_offset is None:
+        max_offset = rows * cols - 1
+    tile_rows, tile_cols = s.quantize_tile
+    blocks = cdiv(rows, tile_rows) * cdiv(cols, tile_cols)
+    return BlockPlan(rows=rows, cols=cols, tile_rows=tile_rows, tile_cols=tile_cols,
+                     grid=min(blocks, sm_count * s.quantize_occupancy),
+                     occupancy=s.quantize_occupancy,
+                     index_bits=64 if max_offset > MAX_INT32_OFFSET else 32,
+                     dependent_launch=dependent_launch)

@@ -60,7 +60,13 @@ CUTE_NORM = KernelFamily(
     "cute/norm", "CuTe DSL",
     ("kernels/cute_row_norm_backward.py", "kernels/cutile_column_sums.py", "settings.py"),
     _cute_installed)
-FAMILIES = (CUTILE_NORM, CUTE_NORM)
+#: The FP8-output norms (issue 19): their kernels, the reduction their backward shares, and
+#: both settings files they are launched with.
+CUTILE_NORM_FP8 = KernelFamily(
+    "cutile/norm-fp8", "cuTile",
+    ("kernels/cutile_row_norm_fp8.py", "kernels/cutile_column_sums.py", "settings.py",
+     "settings_fp8.py"))
+FAMILIES = (CUTILE_NORM, CUTE_NORM, CUTILE_NORM_FP8)
 
 
 @functools.cache

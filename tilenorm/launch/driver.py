@@ -36,7 +36,10 @@ from cuda.tile.compilation import (
 
 from tilenorm.launch.cutile import BoundKernel
 
-_TILE_DTYPES = {"bfloat16": ct.bfloat16, "float16": ct.float16, "float32": ct.float32}
+_TILE_DTYPES = {"bfloat16": ct.bfloat16, "float16": ct.float16, "float32": ct.float32,
+                "float8_e4m3fn": ct.float8_e4m3fn, "float8_e5m2": ct.float8_e5m2,
+                # MXFP8's E8M0 scales, stored as their bytes
+                "uint8": ct.uint8}
 #: cuda.h, CUlaunchAttributeID: programmatic dependent launch.
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6
 

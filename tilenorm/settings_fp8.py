@@ -1,0 +1,39 @@
+"""Launch settings of the FP8-output norm kernels (:mod:`tilenorm.kernels.cutile_row_norm_fp8`).
+
+Not measured yet: the row kernels take the bf16 norms' settings (:mod:`tilenorm.settings`)
+without split tiles (the FP8 kernels hold a row as one power-of-two tile), and the
+per-tensor scalings' second pass starts from the tile below. A GPU run tunes them; like
+``settings.py`` they are part of what a validation record of the FP8 family pins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+from tilenorm.settings import RowNormSettings, settings_for
+
+
+@dataclass(frozen=True)
+class Fp8Settings:
+    #: (rows, cols) of the second pass's blocks: 128 columns of 64 rows, 8192 fp32 values of
+    #: y, whose transpose stores 64-byte runs of 8-bit values.
+    quantize_tile: tuple[int, int] = (64, 128)
+    #: Resident programs per SM the second pass is compiled for.
+    quantize_occupancy: int = 2
+
+
+SM90_FP8 = Fp8Settings()
+
+
+def fp8_settings_for(arch: tuple[int, int]) -> Fp8Settings:
+    """Hopper's for every architecture until another one is measured."""
+    return SM90_FP8
+
+
+@functools.cache
+def row_settings_for(arch: tuple[int, int]) -> RowNormSettings:
+    """The bf16 norms' settings for ``arch`` with no split tiles."""
+    base = settings_for(arch)
+    return dataclasses.replace(base, min_split_tile_cols={"forward": {}, "backward": {}})
