@@ -7,8 +7,10 @@
     y = tilenorm.layer_norm(x, weight, bias, eps=1e-5)
     norm = tilenorm.RMSNorm(4096, device="cuda", dtype=torch.bfloat16)
     print(tilenorm.explain(x, weight))
+    q = tilenorm.fp8.rms_norm(x, weight, scaling="row")                # FP8 output
 """
 
+from tilenorm import fp8
 from tilenorm._experimental import experimental, experimental_enabled, set_experimental
 from tilenorm.pytorch import (
     LayerNorm,
@@ -29,6 +31,7 @@ __all__ = [
     "experimental",
     "experimental_enabled",
     "explain",
+    "fp8",
     "layer_norm",
     "layer_norm_backward",
     "layer_norm_forward",

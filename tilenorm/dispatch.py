@@ -17,18 +17,24 @@ from tilenorm.launch import cute
 from tilenorm.launch.cutile import REDUCE_KERNEL_NAME, kernel_names
 from tilenorm.planner import (
     MAX_INT32_OFFSET,
+    BlockPlan,
     CuteBackwardPlan,
     Op,
     RowNormPlan,
     UnsupportedShape,
     plan_cute_backward,
+    plan_fp8_quantize,
+    plan_fp8_row,
     plan_row_norm,
 )
-from tilenorm.validation import CUTE_NORM, CUTILE_NORM, KernelFamily
+from tilenorm.validation import CUTE_NORM, CUTILE_NORM, CUTILE_NORM_FP8, KernelFamily
 
 #: Element types the kernels take.
 KERNEL_DTYPES = ("bfloat16", "float16", "float32")
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+#: FP8 formats the FP8-output kernels write (and read, as FP8 x).
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1,
+            "float8_e5m2": 1}
 #: The CuTe DSL backward's name in decisions.
 CUTE_BACKWARD_NAME = "RowNormBackward (CuTe DSL)"
 
@@ -196,3 +202,145 @@ def backward_kernel(decision: Decision, call: BackwardFacts
     if plan.index_bits == 32 and call.max_offset > MAX_INT32_OFFSET:
         return dataclasses.replace(plan, index_bits=64)
     return plan
+
+
+# --- FP8 output ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fp8Problem:
+    """One FP8-output normalization of ``rows`` rows of ``cols``: x's dtype first in
+    ``dtypes`` (an FP8 format for FP8 x), then the weight's, bias's and residual's; the
+    scaling (a key of ``tilenorm.launch.cutile_fp8.ROW_SCALINGS`` but "amax", or "tensor")
+    whether the transposed copy is written and whether a residual is added."""
+
+    op: Op
+    device_type: str
+    device_index: int | None
+    dtypes: tuple[str, ...]
+    rows: int
+    cols: int
+    scaling: str
+    transpose: bool
+    has_residual: bool
+    max_offset: int
+    allow_experimental: bool
+
+    @property
+    def fp8_input(self) -> bool:
+        return self.dtypes[0] in FP8_DTYPES
+
+    @property
+    def fp8_backward(self) -> bool:
+        """The backward re-reads FP8 x (with a fused residual it reads the stored h)."""
+        return self.fp8_input and not self.has_residual
+
+    @property
+    def two_passes(self) -> bool:
+        """Per-tensor current scaling, and any transposed copy: a statistics pass, then a
+        quantizing pass over blocks."""
+        return self.scaling == "tensor" or self.transpose
+
+
+@dataclass(frozen=True)
+class Fp8Decision:
+    """What runs for one FP8-output problem, and why (``str()`` it): the row kernel's plan
+    (``forward``), the second pass's (``quantize``, per-tensor current scaling and
+    transposed copies), and for FP8 x the backward's (``backward``; bf16 x takes the bf16
+    norms' backward, :func:`decide`). None of them on the reference path."""
+
+    op: str
+    reason: str
+    scaling: str = ""
+    family: KernelFamily | None = None
+    forward: RowNormPlan | None = None
+    quantize: BlockPlan | None = None
+    backward: RowNormPlan | None = None
+    device: DeviceInfo | None = None
+
+    @property
+    def uses_kernel(self) -> bool:
+        return self.family is not None
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        """Every kernel the forward (and an FP8-input backward) may launch, in order."""
+        if not self.uses_kernel:
+            return ()
+        names = ("norm_fwd_fp8_single",)
+        if self.quantize is not None:
+            names += ("fp8_quantize_normed",)
+        elif self.scaling == "delayed":
+            names += ("fp8_amax_finish",)
+        if self.backward is not None:
+            names += ("norm_bwd_fp8_input_single", REDUCE_KERNEL_NAME)
+        return names
+
+    def __str__(self) -> str:
+        if not self.uses_kernel:
+            return f"{self.op} (FP8 output, {self.scaling}): reference path, because {self.reason}"
+        lines = [
+            f"{self.op} (FP8 output, {self.scaling}): {self.family.language} kernels "
+            f"({self.family.name}) on {self.device.name} ({self.device.sm}, "
+            f"{self.device.sm_count} SMs)",
+            f"  status:   {self.family.name} {_family_status(self.family)}",
+            f"  kernels:  {', '.join(self.kernels)}",
+            f"  forward:  {self.forward.describe()}",
+        ]
+        if self.quantize is not None:
+            lines.append(f"  quantize: {self.quantize.describe()}")
+        if self.backward is not None:
+            lines.append(f"  backward: {self.backward.describe()}")
+        else:
+            lines.append("  backward: the bf16 norms' (cutile/norm), over h")
+        lines.append(f"  why:      {self.reason}")
+        return "\n".join(lines)
+
+
+@functools.lru_cache(maxsize=1024)
+def decide_fp8(p: Fp8Problem) -> Fp8Decision:
+    """What runs for FP8-output problem ``p``: kernels where they cover it and may run, else
+    the reference path, with the reason."""
+    def reference(reason: str) -> Fp8Decision:
+        return Fp8Decision(op=p.op, reason=reason, scaling=p.scaling)
+
+    if p.device_type != "cuda":
+        return reference(f"x is on {p.device_type}; the kernels run on CUDA devices")
+    odd = [d for d in p.dtypes[1:] if d not in KERNEL_DTYPES]
+    if p.dtypes[0] not in KERNEL_DTYPES + FP8_DTYPES or odd:
+        return reference(f"an operand is {(odd or p.dtypes)[0]}; the FP8 kernels take "
+                         f"bfloat16, float16, float32 and FP8 x, and bfloat16, float16, "
+                         f"float32 parameters and residuals")
+    if p.rows * p.cols == 0:
+        return reference("x is empty: there is nothing to launch")
+    family = CUTILE_NORM_FP8
+    stable = validation.is_stable(family)
+    if not stable and not p.allow_experimental:
+        return reference(
+            f"the {family.language} kernels ({family.name}) are experimental (not yet "
+            f"validated on a GPU at this source) and experimental kernels are off; enable "
+            f"them with TILENORM_EXPERIMENTAL=1, tilenorm.set_experimental(True) or "
+            f"`with tilenorm.experimental():`")
+    info = device_info(p.device_index)
+    itemsize = ITEMSIZE[p.dtypes[0]]
+    try:
+        forward = plan_fp8_row(p.rows, p.cols, itemsize=itemsize, sm_count=info.sm_count,
+                               arch=info.arch, direction="forward", op=p.op,
+                               max_offset=p.max_offset,
+                               persistent=p.two_passes or p.scaling == "delayed")
+        backward = None
+        if p.fp8_backward:
+            backward = plan_fp8_row(p.rows, p.cols, itemsize=itemsize,
+                                    sm_count=info.sm_count, arch=info.arch,
+                                    direction="backward", op=p.op, max_offset=p.max_offset)
+    except UnsupportedShape as e:
+        return reference(str(e))
+    quantize = None
+    if p.two_passes:
+        quantize = plan_fp8_quantize(p.rows, p.cols, sm_count=info.sm_count, arch=info.arch,
+                                     dependent_launch=forward.dependent_launch,
+                                     max_offset=p.max_offset)
+    reason = ("validated kernels cover this case" if stable
+              else "experimental kernels are enabled")
+    return Fp8Decision(op=p.op, reason=reason, scaling=p.scaling, family=family,
+                       forward=forward, quantize=quantize, backward=backward, device=info)

@@ -119,3 +119,105 @@ def fresh_generator(device: str | torch.device = "cpu") -> tuple[torch.Generator
     """A generator with a fresh random seed (report it on failure): new inputs every check."""
     seed = int.from_bytes(os.urandom(4), "little")
     return torch.Generator(device=device).manual_seed(seed), seed
+
+
+# --- FP8 output (tilenorm.fp8) -------------------------------------------------------------
+
+
+@dataclass
+class Float64Fp8Norm:
+    """The float64 reference of one FP8-output normalization: ``norm`` is the float64 norm
+    of the (dequantized) input, its gradients included where a ``dy`` was given (the
+    quantization passes the gradient through unchanged); ``amax`` the float64 max |y| (per
+    tensor, per row or per block: the scaling's groups, NaN skipped), and ``scale_inv`` the
+    op's scales computed from it by the op's conventions, laid out as the op returns them."""
+
+    norm: Float64Norm
+    amax: torch.Tensor
+    scale_inv: torch.Tensor
+
+
+def float64_fp8_norm(x: torch.Tensor, weight: torch.Tensor | None = None,
+                     bias: torch.Tensor | None = None, eps: float = 1e-6, *, scaling: str,
+                     fp8_dtype: torch.dtype, scale: torch.Tensor | None = None,
+                     layer_norm: bool = False, offset: float = 0.0,
+                     residual: torch.Tensor | None = None,
+                     x_scale_inv: torch.Tensor | None = None, group_size: int = 0,
+                     dy: torch.Tensor | None = None, dh: torch.Tensor | None = None
+                     ) -> Float64Fp8Norm:
+    """The float64 reference of :func:`tilenorm.fp8.rms_norm` (``layer_norm=True``: of
+    :func:`tilenorm.fp8.layer_norm`) over the last dimension. FP8 x is dequantized exactly
+    (``x_scale_inv`` per ``group_size`` elements) first."""
+    from tilenorm.pytorch import reference
+
+    if group_size:
+        n = x.shape[-1]
+        x = (x.double().reshape(-1, n // group_size, group_size)
+             * x_scale_inv.double().reshape(-1, n // group_size, 1)).reshape(x.shape)
+    ref = float64_norm(x, weight, bias, eps, layer_norm=layer_norm, offset=offset,
+                       residual=residual, dy=dy, dh=dh)
+    y = ref.y.reshape(-1, ref.y.shape[-1])
+    rows, cols = y.shape
+    if scaling in ("tensor", "delayed"):
+        amax = reference.amax_skipping_nan(y)
+    elif scaling == "row":
+        amax = reference.amax_skipping_nan(y, dim=1, keepdim=True)
+    else:
+        block = reference.FP8_BLOCK_COLS[scaling]
+        amax = reference.amax_skipping_nan(y.reshape(rows, cols // block, block), dim=2)
+    if scaling == "delayed":
+        scale_inv = 1.0 / scale.float().reshape(())
+    elif scaling == "mx":
+        k = reference.mx_exponent(amax.float(), fp8_dtype)
+        scale_inv = (k + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+    else:
+        scale_inv = 1.0 / reference.scale_from_amax(amax.float(), fp8_dtype)
+        if scaling == "block":
+            scale_inv = scale_inv.t().contiguous().t()
+    return Float64Fp8Norm(norm=ref, amax=amax, scale_inv=scale_inv)
+
+
+def fp8_scales_per_element(scale_inv: torch.Tensor, scaling: str, rows: int, cols: int
+                           ) -> torch.Tensor:
+    """float64 (rows, cols): each element's dequantizing multiplier."""
+    if scaling == "mx":
+        s = torch.pow(2.0, scale_inv.view(torch.uint8).double() - 127)
+    else:
+        s = scale_inv.double()
+    if scaling in ("tensor", "delayed"):
+        return s.reshape(1, 1).expand(rows, cols)
+    return s.repeat_interleave(cols // s.shape[1], dim=1)
+
+
+def fp8_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, scaling: str) -> torch.Tensor:
+    """float64 ``q * scale_inv`` of an FP8 output, (rows, cols)."""
+    q2 = q.reshape(-1, q.shape[-1]).double()
+    return q2 * fp8_scales_per_element(scale_inv, scaling, *q2.shape)
+
+
+def fp8_step(v: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of FP8 values at |v| (float64): 2^(exponent - mantissa bits), the
+    subnormal spacing below the smallest normal."""
+    mantissa_bits = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}[fp8_dtype]
+    min_exponent = torch.finfo(fp8_dtype).smallest_normal
+    e = torch.floor(torch.log2(v.double().abs().clamp(min=min_exponent)))
+    return torch.pow(2.0, e - mantissa_bits)
+
+
+def fp8_rounding_excess(q: torch.Tensor, scale_inv: torch.Tensor, scaling: str,
+                        y: torch.Tensor, fp8_dtype: torch.dtype) -> float:
+    """The largest ``|q * s - saturate(y / s) * s| / bound`` over the elements whose float64
+    reference ``y`` is a number, where ``s`` is the output's own multiplier of the element
+    and ``bound`` half an FP8 step at ``|y / s|`` times ``s``, plus the fp32 arithmetic's
+    share (2^-20 |y|). At most 1 when every value is the reference rounded to FP8 at the
+    output's scales (saturated where the scale puts it past the format's largest value)."""
+    from tilenorm.pytorch.reference import fp8_max
+
+    y2 = y.reshape(-1, y.shape[-1]).double()
+    s = fp8_scales_per_element(scale_inv, scaling, *y2.shape)
+    top = fp8_max(fp8_dtype)
+    ideal = (y2 / s).clamp(-top, top)
+    bound = 0.5 * fp8_step(ideal, fp8_dtype) * s * (1 + 2.0 ** -10) + 2.0 ** -20 * y2.abs()
+    excess = ((fp8_dequantize(q, scale_inv, scaling) - ideal * s).abs() / bound)
+    finite = ~y2.isnan()
+    return float(excess[finite].max()) if finite.any() else 0.0

@@ -10,7 +10,9 @@ lean launch compiles at run time (:func:`tilenorm.launch.driver.signature`), so 
 variants are the ones that run. The jobs cover every tile configuration the planner can
 choose (for RMSNorm and LayerNorm in bf16), and every feature and dtype combination the ops
 accept on one single-pass, one split and one wide-row (chunked forward, column-split
-backward) configuration.
+backward) configuration. The FP8-output kernels (:func:`fp8_jobs`) likewise: every tile
+configuration of the row kernel, every scaling, FP8 format and feature on two of them, both
+second-pass kernels and the FP8-input backward.
 """
 
 from __future__ import annotations
@@ -21,11 +23,19 @@ from dataclasses import dataclass, replace
 
 from cuda.tile.compilation import KernelSignature, export_kernel
 
-from tilenorm.launch import cutile
+from tilenorm.launch import cutile, cutile_fp8
 from tilenorm.launch.cutile import BoundKernel, NormFeatures
+from tilenorm.launch.cutile_fp8 import FP8_MAX, Fp8NormFeatures
 from tilenorm.launch.driver import ArrayLayout, signature
 from tilenorm.layout import contiguous_strides
-from tilenorm.planner import RowNormPlan, max_single_pass_cols, plan_row_norm
+from tilenorm.planner import (
+    RowNormPlan,
+    max_fp8_cols,
+    max_single_pass_cols,
+    plan_fp8_quantize,
+    plan_fp8_row,
+    plan_row_norm,
+)
 from tilenorm.settings import SM90
 
 #: (x dtype, weight dtype) pairs built for every feature set: the weight in x's dtype or in
@@ -203,6 +213,7 @@ def jobs() -> Iterator[ExportJob]:
             yield from plan_jobs(qk, Variant(f"rms 8 heads {label}", features, heads=8))
             wide = [p for p in plans(direction, heads=2, per_head=per_head) if not p.single_pass]
             yield from plan_jobs(wide[0], Variant(f"rms 2 heads {label}", features, heads=2))
+    yield from fp8_jobs()
     plan = plans("backward")[0]
     _, heads, cols = plan.partial_shape
     for groups in (1, 2):
@@ -221,3 +232,206 @@ def export(job: ExportJob, gpu_code: str) -> bytes:
     out = io.BytesIO()
     export_kernel(job.kernel, [job.signature], out, gpu_code=gpu_code, output_format="cubin")
     return out.getvalue()
+
+
+# --- FP8 output ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fp8Variant:
+    """One FP8-output feature combination: the row kernel's scaling (a key of
+    :data:`~tilenorm.launch.cutile_fp8.ROW_SCALINGS`), the FP8 format of q, and the dtypes
+    of the other operands (x is ``fp8`` where ``features.group``)."""
+
+    label: str
+    features: Fp8NormFeatures
+    scaling: str = "row"
+    fp8: str = "float8_e4m3fn"
+    x: str = "bfloat16"
+    weight: str = "bfloat16"
+    residual: str = "bfloat16"
+    index_bits: int = 32
+
+    @property
+    def x_dtype(self) -> str:
+        return self.fp8 if self.features.group else self.x
+
+
+def fp8_plans(direction, op: str = "rms_norm", itemsize: int = 2, min_cols: int = 16
+              ) -> list[RowNormPlan]:
+    """One FP8 row-kernel plan per tile configuration for rows of ``min_cols`` (a power of
+    two) up to the widest; persistent forward grids (the per-tensor scalings' first pass)."""
+    widest = max_fp8_cols(direction, op, itemsize, (9, 0))
+    by_config = {}
+    cols = min_cols
+    while cols <= widest:
+        p = plan_fp8_row(65536, cols, itemsize=itemsize, sm_count=132, arch=(9, 0),
+                         direction=direction, op=op, persistent=direction == "forward")
+        by_config.setdefault(p.config, p)
+        cols *= 2
+    return list(by_config.values())
+
+
+def _fp8_common_layouts(rows: int, cols: int, v: Fp8Variant) -> dict:
+    f = v.features
+    layouts = {"rstd": _dense("float32", (rows,))}
+    if f.layer_norm:
+        layouts["mean"] = _dense("float32", (rows,))
+    if f.has_weight:
+        layouts["weight"] = _dense(v.weight, (1, cols))
+    if f.has_bias:
+        layouts["bias"] = _dense(v.weight, (1, cols))
+    if f.group:
+        layouts["x_scale_inv"] = _dense("float32", (rows, cols // f.group))
+    return layouts
+
+
+def _fp8_scale_layout(scaling: str, rows: int, cols: int) -> ArrayLayout:
+    """q's scales as the ops allocate them (see tilenorm.pytorch.fp8)."""
+    if scaling == "row":
+        return _dense("float32", (rows, 1))
+    if scaling == "block":  # torch._scaled_mm's BlockWise1x128: (M, N / 128), M contiguous
+        return ArrayLayout("float32", (rows, cols // 128), (1, rows))
+    return _dense("uint8", (rows, cols // 32))
+
+
+def fp8_row_job(plan: RowNormPlan, v: Fp8Variant) -> ExportJob:
+    f = v.features
+    rows, cols = plan.rows, plan.cols
+    layouts = _fp8_common_layouts(rows, cols, v)
+    layouts["x"] = _dense(v.x_dtype, (rows, cols))
+    if f.has_residual:
+        layouts.update(residual=_dense(v.residual, (rows, cols)),
+                       residual_out=_dense(v.residual, (rows, cols)))
+    if v.scaling in ("amax", "delayed"):
+        layouts["amax_partial"] = _dense("float32", (plan.grid,))
+    if v.scaling == "delayed":
+        layouts["scale"] = _dense("float32", (1,))
+    if v.scaling != "amax":
+        layouts["q"] = _dense(v.fp8, (rows, cols))
+    if v.scaling in ("row", "block", "mx"):
+        layouts["q_scale"] = _fp8_scale_layout(v.scaling, rows, cols)
+    bound = cutile_fp8.bind_fp8_forward(plan, f, v.scaling, FP8_MAX[v.fp8])
+    return _job(f"fp8 fwd {v.scaling} {plan.tile_rows}x{plan.tile_cols} {v.label}", bound,
+                layouts)
+
+
+def fp8_quantize_job(v: Fp8Variant, current: bool, transpose: bool) -> ExportJob:
+    """The second pass after the first pass of 65536 x 4096 (264 programs on an H200)."""
+    f = v.features
+    first = fp8_plans("forward", itemsize=ITEMSIZE.get(v.x, 2))
+    rows, cols, partials = 65536, 4096, 264
+    plan = replace(plan_fp8_quantize(rows, cols, sm_count=132, arch=(9, 0),
+                                     dependent_launch=first[0].dependent_launch),
+                   index_bits=v.index_bits)
+    layouts = _fp8_common_layouts(rows, cols, v)
+    if f.has_residual:
+        layouts.pop("x_scale_inv", None)
+    h = v.residual if f.has_residual else v.x_dtype
+    layouts.update(h=_dense(h, (rows, cols)), amax_partial=_dense("float32", (partials,)),
+                   q=_dense(v.fp8, (rows, cols)), amax=_dense("float32", (1,)),
+                   scale_inv=_dense("float32", (1,)))
+    if not current:
+        layouts["scale"] = _dense("float32", (1,))
+    if transpose:
+        layouts["q_t"] = _dense(v.fp8, (cols, rows))
+    bound = cutile_fp8.bind_fp8_quantize(plan, f, partials, current, transpose,
+                                         FP8_MAX[v.fp8])
+    name = f"{'current' if current else 'delayed'}{' transposed' if transpose else ''}"
+    return _job(f"fp8 quantize {name} {v.label}", bound, layouts)
+
+
+def fp8_backward_job(plan: RowNormPlan, v: Fp8Variant) -> ExportJob:
+    f = v.features
+    rows, cols = plan.rows, plan.cols
+    layouts = _fp8_common_layouts(rows, cols, v)
+    layouts.update(dy=_dense(v.x, (rows, cols)), x=_dense(v.fp8, (rows, cols)),
+                   dx=_dense(v.x, (rows, cols)))
+    partial = ArrayLayout("float32", *cutile.PartialBuffer.of(
+        plan, max(1, f.has_weight + f.has_bias)).group())
+    if f.has_weight:
+        layouts["partial_w"] = partial
+    if f.has_bias:
+        layouts["partial_b"] = partial
+    bound = cutile_fp8.bind_fp8_input_backward(replace(plan, index_bits=v.index_bits), f)
+    return _job(f"fp8 input bwd {plan.tile_rows}x{plan.tile_cols} {v.label}", bound, layouts)
+
+
+FP8_RMS = Fp8NormFeatures()
+FP8_LAYER_NORM = Fp8NormFeatures(layer_norm=True, has_bias=True)
+
+
+def fp8_feature_variants() -> list[Fp8Variant]:
+    """Feature and dtype combinations of the row kernel, each with per-row scales and as the
+    first pass of a per-tensor scaling (every scaling has its own variants in
+    :func:`fp8_jobs`)."""
+    out = [Fp8Variant("layer_norm", FP8_LAYER_NORM),
+           Fp8Variant("layer_norm no-affine", replace(FP8_LAYER_NORM, has_weight=False,
+                                                      has_bias=False)),
+           Fp8Variant("rms no-weight", replace(FP8_RMS, has_weight=False)),
+           Fp8Variant("rms offset", replace(FP8_RMS, has_offset=True)),
+           Fp8Variant("rms fp32 weight", FP8_RMS, weight="float32"),
+           Fp8Variant("rms fp16", FP8_RMS, x="float16", weight="float16"),
+           Fp8Variant("rms fp32", FP8_RMS, x="float32", weight="float32"),
+           Fp8Variant("rms residual bf16", replace(FP8_RMS, has_residual=True)),
+           Fp8Variant("rms residual fp32 stream", replace(FP8_RMS, has_residual=True),
+                      residual="float32"),
+           Fp8Variant("layer_norm residual bf16", replace(FP8_LAYER_NORM, has_residual=True)),
+           Fp8Variant("rms 64-bit offsets", FP8_RMS, index_bits=64)]
+    for group in (16, 128):
+        out += [Fp8Variant(f"rms fp8 input group {group}", replace(FP8_RMS, group=group)),
+                Fp8Variant(f"layer_norm fp8 input group {group}",
+                           replace(FP8_LAYER_NORM, group=group)),
+                Fp8Variant(f"rms fp8 input group {group} residual bf16",
+                           replace(FP8_RMS, group=group, has_residual=True))]
+    return out
+
+
+def fp8_jobs() -> Iterator[ExportJob]:
+    """Every FP8-output kernel configuration: the row kernel on every tile configuration
+    (per-row scales), each scaling and FP8 format on the narrowest and widest tiles its
+    blocks allow, each feature on 4096-column and the widest tiles; the second pass for
+    both per-tensor scalings with and without the transpose; the amax fold; the FP8-input
+    backward on every tile configuration and each feature."""
+    for plan in fp8_plans("forward"):
+        yield fp8_row_job(plan, Fp8Variant("rms", FP8_RMS))
+    for scaling in ("amax", "delayed", "row", "block", "mx"):
+        chosen = fp8_plans("forward", min_cols=cutile_fp8.BLOCK_COLS.get(scaling, 16))
+        for fp8 in FP8_MAX:
+            for plan in (chosen[0], chosen[-1]):
+                yield fp8_row_job(plan, Fp8Variant(f"rms {fp8}", FP8_RMS, scaling, fp8))
+    for v in fp8_feature_variants():
+        op = "layer_norm" if v.features.layer_norm else "rms_norm"
+        chosen = fp8_plans("forward", op, ITEMSIZE[v.x], min_cols=4096)
+        for plan in (chosen[0], chosen[-1]):
+            plan = replace(plan, index_bits=v.index_bits)
+            for scaling in ("row", "amax"):
+                yield fp8_row_job(plan, replace(v, scaling=scaling))
+    for v in fp8_feature_variants() + [Fp8Variant("rms float8_e5m2", FP8_RMS,
+                                                  fp8="float8_e5m2")]:
+        for current in (True, False):
+            for transpose in (False, True):
+                yield fp8_quantize_job(v, current, transpose)
+    for partials in (1, 264):
+        for dependent in (False, True):
+            bound = cutile_fp8.bind_fp8_amax_finish(partials, dependent)
+            layouts = {"amax_partial": _dense("float32", (partials,)),
+                       "scale": _dense("float32", (1,)), "amax": _dense("float32", (1,)),
+                       "scale_inv": _dense("float32", (1,))}
+            yield _job(f"fp8 amax finish {partials}{' dependent' if dependent else ''}",
+                       bound, layouts)
+    for plan in fp8_plans("backward"):
+        yield fp8_backward_job(plan, Fp8Variant("rms group 16", replace(FP8_RMS, group=16)))
+    backward_variants = [
+        Fp8Variant("rms group 128", replace(FP8_RMS, group=128)),
+        Fp8Variant("layer_norm group 16", replace(FP8_LAYER_NORM, group=16)),
+        Fp8Variant("rms no-weight group 16", replace(FP8_RMS, has_weight=False, group=16)),
+        Fp8Variant("rms offset group 16", replace(FP8_RMS, has_offset=True, group=16)),
+        Fp8Variant("rms fp32 weight group 16", replace(FP8_RMS, group=16), weight="float32"),
+        Fp8Variant("rms e5m2 group 16", replace(FP8_RMS, group=16), fp8="float8_e5m2"),
+        Fp8Variant("rms group 16 64-bit offsets", replace(FP8_RMS, group=16), index_bits=64)]
+    for v in backward_variants:
+        op = "layer_norm" if v.features.layer_norm else "rms_norm"
+        chosen = fp8_plans("backward", op, min_cols=4096)
+        for plan in (chosen[0], chosen[-1]):
+            yield fp8_backward_job(plan, v)

@@ -85,10 +85,13 @@ def bind_fp8_quantize(plan: BlockPlan, features: Fp8NormFeatures, partials: int,
     """The second pass of a per-tensor scaling after a first of ``partials`` programs
     (scale from their amaxes where ``current``, else the given one); runtime arguments
     ``(h, x_scale_inv, weight, bias, mean, rstd, scale, amax_partial, q, q_t, amax,
-    scale_inv, offset)``: q_t (cols, rows), amax and scale_inv (1,) fp32."""
+    scale_inv, offset)``: h is x, or the residual sum the first pass stored (read as is,
+    x_scale_inv unused, even for FP8 x); q_t (cols, rows); amax and scale_inv (1,) fp32."""
     f = features
+    # With a fused residual the second pass reads the stored sum h, not FP8 x.
+    group = 0 if f.has_residual else f.group
     constants = (fp8_max, plan.tile_rows, plan.tile_cols, next_pow2(partials), f.layer_norm,
-                 f.has_weight, f.has_bias, f.has_offset, f.group, current, transpose,
+                 f.has_weight, f.has_bias, f.has_offset, group, current, transpose,
                  plan.dependent_launch)
     return _bound(fp8_quantize_normed, plan.grid, plan.occupancy, plan.index_bits, None,
                   constants, plan.dependent_launch)

@@ -34,7 +34,9 @@ MAX_CALLS = 4096
 _CALLS: dict = {}
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16",
-               torch.float32: "float32", torch.float64: "float64"}
+               torch.float32: "float32", torch.float64: "float64",
+               torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2",
+               torch.uint8: "uint8"}
 
 
 def lookup(key):
@@ -173,7 +175,7 @@ def tensor_launcher(bound: cutile.BoundKernel, arrays: dict) -> Callable[..., No
     call, so that graph capture records it)."""
     device = torch.device("cuda", torch.cuda.current_device())
     tensors = {name: t for name, t in arrays.items() if t is not None}
-    launcher = _driver_launch(bound, {name: ArrayLayout(DTYPE_NAMES[t.dtype], tuple(t.shape),
+    launcher = driver_launch(bound, {name: ArrayLayout(DTYPE_NAMES[t.dtype], tuple(t.shape),
                                                         t.stride())
                                       for name, t in tensors.items()},
                               device, torch.cuda.get_device_capability(device))
@@ -196,7 +198,7 @@ def _on_device(device: torch.device):
     return torch.cuda.device(device)
 
 
-def _driver_launch(bound: cutile.BoundKernel, layouts: dict, device: torch.device,
+def driver_launch(bound: cutile.BoundKernel, layouts: dict, device: torch.device,
                    arch: tuple[int, int]) -> DriverLaunch | None:
     """``bound`` ready to launch from pointers: ``layouts`` maps the arrays it reads or
     writes to their layouts; the others are placeholders. None where a layout overlaps
@@ -442,7 +444,7 @@ def build_forward(spec: NormSpec, x, weight, bias, residual, out_dtype, residual
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None:
             layouts[name] = _param_layout(p, heads if spec.per_head else 1, cols)
-    launcher = _driver_launch(call.bound, layouts, x.device, decision.device.arch)
+    launcher = driver_launch(call.bound, layouts, x.device, decision.device.arch)
     if launcher is not None:
         call.launch = launcher.launch
         cpp = native.module()
@@ -454,7 +456,7 @@ def build_forward(spec: NormSpec, x, weight, bias, residual, out_dtype, residual
 
 
 def _launch_or_none(bound, layouts, device, arch):
-    launcher = _driver_launch(bound, layouts, device, arch)
+    launcher = driver_launch(bound, layouts, device, arch)
     return None if launcher is None else launcher.launch
 
 
@@ -728,11 +730,11 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
     first = call.row_kernel.first
     if first is not None:  # written by the first kernel, read by the row kernel
         layouts["row_sums"] = _layout(torch.float32, shape3[:2] + call.row_kernel.workspace)
-    launchers = [None if first is None else _driver_launch(first, layouts, device, arch),
-                 _driver_launch(call.row_kernel, layouts, device, arch), None]
+    launchers = [None if first is None else driver_launch(first, layouts, device, arch),
+                 driver_launch(call.row_kernel, layouts, device, arch), None]
     if groups:
         call.reduce = cutile.bind_reduce(plan, groups)
-        launchers[2] = _driver_launch(call.reduce, {
+        launchers[2] = driver_launch(call.reduce, {
             "partial": ArrayLayout("float32", *call.partial.reduced()),
             **_reduce_outputs(weight, bias)}, device, arch)
     call.launch_first, call.launch_row, call.launch_reduce = (

@@ -101,3 +101,728 @@ the fixed-order partial buffer, bit-identical reruns). Any other use of the tens
 dequantized value (``q * scale_inv`` in the nominal dtype), so ordinary code stays correct. A
 COAT-style fused Function calls the launch-level pair instead.
 """
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+import torch
+from torch.utils import _pytree
+
+from tilenorm import dispatch
+from tilenorm._experimental import experimental_enabled
+from tilenorm.arguments import LAYER_NORM, RMS_NORM
+from tilenorm.dispatch import Fp8Decision, Fp8Problem
+from tilenorm.launch import cutile, cutile_fp8
+from tilenorm.launch.cutile_fp8 import Fp8NormFeatures
+from tilenorm.launch.driver import ArrayLayout, DriverLaunch
+from tilenorm.layout import contiguous_strides
+from tilenorm.pytorch import calls, checks, reference
+from tilenorm.pytorch.calls import DTYPE_NAMES, NormSpec
+
+Scaling = Literal["tensor", "delayed", "row", "block", "mx"]
+SCALINGS = ("tensor", "delayed", "row", "block", "mx")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: The largest group of FP8 x's elements one multiplier may cover: the second pass's
+#: 128-column blocks hold whole groups.
+MAX_GROUP_SIZE = 128
+
+
+class Float8NormOutput(NamedTuple):
+    """A launch-level FP8-output forward: q (``data``, x's shape), its dequantizing scales
+    (``scale_inv``, laid out per ``scaling``: see the module docstring), this call's
+    ``amax`` (per-tensor scalings, shape (); else None), the (N, M) copy ``data_t`` (with
+    ``transpose=True``), the residual sum ``h`` (with a residual; else None), and the
+    statistics ``mean`` (LayerNorm) and ``rstd`` (fp32, x's shape without N) that the
+    backward takes."""
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    amax: torch.Tensor | None
+    data_t: torch.Tensor | None
+    h: torch.Tensor | None
+    mean: torch.Tensor | None
+    rstd: torch.Tensor
+    scaling: str
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``data * scale_inv`` in ``dtype``, x's shape."""
+        return dequantize(self.data, self.scale_inv, self.scaling, dtype)
+
+
+def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, scaling: str,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """FP8 ``data`` (..., N) times its scales (the layout of ``scaling``), in ``dtype``."""
+    q = data.reshape(-1, data.shape[-1]).float()
+    if scaling == "mx":
+        s = torch.pow(2.0, scale_inv.view(torch.uint8).float() - 127)
+    else:
+        s = scale_inv.float()
+    if scaling in ("block", "mx"):
+        s = s.repeat_interleave(q.shape[1] // s.shape[1], dim=1)
+    return (q * s).to(dtype).reshape(data.shape)
+
+
+# --- autograd's view of the FP8 output -----------------------------------------------------
+
+
+class Float8NormTensor(torch.Tensor):
+    """The FP8 output of :func:`rms_norm` / :func:`layer_norm` as autograd sees it: a wrapper
+    of nominal dtype (x's, or bf16 for FP8 x) and x's shape, so that the gradient reaching it
+    is in that dtype. ``fp8`` is q, ``scale_inv`` its scales (see the module docstring),
+    ``amax`` this call's (per-tensor scalings), ``fp8_t`` the (N, M) copy. An FP8 GEMM reads
+    those; every other use of the tensor sees its dequantized value."""
+
+    fp8: torch.Tensor
+    scale_inv: torch.Tensor
+    amax: torch.Tensor | None
+    fp8_t: torch.Tensor | None
+    scaling: str
+
+    @staticmethod
+    def __new__(cls, fp8: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor | None,
+                fp8_t: torch.Tensor | None, scaling: str, dtype: torch.dtype):
+        t = torch.Tensor._make_wrapper_subclass(cls, fp8.shape, dtype=dtype,
+                                                device=fp8.device)
+        t.fp8, t.scale_inv, t.amax, t.fp8_t, t.scaling = fp8, scale_inv, amax, fp8_t, scaling
+        return t
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``fp8 * scale_inv`` as a plain tensor, in the nominal dtype by default."""
+        return dequantize(self.fp8, self.scale_inv, self.scaling, dtype or self.dtype)
+
+    def __repr__(self) -> str:
+        return (f"Float8NormTensor(scaling={self.scaling!r}, fp8={self.fp8.dtype}, "
+                f"nominal dtype={self.dtype}, shape={tuple(self.shape)})")
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+            t = args[0]
+            return cls(t.fp8, t.scale_inv, t.amax, t.fp8_t, t.scaling, t.dtype)
+
+        def plain(a):
+            return a.dequantize() if isinstance(a, Float8NormTensor) else a
+
+        args, kwargs = _pytree.tree_map(plain, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+# --- argument checks -----------------------------------------------------------------------
+
+
+def _check(op: str, x, weight, bias, residual, scaling, fp8_dtype, scale, transpose,
+           x_scale_inv, group_size, prenorm, residual_dtype) -> int:
+    """Every check of an FP8 call's arguments but eps and offset; x's group size (0: x is
+    not FP8)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
+    fp8_x = x.dtype in FP8_DTYPES
+    if not fp8_x:
+        checks.check_x(op, x)
+    elif x.dim() == 0:
+        raise ValueError(f"{op}: x must have at least 1 dimension (..., N), got a 0-d tensor")
+    n = x.shape[-1]
+    checks.check_param(op, "weight", weight, x)
+    checks.check_param(op, "bias", bias, x)
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and tuple(p.shape) != (n,):
+            raise ValueError(f"{op}: {name} must have shape ({n},) (x's last dimension), got "
+                             f"{tuple(p.shape)}")
+    checks.check_residual(op, residual, x)
+    checks.check_dtype(op, "residual_dtype", residual_dtype)
+    checks.check_flag(op, "prenorm", prenorm)
+    checks.check_flag(op, "transpose", transpose)
+    if residual_dtype is not None and residual is None:
+        raise ValueError(f"{op}: residual_dtype is the dtype of the residual stream; it needs "
+                         f"a residual")
+    if prenorm and residual is None:
+        raise ValueError(f"{op}: prenorm=True returns (y, x + residual); it needs a residual")
+    if scaling not in SCALINGS:
+        raise ValueError(f"{op}: scaling must be one of {', '.join(map(repr, SCALINGS))}, "
+                         f"got {scaling!r}")
+    if fp8_dtype not in FP8_DTYPES:
+        raise TypeError(f"{op}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, "
+                        f"got {fp8_dtype}")
+    if scaling == "delayed":
+        if not (isinstance(scale, torch.Tensor) and scale.numel() == 1
+                and scale.dtype == torch.float32 and scale.device == x.device):
+            raise ValueError(f"{op}: scaling='delayed' takes scale, the quantize multiplier "
+                             f"(fp8_max / amax of the history), as a one-element float32 "
+                             f"tensor on {x.device}")
+    elif scale is not None:
+        raise ValueError(f"{op}: scale is the given multiplier of scaling='delayed'; "
+                         f"scaling={scaling!r} computes its own")
+    if transpose and scaling not in ("tensor", "delayed"):
+        raise ValueError(f"{op}: transpose=True is built for the per-tensor scalings "
+                         f"('tensor', 'delayed'); a {scaling!r} copy needs scales along M")
+    block = reference.FP8_BLOCK_COLS.get(scaling)
+    if block and n % block:
+        raise ValueError(f"{op}: scaling={scaling!r} scales blocks of {block} columns; x's "
+                         f"last dimension {n} is not a multiple of {block}")
+    if not fp8_x:
+        if x_scale_inv is not None or group_size is not None:
+            raise ValueError(f"{op}: x_scale_inv and group_size describe FP8 x; x is "
+                             f"{x.dtype}")
+        return 0
+    if (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
+            or group_size & (group_size - 1) or group_size > MAX_GROUP_SIZE
+            or n % group_size):
+        raise ValueError(f"{op}: FP8 x takes group_size, the elements per scale: a power of "
+                         f"two up to {MAX_GROUP_SIZE} dividing N = {n}; got {group_size!r}")
+    rows = x.numel() // n if n else 0
+    if not (isinstance(x_scale_inv, torch.Tensor) and x_scale_inv.dtype == torch.float32
+            and tuple(x_scale_inv.shape) == (rows, n // group_size)
+            and x_scale_inv.device == x.device):
+        raise ValueError(f"{op}: FP8 x takes x_scale_inv, one float32 multiplier per group: "
+                         f"shape ({rows}, {n // group_size}) on {x.device}")
+    if x.requires_grad:
+        raise ValueError(f"{op}: FP8 x cannot take a gradient through autograd (torch would "
+                         f"cast it to FP8); use rms_norm_backward / layer_norm_backward")
+    return group_size
+
+
+# --- prepared calls ------------------------------------------------------------------------
+
+
+class _Launcher:
+    """A bound kernel ready to launch from the pointers of named tensors."""
+
+    def __init__(self, bound: cutile.BoundKernel, layouts: dict[str, ArrayLayout],
+                 device: torch.device, arch: tuple[int, int]):
+        launch: DriverLaunch | None = calls.driver_launch(bound, layouts, device, arch)
+        if launch is None:
+            raise ValueError(f"{bound.name}: an operand overlaps itself")
+        self.name, self.launch = bound.name, launch.launch
+        self.names = [name for name in bound.arrays if name in layouts]
+
+    def __call__(self, stream: int, tensors: dict[str, torch.Tensor], *scalars: float):
+        if not self.launch(stream, *(tensors[name].data_ptr() for name in self.names),
+                           *scalars):
+            raise RuntimeError(f"{self.name}: operands not 16-byte aligned")
+
+
+def _dense(dtype: torch.dtype, shape: tuple[int, ...]) -> ArrayLayout:
+    return ArrayLayout(DTYPE_NAMES[dtype], tuple(shape), contiguous_strides(tuple(shape)))
+
+
+def _kernel_operand(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` as the kernels read it: contiguous on 16-byte-aligned storage (a copy only
+    where it is not)."""
+    if t is None or (t.is_contiguous() and t.data_ptr() % 16 == 0):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+@dataclass(frozen=True)
+class Fp8Spec:
+    """Everything about an FP8 call that its layout key does not say."""
+
+    op: str
+    scaling: str
+    fp8_dtype: torch.dtype
+    transpose: bool
+    group: int
+    has_offset: bool
+
+    @property
+    def layer_norm(self) -> bool:
+        return self.op == LAYER_NORM
+
+
+@dataclass
+class Fp8ForwardCall:
+    """An FP8-output forward with one operand layout: the decision and, where kernels run,
+    their launchers in order."""
+
+    spec: Fp8Spec
+    decision: Fp8Decision
+    rows: int
+    cols: int
+    out_shape: tuple[int, ...]
+    h_dtype: torch.dtype | None
+    nominal_dtype: torch.dtype
+    device: torch.device
+    launchers: list = field(default_factory=list)
+    #: Programs of the row kernel that write an amax each (per-tensor scalings).
+    partials: int = 0
+    #: The backward calls of this forward's saved operands, by the gradients' layouts.
+    backward_calls: dict = field(default_factory=dict)
+
+    def _outputs(self) -> dict[str, torch.Tensor]:
+        s, dev, rows, cols = self.spec, self.device, self.rows, self.cols
+        out = {"q": torch.empty(self.out_shape, dtype=s.fp8_dtype, device=dev),
+               "rstd": torch.empty(rows, dtype=torch.float32, device=dev)}
+        if s.layer_norm:
+            out["mean"] = torch.empty(rows, dtype=torch.float32, device=dev)
+        if self.h_dtype is not None:
+            out["residual_out"] = torch.empty(self.out_shape, dtype=self.h_dtype, device=dev)
+        if s.scaling in ("tensor", "delayed"):
+            out["amax"] = torch.empty((), dtype=torch.float32, device=dev)
+            out["scale_inv"] = torch.empty((), dtype=torch.float32, device=dev)
+            out["amax_partial"] = torch.empty(self.partials, dtype=torch.float32, device=dev)
+        elif s.scaling == "row":
+            out["q_scale"] = torch.empty((rows, 1), dtype=torch.float32, device=dev)
+        elif s.scaling == "block":  # torch._scaled_mm's BlockWise1x128 layout: M contiguous
+            out["q_scale"] = torch.empty_strided((rows, cols // 128), (1, rows),
+                                                 dtype=torch.float32, device=dev)
+        else:
+            out["q_scale"] = torch.empty((rows, cols // 32), dtype=torch.uint8, device=dev)
+        if s.transpose:
+            out["q_t"] = torch.empty((cols, rows), dtype=s.fp8_dtype, device=dev)
+        return out
+
+    def run(self, x, weight, bias, residual, x_scale_inv, scale, eps: float, offset: float
+            ) -> Float8NormOutput:
+        s = self.spec
+        stat = self.out_shape[:-1]
+        if not self.decision.uses_kernel:
+            q, scale_inv, amax, q_t, h, mean, rstd = reference.norm_fp8_forward(
+                x, weight, bias, eps, scaling=s.scaling, fp8_dtype=s.fp8_dtype, scale=scale,
+                transpose=s.transpose, layer_norm=s.layer_norm, offset=offset,
+                residual=residual, residual_dtype=self.h_dtype, x_scale_inv=x_scale_inv,
+                group_size=s.group)
+            return Float8NormOutput(q, scale_inv, amax, q_t,
+                                    h if residual is not None else None, mean, rstd,
+                                    s.scaling)
+        out = self._outputs()
+        operands = {"x": x, "h": x, "weight": weight, "bias": bias, "residual": residual,
+                    "x_scale_inv": x_scale_inv, "scale": scale}
+        tensors = {name: _kernel_operand(t) for name, t in operands.items() if t is not None}
+        if "residual_out" in out:
+            tensors["h"] = out["residual_out"]
+        tensors.update(out)
+        for name in ("amax", "scale_inv"):
+            if name in out:
+                tensors[name] = out[name].view(1)
+        stream = torch._C._cuda_getCurrentRawStream(self.device.index)
+        first, *rest = self.launchers
+        first(stream, tensors, eps, offset)
+        for launcher in rest:
+            if launcher.name == "fp8_quantize_normed":
+                launcher(stream, tensors, offset)
+            else:
+                launcher(stream, tensors)
+        scale_inv = out.get("scale_inv", out.get("q_scale"))
+        if s.scaling == "mx":
+            scale_inv = scale_inv.view(torch.float8_e8m0fnu)
+        return Float8NormOutput(out["q"], scale_inv, out.get("amax"), out.get("q_t"),
+                                out.get("residual_out"),
+                                out["mean"].view(stat) if "mean" in out else None,
+                                out["rstd"].view(stat), s.scaling)
+
+
+def _problem(spec: Fp8Spec, x, weight, bias, residual, rows: int, cols: int) -> Fp8Problem:
+    dtypes = tuple(DTYPE_NAMES.get(t.dtype, str(t.dtype))
+                   for t in (x, weight, bias, residual) if t is not None)
+    return Fp8Problem(op=spec.op, device_type=x.device.type, device_index=x.device.index,
+                      dtypes=dtypes, rows=rows, cols=cols, scaling=spec.scaling,
+                      transpose=spec.transpose, has_residual=residual is not None,
+                      max_offset=max(x.numel() - 1, 0),
+                      allow_experimental=experimental_enabled())
+
+
+def _layouts(spec: Fp8Spec, x, weight, bias, residual, h_dtype, rows, cols, partials
+             ) -> dict[str, ArrayLayout]:
+    """Every operand's layout as the kernels read it (contiguous, (rows, cols) views)."""
+    shape = (rows, cols)
+    layouts = {"x": _dense(x.dtype, shape), "rstd": _dense(torch.float32, (rows,)),
+               "q": _dense(spec.fp8_dtype, shape)}
+    if spec.layer_norm:
+        layouts["mean"] = _dense(torch.float32, (rows,))
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None:
+            layouts[name] = _dense(p.dtype, (1, cols))
+    if spec.group:
+        layouts["x_scale_inv"] = _dense(torch.float32, (rows, cols // spec.group))
+    if residual is not None:
+        layouts["residual"] = _dense(residual.dtype, shape)
+        layouts["residual_out"] = _dense(h_dtype, shape)
+    if spec.scaling in ("tensor", "delayed"):
+        layouts["amax_partial"] = _dense(torch.float32, (partials,))
+        layouts["amax"] = layouts["scale_inv"] = _dense(torch.float32, (1,))
+    if spec.scaling == "delayed":
+        layouts["scale"] = _dense(torch.float32, (1,))
+    if spec.scaling == "row":
+        layouts["q_scale"] = _dense(torch.float32, (rows, 1))
+    elif spec.scaling == "block":
+        layouts["q_scale"] = ArrayLayout("float32", (rows, cols // 128), (1, rows))
+    elif spec.scaling == "mx":
+        layouts["q_scale"] = _dense(torch.uint8, (rows, cols // 32))
+    if spec.transpose:
+        layouts["q_t"] = _dense(spec.fp8_dtype, (cols, rows))
+    return layouts
+
+
+def build_forward(spec: Fp8Spec, x, weight, bias, residual, residual_dtype,
+                  nominal_dtype: torch.dtype) -> Fp8ForwardCall:
+    """The prepared FP8 forward for these (already checked) operands."""
+    cols = x.shape[-1]
+    rows = x.numel() // cols if cols else 0
+    h_dtype = None if residual is None else (residual_dtype or residual.dtype)
+    decision = dispatch.decide_fp8(_problem(spec, x, weight, bias, residual, rows, cols))
+    call = Fp8ForwardCall(spec=spec, decision=decision, rows=rows, cols=cols,
+                          out_shape=tuple(x.shape), h_dtype=h_dtype,
+                          nominal_dtype=nominal_dtype, device=x.device)
+    if not decision.uses_kernel:
+        return call
+    plan, arch = decision.forward, decision.device.arch
+    features = Fp8NormFeatures(layer_norm=spec.layer_norm, has_weight=weight is not None,
+                               has_bias=bias is not None, has_residual=residual is not None,
+                               has_offset=spec.has_offset, group=spec.group)
+    fp8_max = cutile_fp8.FP8_MAX[DTYPE_NAMES[spec.fp8_dtype]]
+    call.partials = plan.grid if spec.scaling in ("tensor", "delayed") else 0
+    layouts = _layouts(spec, x, weight, bias, residual, h_dtype, rows, cols, call.partials)
+    two_passes = decision.quantize is not None
+    row_scaling = "amax" if two_passes else spec.scaling
+    kernels = [(cutile_fp8.bind_fp8_forward(plan, features, row_scaling, fp8_max), layouts)]
+    if two_passes:
+        # The second pass reads h: x as loaded (FP8 x with its multipliers), or the stored
+        # residual sum.
+        second = dict(layouts, h=layouts["residual_out"] if residual is not None
+                      else layouts["x"])
+        if residual is not None:
+            second.pop("x_scale_inv", None)
+        kernels.append((cutile_fp8.bind_fp8_quantize(
+            decision.quantize, features, call.partials, spec.scaling == "tensor",
+            spec.transpose, fp8_max), second))
+    elif spec.scaling == "delayed":
+        kernels.append((cutile_fp8.bind_fp8_amax_finish(call.partials,
+                                                        plan.dependent_launch), layouts))
+    call.launchers = [_Launcher(b, {k: v for k, v in kernel_layouts.items() if k in b.arrays},
+                                x.device, arch) for b, kernel_layouts in kernels]
+    return call
+
+
+# --- the backward of FP8 x -----------------------------------------------------------------
+
+
+@dataclass
+class Fp8InputBackwardCall:
+    """The backward of a norm of FP8 x with one operand layout: the FP8-input kernel and the
+    fixed-order reduction of its partial buffer, or the reference path."""
+
+    layer_norm: bool
+    group: int
+    decision: Fp8Decision
+    rows: int
+    cols: int
+    device: torch.device
+    groups: int = 0
+    partial: cutile.PartialBuffer | None = None
+    launch_row: _Launcher | None = None
+    launch_reduce: _Launcher | None = None
+
+    def run(self, dy, x, x_scale_inv, weight, bias, mean, rstd, offset: float):
+        """(dx, dweight, dbias): dx in dy's dtype."""
+        if not self.decision.uses_kernel:
+            h = reference.dequantize_groups(x, x_scale_inv, self.group)
+            dx, _, dweight, dbias = reference.norm_backward(
+                dy, None, h, weight, bias, mean, rstd, offset=offset, x_dtype=dy.dtype)
+            return dx, dweight, dbias
+        dev = self.device
+        dx = torch.empty(x.shape, dtype=dy.dtype, device=dev)
+        tensors = {"dy": _kernel_operand(dy), "x": _kernel_operand(x),
+                   "x_scale_inv": _kernel_operand(x_scale_inv), "rstd": rstd, "dx": dx}
+        if mean is not None:
+            tensors["mean"] = mean
+        dweight = dbias = partial = None
+        if self.groups:
+            partial = torch.empty(self.partial.shape, dtype=torch.float32, device=dev)
+            base = partial.view(-1)
+        if weight is not None:
+            tensors["weight"] = _kernel_operand(weight)
+            dweight = torch.empty_like(weight, memory_format=torch.contiguous_format)
+            tensors["partial_w"] = base[:self.partial.group_size]
+        if bias is not None:
+            dbias = torch.empty_like(bias, memory_format=torch.contiguous_format)
+            start = self.partial.group_offset(int(weight is not None)) // 4
+            tensors["partial_b"] = base[start:]
+        stream = torch._C._cuda_getCurrentRawStream(dev.index)
+        self.launch_row(stream, tensors, offset)
+        if self.groups:
+            outs = [t for t in (dweight, dbias) if t is not None]
+            self.launch_reduce(stream, {"partial": partial,
+                                        **dict(zip(("out_a", "out_b"), outs, strict=False))})
+        return dx, dweight, dbias
+
+
+def build_input_backward(op: str, dy, x, weight, bias, group: int) -> Fp8InputBackwardCall:
+    """The prepared backward of a norm of FP8 x for these (already checked) operands."""
+    cols = x.shape[-1]
+    rows = x.numel() // cols if cols else 0
+    spec = Fp8Spec(op, "row", x.dtype, False, group, False)
+    decision = dispatch.decide_fp8(_problem(spec, x, weight, bias, None, rows, cols))
+    call = Fp8InputBackwardCall(layer_norm=op == LAYER_NORM, group=group, decision=decision,
+                                rows=rows, cols=cols, device=x.device)
+    if not decision.uses_kernel:
+        return call
+    plan, arch = decision.backward, decision.device.arch
+    features = Fp8NormFeatures(layer_norm=op == LAYER_NORM, has_weight=weight is not None,
+                               has_bias=bias is not None, group=group)
+    call.groups = (weight is not None) + (bias is not None)
+    call.partial = cutile.PartialBuffer.of(plan, max(call.groups, 1))
+    shape = (rows, cols)
+    layouts = {"dy": _dense(dy.dtype, shape), "x": _dense(x.dtype, shape),
+               "x_scale_inv": _dense(torch.float32, (rows, cols // group)),
+               "rstd": _dense(torch.float32, (rows,)), "dx": _dense(dy.dtype, shape)}
+    if op == LAYER_NORM:
+        layouts["mean"] = _dense(torch.float32, (rows,))
+    partial = ArrayLayout("float32", *call.partial.group())
+    if weight is not None:
+        layouts["weight"] = _dense(weight.dtype, (1, cols))
+        layouts["partial_w"] = partial
+    if bias is not None:
+        layouts["partial_b"] = partial
+    # The bias needs no operand of its own: dbias is the column sum of dy.
+    call.launch_row = _Launcher(cutile_fp8.bind_fp8_input_backward(plan, features), layouts,
+                                x.device, arch)
+    if call.groups:
+        outs = [p for p in (weight, bias) if p is not None]
+        reduce_layouts = {"partial": ArrayLayout("float32", *call.partial.reduced())}
+        reduce_layouts |= {name: _dense(p.dtype, (cols,))
+                           for name, p in zip(("out_a", "out_b"), outs, strict=False)}
+        call.launch_reduce = _Launcher(cutile.bind_reduce(plan, call.groups), reduce_layouts,
+                                       x.device, arch)
+    return call
+
+
+# --- autograd and the ops ------------------------------------------------------------------
+
+
+class _Prepared:
+    """A layout's FP8 forward call with the options it was checked with."""
+
+    __slots__ = ("call", "eps", "offset")
+
+    def __init__(self, call: Fp8ForwardCall, eps: float, offset: float):
+        self.call, self.eps, self.offset = call, eps, offset
+
+
+def _prepared(op, x, weight, bias, residual, eps, offset, scaling, fp8_dtype, scale,
+              transpose, x_scale_inv, group_size, prenorm, residual_dtype) -> _Prepared:
+    """The prepared call for these arguments: looked up by their layout, or checked and
+    prepared the first time."""
+    try:
+        key = ("fp8", op, calls.layouts(x, weight, bias, residual, x_scale_inv, scale), eps,
+               offset, scaling, fp8_dtype, transpose, group_size, prenorm, residual_dtype,
+               x.requires_grad, experimental_enabled())
+        found = calls.lookup(key)
+    except (AttributeError, TypeError):  # not tensors
+        found = key = None
+    if found is None:
+        group = _check(op, x, weight, bias, residual, scaling, fp8_dtype, scale, transpose,
+                       x_scale_inv, group_size, prenorm, residual_dtype)
+        eps = checks.check_eps(op, eps)
+        offset = checks.check_offset(op, offset, weight)
+        spec = Fp8Spec(op, scaling, fp8_dtype, transpose, group, offset != 0)
+        nominal = torch.bfloat16 if group else x.dtype
+        found = _Prepared(build_forward(spec, x, weight, bias, residual, residual_dtype,
+                                        nominal), eps, offset)
+        if key is not None:
+            calls.store(key, found)
+    return found
+
+
+def _input_backward_call(call: Fp8ForwardCall, dy, x, weight, bias) -> Fp8InputBackwardCall:
+    key = ("fp8 input backward", dy.shape, dy.stride(), dy.dtype)
+    found = call.backward_calls.get(key)
+    if found is None:
+        found = call.backward_calls[key] = build_input_backward(call.spec.op, dy, x, weight,
+                                                                bias, call.spec.group)
+    return found
+
+
+class Fp8NormFunction(torch.autograd.Function):
+    """Returns the :class:`Float8NormTensor`, or (it, h) with a fused residual add. The
+    backward is the bf16 norms' over h (x, or the residual sum), or for FP8 x the FP8-input
+    kernel re-reading x and its multipliers."""
+
+    @staticmethod
+    def forward(ctx, prepared, x, weight, bias, residual, x_scale_inv, scale):
+        call = prepared.call
+        out = call.run(x, weight, bias, residual, x_scale_inv, scale, prepared.eps,
+                       prepared.offset)
+        y = Float8NormTensor(out.data, out.scale_inv, out.amax, out.data_t, out.scaling,
+                             call.nominal_dtype)
+        h = x if residual is None else out.h
+        ctx.save_for_backward(h, x_scale_inv, weight, bias, out.mean, out.rstd)
+        ctx.call, ctx.offset, ctx.x_dtype = call, prepared.offset, x.dtype
+        ctx.residual_dtype = None if residual is None else residual.dtype
+        return y if residual is None else (y, out.h)
+
+    @staticmethod
+    def backward(ctx, dy, dh=None):
+        h, x_scale_inv, weight, bias, mean, rstd = ctx.saved_tensors
+        call = ctx.call
+        if call.spec.group and ctx.residual_dtype is None:
+            dx, dweight, dbias = _input_backward_call(call, dy, h, weight, bias).run(
+                dy, h, x_scale_inv, weight, bias, mean, rstd, ctx.offset)
+            return None, None, dweight, dbias, None, None, None
+        key = (dy.shape, dy.stride(), dy.dtype,
+               None if dh is None else (dh.stride(), dh.dtype))
+        bwd = call.backward_calls.get(key)
+        if bwd is None:
+            spec = NormSpec(call.spec.op, call.spec.layer_norm)
+            bwd = call.backward_calls[key] = calls.backward_call(
+                spec, dy, dh, h, weight, bias, ctx.offset, call.nominal_dtype,
+                ctx.residual_dtype)
+        dx, dres, dweight, dbias = bwd.run(dy, dh, h, weight, bias, mean, rstd, ctx.offset)
+        return None, dx, dweight, dbias, dres, None, None
+
+
+def _apply(op, x, weight, bias, eps, scaling, fp8_dtype, scale, transpose, offset, residual,
+           prenorm, residual_dtype, x_scale_inv, group_size):
+    p = _prepared(op, x, weight, bias, residual, eps, offset, scaling, fp8_dtype, scale,
+                  transpose, x_scale_inv, group_size, prenorm, residual_dtype)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (x, weight, bias, residual)):
+        out = Fp8NormFunction.apply(p, x, weight, bias, residual, x_scale_inv, scale)
+        y, h = (out, None) if residual is None else out
+    else:
+        r = p.call.run(x, weight, bias, residual, x_scale_inv, scale, p.eps, p.offset)
+        y = Float8NormTensor(r.data, r.scale_inv, r.amax, r.data_t, r.scaling,
+                             p.call.nominal_dtype)
+        h = r.h
+    return (y, h) if prenorm else y
+
+
+_OPS_DOC = """
+    Args:
+        x: the input (..., N): bfloat16, float16, float32, or FP8 (E4M3/E5M2) with
+            ``x_scale_inv`` and ``group_size``. Read contiguous (other layouts are copied).
+        scaling: "tensor" (current per-tensor scaling: two passes, x read twice),
+            "delayed" (the given ``scale``), "row" (per token), "block" (1 x 128) or "mx"
+            (MXFP8: 1 x 32, E8M0); see the module docstring for each one's scale layout.
+        fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
+        scale: for "delayed", TE's quantize multiplier: a one-element float32 tensor.
+        transpose: also write the (N, M) copy (per-tensor scalings).
+        offset: Gemma's weight offset, ``offset + weight`` in fp32 (rms_norm only).
+        residual, prenorm, residual_dtype: a fused residual add, as in
+            :func:`tilenorm.rms_norm`; h is stored in ``residual_dtype`` (default the
+            residual's) and normalized as stored.
+        x_scale_inv, group_size: FP8 x's float32 multipliers, (M, N / group_size), one per
+            ``group_size`` (a power of two up to 128) consecutive elements of a row.
+"""
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *,
+             scaling: Scaling, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+             scale: torch.Tensor | None = None, transpose: bool = False, offset: float = 0.0,
+             residual: torch.Tensor | None = None, prenorm: bool = False,
+             residual_dtype: torch.dtype | None = None,
+             x_scale_inv: torch.Tensor | None = None, group_size: int | None = None
+             ) -> Float8NormTensor | tuple[Float8NormTensor, torch.Tensor]:
+    """RMSNorm over the last dimension with its output quantized to FP8: a
+    :class:`Float8NormTensor` (``(it, h)`` with ``prenorm=True``), differentiable in x (not
+    FP8 x), weight and residual; the gradient arrives in the tensor's nominal dtype.
+    """
+    return _apply(RMS_NORM, x, weight, None, eps, scaling, fp8_dtype, scale, transpose,
+                  offset, residual, prenorm, residual_dtype, x_scale_inv, group_size)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None, eps: float = 1e-5, *, scaling: Scaling,
+               fp8_dtype: torch.dtype = torch.float8_e4m3fn, scale: torch.Tensor | None = None,
+               transpose: bool = False, residual: torch.Tensor | None = None,
+               prenorm: bool = False, residual_dtype: torch.dtype | None = None,
+               x_scale_inv: torch.Tensor | None = None, group_size: int | None = None
+               ) -> Float8NormTensor | tuple[Float8NormTensor, torch.Tensor]:
+    """LayerNorm over the last dimension with its output quantized to FP8; as
+    :func:`rms_norm`.
+    """
+    return _apply(LAYER_NORM, x, weight, bias, eps, scaling, fp8_dtype, scale, transpose, 0.0,
+                  residual, prenorm, residual_dtype, x_scale_inv, group_size)
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6,
+                     *, scaling: Scaling, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+                     scale: torch.Tensor | None = None, transpose: bool = False,
+                     offset: float = 0.0, residual: torch.Tensor | None = None,
+                     residual_dtype: torch.dtype | None = None,
+                     x_scale_inv: torch.Tensor | None = None, group_size: int | None = None
+                     ) -> Float8NormOutput:
+    """The FP8-output RMSNorm without autograd, for a Function that keeps its own graph (a
+    COAT-style fused norm and GEMM): a :class:`Float8NormOutput`.
+    """
+    p = _prepared(RMS_NORM, x, weight, None, residual, eps, offset, scaling, fp8_dtype,
+                  scale, transpose, x_scale_inv, group_size, False, residual_dtype)
+    return p.call.run(x, weight, None, residual, x_scale_inv, scale, p.eps, p.offset)
+
+
+def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor | None = None,
+                       bias: torch.Tensor | None = None, eps: float = 1e-5, *,
+                       scaling: Scaling, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+                       scale: torch.Tensor | None = None, transpose: bool = False,
+                       residual: torch.Tensor | None = None,
+                       residual_dtype: torch.dtype | None = None,
+                       x_scale_inv: torch.Tensor | None = None,
+                       group_size: int | None = None) -> Float8NormOutput:
+    """The FP8-output LayerNorm without autograd: a :class:`Float8NormOutput`.
+    """
+    p = _prepared(LAYER_NORM, x, weight, bias, residual, eps, 0.0, scaling, fp8_dtype, scale,
+                  transpose, x_scale_inv, group_size, False, residual_dtype)
+    return p.call.run(x, weight, bias, residual, x_scale_inv, scale, p.eps, p.offset)
+
+
+for _op in (rms_norm, layer_norm, rms_norm_forward, layer_norm_forward):
+    _op.__doc__ += _OPS_DOC
+
+
+def _input_backward(op, dy, x, weight, bias, mean, rstd, x_scale_inv, group_size, offset):
+    _check(op, x, weight, bias, None, "row", torch.float8_e4m3fn, None, False, x_scale_inv,
+           group_size, False, None)
+    if x.dtype not in FP8_DTYPES:
+        raise ValueError(f"{op}: the FP8 backward takes FP8 x; for {x.dtype} x use "
+                         f"tilenorm.{op}_backward over h")
+    if not isinstance(dy, torch.Tensor) or dy.shape != x.shape or dy.device != x.device:
+        raise ValueError(f"{op}: dy must be a tensor of x's shape {tuple(x.shape)} on "
+                         f"{x.device}")
+    stat = x.shape[:-1]
+    for name, t in (("rstd", rstd), ("mean", mean)):
+        if (name == "rstd" or op == LAYER_NORM) and not (
+                isinstance(t, torch.Tensor) and t.shape == stat and t.dtype == torch.float32
+                and t.is_contiguous() and t.device == x.device):
+            raise ValueError(f"{op}: {name} must be the forward's: contiguous float32 of "
+                             f"shape {tuple(stat)} on {x.device}")
+    offset = checks.check_offset(op, offset, weight)
+    call = build_input_backward(op, dy, x, weight, bias, group_size)
+    return call.run(dy, x, x_scale_inv, weight, bias, mean, rstd, offset)
+
+
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
+                      rstd: torch.Tensor, *, x_scale_inv: torch.Tensor, group_size: int,
+                      offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The backward of :func:`rms_norm_forward` of FP8 x (no residual): ``(dx, dweight)``,
+    re-reading x and its multipliers; dx in dy's dtype, dweight in the weight's. (The
+    backward of bf16 x, or of a fused residual add, is :func:`tilenorm.rms_norm_backward`
+    over h: the FP8 output does not change it.)"""
+    return _input_backward(RMS_NORM, dy, x, weight, None, None, rstd, x_scale_inv,
+                           group_size, offset)[:2]
+
+
+def layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
+                        bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor, *,
+                        x_scale_inv: torch.Tensor, group_size: int
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The backward of :func:`layer_norm_forward` of FP8 x: ``(dx, dweight, dbias)``; see
+    :func:`rms_norm_backward`."""
+    return _input_backward(LAYER_NORM, dy, x, weight, bias, mean, rstd, x_scale_inv,
+                           group_size, 0.0)
+
+
+def explain(x: torch.Tensor, weight: torch.Tensor | None = None,
+            residual: torch.Tensor | None = None, *, scaling: Scaling,
+            bias: torch.Tensor | None = None, layer_norm: bool = False,
+            fp8_dtype: torch.dtype = torch.float8_e4m3fn, transpose: bool = False,
+            x_scale_inv: torch.Tensor | None = None, group_size: int | None = None
+            ) -> Fp8Decision:
+    """What the FP8 op decides to run for these operands, and why (``str()`` it)."""
+    op = LAYER_NORM if layer_norm else RMS_NORM
+    scale = torch.ones(1, device=x.device) if scaling == "delayed" else None
+    return _prepared(op, x, weight, bias, residual, 1e-6, 0.0, scaling, fp8_dtype, scale,
+                     transpose, x_scale_inv, group_size, False, None).call.decision

@@ -126,3 +126,120 @@ def norm_backward(dy: torch.Tensor, dres_in: torch.Tensor | None, h: torch.Tenso
         dweight = None if weight is None else _fold(g * x_hat, weight)
         dbias = None if bias is None else _fold(g, bias)
         return d.to(x_dtype or h.dtype), d.to(h.dtype), dweight, dbias
+
+
+# --- FP8 output (tilenorm.fp8) -------------------------------------------------------------
+#
+# The kernels' quantization (tilenorm/kernels/cutile_row_norm_fp8.py) in torch, on fp32 y:
+# the path of CPU tensors and of every FP8 case no kernel covers, and the one definition of
+# the scale conventions that the float64 reference (tilenorm.testing) reuses.
+
+#: Columns per scale of the block scalings: DeepSeek-V3's 1 x 128 and MXFP8's 1 x 32.
+FP8_BLOCK_COLS = {"block": 128, "mx": 32}
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def fp8_max(fp8_dtype: torch.dtype) -> float:
+    return torch.finfo(fp8_dtype).max
+
+
+def amax_skipping_nan(y: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """max |y| over ``dim`` (every dimension where None), NaN read as 0; 0 over nothing."""
+    a = torch.nan_to_num(y.abs(), nan=0.0)
+    dims = tuple(range(a.dim())) if dim is None else dim
+    if a.numel() == 0:
+        return torch.zeros_like(a.sum(dim=dims, keepdim=keepdim))
+    return a.amax(dim=dims, keepdim=keepdim)
+
+
+def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``fp8_max / amax``: 1 where amax is 0 or not finite, clamped to the largest fp32
+    where it would overflow (the kernels' ``_scale_of``)."""
+    amax = amax.float()
+    usable = (amax > 0) & (amax <= _FLOAT32_MAX)
+    scale = fp8_max(fp8_dtype) / torch.where(usable, amax, torch.ones_like(amax))
+    return torch.where(usable, scale.clamp(max=_FLOAT32_MAX), torch.ones_like(amax))
+
+
+def mx_exponent(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """int32 k, the smallest with ``amax <= fp8_max * 2^k``, from the fp32 bits of both
+    (clamped to [-127, 127]; 0 for amax = 0): the kernels' ``_mx_exponent``."""
+    a_bits = amax.float().view(torch.int32)
+    m_bits = torch.tensor(fp8_max(fp8_dtype), dtype=torch.float32).view(torch.int32)
+    k = ((a_bits >> 23) & 0xFF) - ((m_bits >> 23) & 0xFF)
+    k = k + ((a_bits & 0x7FFFFF) > (m_bits & 0x7FFFFF)).to(torch.int32)
+    return torch.where(amax > 0, k.clamp(-127, 127), torch.zeros_like(k))
+
+
+def saturate(v: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Clamp to +-fp8_max, NaN kept."""
+    m = fp8_max(fp8_dtype)
+    return torch.where(v > m, m, torch.where(v < -m, -m, v))
+
+
+def fp8_quantize(y: torch.Tensor, scaling: str, fp8_dtype: torch.dtype,
+                 scale: torch.Tensor | None = None, transpose: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                            torch.Tensor | None]:
+    """(q, scale_inv, amax, q_t) of fp32 ``y`` of shape (M, N), as the kernels lay them out:
+    scale_inv of shape () for "tensor" and "delayed" (whose given ``scale`` q uses), (M, 1)
+    for "row", (M, N / 128) with strides (1, M) for "block", (M, N / 32) E8M0 for "mx"; amax
+    (shape ()) for the per-tensor scalings, else None; q_t (N, M) where ``transpose``."""
+    rows, cols = y.shape
+    amax = None
+    if scaling in ("tensor", "delayed"):
+        amax = amax_skipping_nan(y)
+        s = scale_from_amax(amax, fp8_dtype) if scaling == "tensor" else \
+            scale.float().reshape(())
+        scaled, scale_inv = y * s, 1.0 / s
+    elif scaling == "row":
+        s = scale_from_amax(amax_skipping_nan(y, dim=1, keepdim=True), fp8_dtype)
+        scaled, scale_inv = y * s, 1.0 / s
+    else:
+        block = FP8_BLOCK_COLS[scaling]
+        y3 = y.reshape(rows, cols // block, block)
+        block_amax = amax_skipping_nan(y3, dim=2, keepdim=True)
+        if scaling == "mx":
+            k = mx_exponent(block_amax, fp8_dtype)
+            scaled = y3 * torch.pow(2.0, -k.float())
+            scale_inv = (k + 127).to(torch.uint8).reshape(rows, -1).view(torch.float8_e8m0fnu)
+        else:
+            s = scale_from_amax(block_amax, fp8_dtype)
+            scaled = y3 * s
+            scale_inv = (1.0 / s).reshape(rows, -1).t().contiguous().t()
+        scaled = scaled.reshape(rows, cols)
+    q = saturate(scaled, fp8_dtype).to(fp8_dtype)
+    q_t = q.t().contiguous() if transpose else None
+    return q, scale_inv, amax, q_t
+
+
+def dequantize_groups(x: torch.Tensor, x_scale_inv: torch.Tensor, group_size: int
+                      ) -> torch.Tensor:
+    """fp32 values of FP8 x (..., N) with one multiplier per ``group_size`` elements of a row
+    (x_scale_inv (M, N / group_size))."""
+    n = x.shape[-1]
+    xf = x.float().reshape(-1, n // group_size, group_size)
+    return (xf * x_scale_inv.float().reshape(-1, n // group_size, 1)).reshape(x.shape)
+
+
+def norm_fp8_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                     eps: float, *, scaling: str, fp8_dtype: torch.dtype,
+                     scale: torch.Tensor | None = None, transpose: bool = False,
+                     layer_norm: bool = False, offset: float = 0.0,
+                     residual: torch.Tensor | None = None,
+                     residual_dtype: torch.dtype | None = None,
+                     x_scale_inv: torch.Tensor | None = None, group_size: int = 0) -> tuple:
+    """(q, scale_inv, amax, q_t, h, mean, rstd) of a norm over the last dimension with FP8
+    output, computed as the kernels compute it (fp32). FP8 x comes with ``x_scale_inv`` and
+    ``group_size``; h is the dequantized x (fp32) without a residual, else the sum stored in
+    ``residual_dtype``."""
+    with torch.no_grad():
+        xv = dequantize_groups(x, x_scale_inv, group_size) if group_size else x
+        n = x.shape[-1]
+        y, h, mean, rstd = _forward(xv, weight, bias, eps, layer_norm, offset, residual,
+                                    residual_dtype, torch.float32, 1)
+        q, scale_inv, amax, q_t = fp8_quantize(y.reshape(-1, n), scaling, fp8_dtype, scale,
+                                               transpose)
+    stat = x.shape[:-1]
+    return (q.reshape(x.shape), scale_inv, amax, q_t, h,
+            None if mean is None else mean.reshape(stat), rstd.reshape(stat))
