@@ -299,10 +299,14 @@ class _Launcher:
             raise ValueError(f"{bound.name}: an operand overlaps itself")
         self.name, self.launch = bound.name, launch.launch
         self.names = [name for name in bound.arrays if name in layouts]
+        self.scalars = [name for name, _ in launch.recipe.scalars]
 
-    def __call__(self, stream: int, tensors: dict[str, torch.Tensor], *scalars: float):
+    def __call__(self, stream: int, tensors: dict[str, torch.Tensor],
+                 scalars: dict[str, float] | None = None):
+        """Launch on ``stream`` from the pointers of ``tensors`` and the runtime scalars the
+        kernel takes from ``scalars``, all by name."""
         if not self.launch(stream, *(tensors[name].data_ptr() for name in self.names),
-                           *scalars):
+                           *(scalars[name] for name in self.scalars)):
             raise RuntimeError(f"{self.name}: operands not 16-byte aligned")
 
 
@@ -353,7 +357,8 @@ class Fp8ForwardCall:
     #: The backward calls of this forward's saved operands, by the gradients' layouts.
     backward_calls: dict = field(default_factory=dict)
 
-    def _outputs(self) -> dict[str, torch.Tensor]:
+    def outputs(self) -> dict[str, torch.Tensor]:
+        """Fresh outputs of the kernels, by their array names (tests poison them)."""
         s, dev, rows, cols = self.spec, self.device, self.rows, self.cols
         out = {"q": torch.empty(self.out_shape, dtype=s.fp8_dtype, device=dev),
                "rstd": torch.empty(rows, dtype=torch.float32, device=dev)}
@@ -379,7 +384,6 @@ class Fp8ForwardCall:
     def run(self, x, weight, bias, residual, x_scale_inv, scale, eps: float, offset: float
             ) -> Float8NormOutput:
         s = self.spec
-        stat = self.out_shape[:-1]
         if not self.decision.uses_kernel:
             q, scale_inv, amax, q_t, h, mean, rstd = reference.norm_fp8_forward(
                 x, weight, bias, eps, scaling=s.scaling, fp8_dtype=s.fp8_dtype, scale=scale,
@@ -389,31 +393,36 @@ class Fp8ForwardCall:
             return Float8NormOutput(q, scale_inv, amax, q_t,
                                     h if residual is not None else None, mean, rstd,
                                     s.scaling)
-        out = self._outputs()
-        operands = {"x": x, "h": x, "weight": weight, "bias": bias, "residual": residual,
-                    "x_scale_inv": x_scale_inv, "scale": scale}
-        tensors = {name: _kernel_operand(t) for name, t in operands.items() if t is not None}
-        if "residual_out" in out:
-            tensors["h"] = out["residual_out"]
-        tensors.update(out)
+        out = self.outputs()
+        self.launch(out, x, weight, bias, residual, x_scale_inv, scale, eps, offset)
+        return self.result(out)
+
+    def launch(self, out: dict[str, torch.Tensor], x, weight, bias, residual, x_scale_inv,
+               scale, eps: float, offset: float) -> None:
+        """Launch the kernels on the current stream into ``out`` (from :meth:`outputs`)."""
+        xs = _kernel_operand(x)
+        tensors = {name: _kernel_operand(t) for name, t in (
+            ("weight", weight), ("bias", bias), ("residual", residual),
+            ("x_scale_inv", x_scale_inv), ("scale", scale)) if t is not None}
+        tensors.update(out, x=xs, h=out.get("residual_out", xs))
         for name in ("amax", "scale_inv"):
             if name in out:
                 tensors[name] = out[name].view(1)
         stream = torch._C._cuda_getCurrentRawStream(self.device.index)
-        first, *rest = self.launchers
-        first(stream, tensors, eps, offset)
-        for launcher in rest:
-            if launcher.name == "fp8_quantize_normed":
-                launcher(stream, tensors, offset)
-            else:
-                launcher(stream, tensors)
+        scalars = {"eps": eps, "offset": offset}
+        for launcher in self.launchers:
+            launcher(stream, tensors, scalars)
+
+    def result(self, out: dict[str, torch.Tensor]) -> Float8NormOutput:
+        """The launch's outputs as the op returns them."""
+        stat = self.out_shape[:-1]
         scale_inv = out.get("scale_inv", out.get("q_scale"))
-        if s.scaling == "mx":
+        if self.spec.scaling == "mx":
             scale_inv = scale_inv.view(torch.float8_e8m0fnu)
         return Float8NormOutput(out["q"], scale_inv, out.get("amax"), out.get("q_t"),
                                 out.get("residual_out"),
                                 out["mean"].view(stat) if "mean" in out else None,
-                                out["rstd"].view(stat), s.scaling)
+                                out["rstd"].view(stat), self.spec.scaling)
 
 
 def _problem(spec: Fp8Spec, x, weight, bias, residual, rows: int, cols: int) -> Fp8Problem:
@@ -543,7 +552,7 @@ class Fp8InputBackwardCall:
             start = self.partial.group_offset(int(weight is not None)) // 4
             tensors["partial_b"] = base[start:]
         stream = torch._C._cuda_getCurrentRawStream(dev.index)
-        self.launch_row(stream, tensors, offset)
+        self.launch_row(stream, tensors, {"offset": offset})
         if self.groups:
             outs = [t for t in (dweight, dbias) if t is not None]
             self.launch_reduce(stream, {"partial": partial,

@@ -202,11 +202,12 @@ def fp8_quantize(y: torch.Tensor, scaling: str, fp8_dtype: torch.dtype,
         if scaling == "mx":
             k = mx_exponent(block_amax, fp8_dtype)
             scaled = y3 * torch.pow(2.0, -k.float())
-            scale_inv = (k + 127).to(torch.uint8).reshape(rows, -1).view(torch.float8_e8m0fnu)
+            scale_inv = (k + 127).to(torch.uint8).reshape(rows, cols // block).view(
+                torch.float8_e8m0fnu)
         else:
             s = scale_from_amax(block_amax, fp8_dtype)
             scaled = y3 * s
-            scale_inv = (1.0 / s).reshape(rows, -1).t().contiguous().t()
+            scale_inv = (1.0 / s).reshape(rows, cols // block).t().contiguous().t()
         scaled = scaled.reshape(rows, cols)
     q = saturate(scaled, fp8_dtype).to(fp8_dtype)
     q_t = q.t().contiguous() if transpose else None
