@@ -317,3 +317,265 @@ def test_fp8_quantize_plan_covers_every_block_once():
 
 
 # --- kernels (GPU) -------------------------------------------------------------------------
+
+FP8_NAN_BYTES = {E4M3: (0x7F, 0xFF), E5M2: (0x7D, 0x7E, 0x7F, 0xFD, 0xFE, 0xFF)}
+
+
+def _poison(t: torch.Tensor) -> None:
+    if t.dtype in (E4M3, E5M2, torch.uint8):
+        t.view(torch.uint8).fill_(0xFF)  # NaN in both FP8 formats and in E8M0
+    else:
+        t.fill_(float("nan"))
+
+
+def _unwritten(name: str, t: torch.Tensor) -> bool:
+    if t.dtype in (E4M3, E5M2):
+        b = t.view(torch.uint8)
+        return bool(sum((b == nan).sum() for nan in FP8_NAN_BYTES[t.dtype]))
+    if t.dtype == torch.uint8:
+        return bool((t == 0xFF).any())
+    return bool(t.isnan().any())
+
+
+def run_kernels(op, x, w, b, scaling, fp8_dtype=E4M3, repeats=3, **kw):
+    """The op's prepared kernels on poisoned outputs: every output written, ``repeats``
+    reruns bit-identical. Returns the result."""
+    from tilenorm.pytorch import fp8 as fp8_ops
+
+    if scaling == "delayed" and "scale" not in kw:
+        kw["scale"] = torch.tensor([20.0], device=x.device)
+    scale, residual = kw.pop("scale", None), kw.pop("residual", None)
+    x_scale_inv, group_size = kw.pop("x_scale_inv", None), kw.pop("group_size", None)
+    eps = kw.pop("eps", 1e-6 if op == "rms_norm" else 1e-5)
+    with tilenorm.experimental():
+        p = fp8_ops._prepared(op, x, w, b, residual, eps, kw.pop("offset", 0.0), scaling,
+                              fp8_dtype, scale, kw.pop("transpose", False), x_scale_inv,
+                              group_size, False, kw.pop("residual_dtype", None))
+    assert not kw, kw
+    call = p.call
+    assert call.decision.uses_kernel, str(call.decision)
+    runs = []
+    for _ in range(1 + repeats):
+        out = call.outputs()
+        for t in out.values():
+            _poison(t)
+        call.launch(out, x, w, b, residual, x_scale_inv, scale, p.eps, p.offset)
+        runs.append(out)
+    torch.cuda.synchronize()
+    first = runs[0]
+    for name, t in first.items():
+        assert not _unwritten(name, t), f"{name} has unwritten (poisoned) elements"
+        for again in runs[1:]:
+            assert torch.equal(t.view(torch.uint8), again[name].view(torch.uint8)), \
+                f"{name} differs between runs"
+    return call.result(first)
+
+
+GPU_SHAPES = [(1000, 4096), (257, 128), (4097, 2048), (333, 5120), (64, 16384)]
+
+
+@gpu
+@pytest.mark.parametrize("rows,cols", GPU_SHAPES)
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_kernels_match_float64(op, fp8_dtype, scaling, rows, cols):
+    g, seed = fresh_generator("cuda")
+    x, w, b = _inputs(g, rows, cols, device="cuda", layer_norm=op == "layer_norm")
+    out = run_kernels(op, x, w, b, scaling, fp8_dtype)
+    ref = _reference(x.cpu(), w.cpu(), b if b is None else b.cpu(), scaling, fp8_dtype, out)
+    check_against_float64(out, ref, scaling, fp8_dtype)
+    assert rel_error(out.rstd.cpu(), ref.norm.rstd) <= 1e-5, seed
+
+
+@gpu
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+@pytest.mark.parametrize("cols", [1000, 3000])
+def test_kernels_on_rows_no_power_of_two(scaling, cols):
+    g, _ = fresh_generator("cuda")
+    x, w, _ = _inputs(g, 999, cols, device="cuda")
+    out = run_kernels("rms_norm", x, w, None, scaling)
+    check_against_float64(out, _reference(x.cpu(), w.cpu(), None, scaling, E4M3, out),
+                          scaling, E4M3)
+
+
+@gpu
+@pytest.mark.parametrize("case", ["residual bf16", "residual fp32 stream", "offset",
+                                  "fp32 x", "fp16 x", "no weight", "bf16 weight"])
+@pytest.mark.parametrize("scaling", ["tensor", "delayed", "row", "block"])
+def test_feature_kernels_match_float64(case, scaling):
+    g, seed = fresh_generator("cuda")
+    dtype = {"fp32 x": torch.float32, "fp16 x": torch.float16}.get(case, torch.bfloat16)
+    x, w, _ = _inputs(g, 1000, 4096, dtype=dtype, device="cuda")
+    kw = {}
+    if case == "no weight":
+        w = None
+    elif case == "bf16 weight":
+        w = w.to(torch.bfloat16)
+    elif case == "offset":
+        kw["offset"] = 1.0
+    elif case.startswith("residual"):
+        kw["residual"] = torch.randn(x.shape, generator=g, device="cuda").to(torch.bfloat16)
+        kw["residual_dtype"] = torch.float32 if "fp32" in case else None
+    out = run_kernels("rms_norm", x, w, None, scaling, **dict(kw))
+    h = x.cpu()
+    if "residual" in kw:
+        h = (x.float() + kw["residual"].float()).to(kw["residual_dtype"] or torch.bfloat16)
+        assert torch.equal(out.h, h), seed
+        h = h.cpu()
+    ref = float64_fp8_norm(h, None if w is None else w.cpu(), scaling=scaling,
+                           fp8_dtype=E4M3, offset=kw.get("offset", 0.0),
+                           scale=torch.tensor([20.0]) if scaling == "delayed" else None)
+    check_against_float64(out, ref, scaling, E4M3)
+
+
+@gpu
+@pytest.mark.parametrize("scaling", ["tensor", "delayed"])
+@pytest.mark.parametrize("rows,cols", [(1000, 4096), (4099, 2048), (70, 16384)])
+def test_transposed_copy_is_q_transposed_on_gpu(scaling, rows, cols):
+    g, _ = fresh_generator("cuda")
+    x, w, _ = _inputs(g, rows, cols, device="cuda")
+    out = run_kernels("rms_norm", x, w, None, scaling, transpose=True)
+    assert torch.equal(out.data_t.view(torch.uint8), out.data.t().view(torch.uint8))
+    check_against_float64(out, _reference(x.cpu(), w.cpu(), None, scaling, E4M3, out),
+                          scaling, E4M3)
+
+
+@gpu
+@pytest.mark.parametrize("group_size", [16, 128])
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
+def test_fp8_input_kernels_match_float64(group_size, op, scaling):
+    g, seed = fresh_generator("cuda")
+    rows, cols = 1000, 4096
+    _, w, b = _inputs(g, rows, cols, device="cuda", layer_norm=op == "layer_norm")
+    x = (torch.randn(rows, cols, generator=g, device="cuda") * 4).to(E4M3)
+    s = torch.rand(rows, cols // group_size, generator=g, device="cuda") + 0.5
+    dy = torch.randn(rows, cols, generator=g, device="cuda").to(torch.bfloat16)
+    kw = dict(x_scale_inv=s, group_size=group_size)
+    out = run_kernels(op, x, w, b, scaling, **dict(kw))
+    cpu = dict(x_scale_inv=s.cpu(), group_size=group_size)
+    ref = _reference(x.cpu(), w.cpu(), b if b is None else b.cpu(), scaling, E4M3, out,
+                     dy=dy.cpu(), **cpu)
+    check_against_float64(out, ref, scaling, E4M3)
+    runs = []
+    with tilenorm.experimental():
+        for _ in range(3):
+            if b is None:
+                runs.append(tilenorm.fp8.rms_norm_backward(dy, x, w, out.rstd, **kw))
+            else:
+                runs.append(tilenorm.fp8.layer_norm_backward(dy, x, w, b, out.mean, out.rstd,
+                                                             **kw))
+    for again in runs[1:]:
+        for t, u in zip(runs[0], again, strict=True):
+            assert torch.equal(t, u), f"the backward differs between runs; seed {seed}"
+    dx, dw = runs[0][:2]
+    assert rel_error(dx, ref.norm.dx) <= GRAD_TOL, seed
+    assert rel_error(dw, ref.norm.dweight) <= DGAMMA_TOL_FP32, seed
+    if b is not None:
+        assert rel_error(runs[0][2], ref.norm.dbias) <= DGAMMA_TOL_FP32, seed
+
+
+@gpu
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_zero_rows_saturation_and_nan_on_gpu(scaling):
+    g, _ = fresh_generator("cuda")
+    x, w, _ = _inputs(g, 512, 4096, device="cuda")
+    x[7] = 0
+    clean = run_kernels("rms_norm", x, w, None, scaling, repeats=0)
+    assert (clean.data[7].float() == 0).all()
+    s = testing.fp8_scales_per_element(clean.scale_inv.cpu(), scaling, 512, 4096)
+    assert s.isfinite().all()
+    if scaling in ("row", "block", "mx"):
+        assert (s[7] == 1).all()
+    x[100, 5] = float("nan")
+    dirty = run_kernels("rms_norm", x, w, None, scaling, repeats=0)
+    assert dirty.data[100].float().isnan().all()
+    rows = [r for r in range(512) if r != 100]
+    if scaling != "tensor":
+        assert torch.equal(dirty.data[rows].view(torch.uint8), clean.data[rows].view(torch.uint8))
+    assert testing.fp8_scales_per_element(dirty.scale_inv.cpu(), scaling, 512, 4096)[
+        rows].isfinite().all()
+    for fp8_dtype in (E4M3, E5M2):
+        hot = run_kernels("rms_norm", x, w, None, "delayed", fp8_dtype, repeats=0,
+                          scale=torch.tensor([1e6], device="cuda"))
+        q = hot.data[rows].float()
+        assert q.isfinite().all() and q.abs().max() == reference.fp8_max(fp8_dtype)
+
+
+@gpu
+def test_kernels_and_reference_path_quantize_alike():
+    """The kernels and the torch reference path compute y in fp32 in different orders: their
+    q may differ only where y sits on a rounding boundary, by one FP8 step."""
+    g, _ = fresh_generator("cuda")
+    x, w, _ = _inputs(g, 2048, 4096, device="cuda")
+    for scaling in SCALINGS:
+        out = run_kernels("rms_norm", x, w, None, scaling, repeats=0)
+        ref = _forward(x.cpu(), w.cpu(), None, scaling)
+        q, q_ref = out.data.cpu().float(), ref.data.float()
+        differ = q != q_ref
+        assert differ.float().mean() < 1e-3, scaling
+        step = testing.fp8_step(q_ref[differ], E4M3)
+        assert ((q[differ] - q_ref[differ]).abs() <= step * 1.001).all(), scaling
+
+
+@gpu
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_autograd_on_gpu_matches_float64_and_reruns_bit_identical(scaling, residual):
+    g, seed = fresh_generator("cuda")
+    x, w, _ = _inputs(g, 2048, 4096, device="cuda")
+    r = torch.randn(x.shape, generator=g, device="cuda").to(torch.bfloat16) if residual \
+        else None
+    dy = torch.randn(x.shape, generator=g, device="cuda").to(torch.bfloat16)
+    grads = []
+    with tilenorm.experimental():
+        for _ in range(3):
+            xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+            rs = None if r is None else r.clone().requires_grad_()
+            y = tilenorm.fp8.rms_norm(xs, ws, scaling=scaling, residual=rs)
+            assert y.dtype == torch.bfloat16 and y.fp8.dtype == E4M3
+            torch.autograd.backward(y, dy)
+            grads.append((xs.grad, ws.grad) + (() if rs is None else (rs.grad,)))
+    for again in grads[1:]:
+        for t, u in zip(grads[0], again, strict=True):
+            assert torch.equal(t, u), f"gradients differ between runs; seed {seed}"
+    ref = testing.float64_norm(x, w, residual=r, dy=dy)
+    assert rel_error(grads[0][0], ref.dx) <= GRAD_TOL, seed
+    if not residual:
+        assert rel_error(grads[0][1], ref.dweight) <= DGAMMA_TOL_FP32, seed
+
+
+def _scaled_mm_rowwise_supported() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0) and \
+        hasattr(torch, "_scaled_mm")
+
+
+@gpu
+@pytest.mark.skipif(not _scaled_mm_rowwise_supported(),
+                    reason="torch._scaled_mm with rowwise scales needs sm_90")
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+def test_scaled_mm_of_the_fp8_output_is_the_gemm_of_the_norm(scaling):
+    """q and scale_inv fed to torch._scaled_mm give the GEMM of the normalized input within
+    FP8 error: the layouts are the ones it takes."""
+    g, seed = fresh_generator("cuda")
+    m, k, n = 1024, 4096, 2048
+    x, w, _ = _inputs(g, m, k, device="cuda")
+    out = run_kernels("rms_norm", x, w, None, scaling, repeats=0)
+    b = torch.randn(n, k, generator=g, device="cuda") / k ** 0.5
+    b_q, scale_b, _, _ = reference.fp8_quantize(b, scaling, E4M3)  # b's scaling as a's
+    if scaling == "row":
+        scale_b = scale_b.reshape(1, n)
+    product = torch._scaled_mm(out.data, b_q.t(), scale_a=out.scale_inv, scale_b=scale_b,
+                               out_dtype=torch.bfloat16)
+    expected = testing.float64_norm(x, w).y @ b.double().t()
+    assert rel_error(product, expected) <= 0.06, seed
+
+
+@gpu
+def test_explain_on_gpu_names_the_fp8_kernels():
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    with tilenorm.experimental():
+        text = str(tilenorm.fp8.explain(x, torch.ones(4096, device="cuda"), scaling="tensor",
+                                        transpose=True))
+    assert "norm_fwd_fp8_single, fp8_quantize_normed" in text and "quantize:" in text
