@@ -14,6 +14,8 @@ ops use.
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 
@@ -165,7 +167,7 @@ def mx_exponent(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """int32 k, the smallest with ``amax <= fp8_max * 2^k``, from the fp32 bits of both
     (clamped to [-127, 127]; 0 for amax = 0): the kernels' ``_mx_exponent``."""
     a_bits = amax.float().view(torch.int32)
-    m_bits = torch.tensor(fp8_max(fp8_dtype), dtype=torch.float32).view(torch.int32)
+    (m_bits,) = struct.unpack("<i", struct.pack("<f", fp8_max(fp8_dtype)))
     k = ((a_bits >> 23) & 0xFF) - ((m_bits >> 23) & 0xFF)
     k = k + ((a_bits & 0x7FFFFF) > (m_bits & 0x7FFFFF)).to(torch.int32)
     return torch.where(amax > 0, k.clamp(-127, 127), torch.zeros_like(k))
