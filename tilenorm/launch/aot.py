@@ -387,6 +387,12 @@ def fp8_feature_variants() -> list[Fp8Variant]:
     return out
 
 
+def _typed(v: Fp8Variant) -> Fp8Variant:
+    """``v`` labelled with its (x, q) dtypes: ``python -m tilenorm`` builds such variants only
+    with ``--aot-all``, as the bf16 norms' dtype pairs."""
+    return replace(v, label=f"{v.label} {v.x_dtype}/{v.fp8}")
+
+
 def fp8_jobs() -> Iterator[ExportJob]:
     """Every FP8-output kernel configuration: the row kernel on every tile configuration
     (per-row scales), each scaling and FP8 format on the narrowest and widest tiles its
@@ -399,16 +405,16 @@ def fp8_jobs() -> Iterator[ExportJob]:
         chosen = fp8_plans("forward", min_cols=cutile_fp8.BLOCK_COLS.get(scaling, 16))
         for fp8 in FP8_MAX:
             for plan in (chosen[0], chosen[-1]):
-                yield fp8_row_job(plan, Fp8Variant(f"rms {fp8}", FP8_RMS, scaling, fp8))
-    for v in fp8_feature_variants():
+                yield fp8_row_job(plan, _typed(Fp8Variant("rms", FP8_RMS, scaling, fp8)))
+    for v in map(_typed, fp8_feature_variants()):
         op = "layer_norm" if v.features.layer_norm else "rms_norm"
         chosen = fp8_plans("forward", op, ITEMSIZE[v.x], min_cols=4096)
         for plan in (chosen[0], chosen[-1]):
             plan = replace(plan, index_bits=v.index_bits)
             for scaling in ("row", "amax"):
                 yield fp8_row_job(plan, replace(v, scaling=scaling))
-    for v in fp8_feature_variants() + [Fp8Variant("rms float8_e5m2", FP8_RMS,
-                                                  fp8="float8_e5m2")]:
+    for v in map(_typed, fp8_feature_variants() + [Fp8Variant("rms", FP8_RMS,
+                                                              fp8="float8_e5m2")]):
         for current in (True, False):
             for transpose in (False, True):
                 yield fp8_quantize_job(v, current, transpose)
@@ -428,9 +434,9 @@ def fp8_jobs() -> Iterator[ExportJob]:
         Fp8Variant("rms no-weight group 16", replace(FP8_RMS, has_weight=False, group=16)),
         Fp8Variant("rms offset group 16", replace(FP8_RMS, has_offset=True, group=16)),
         Fp8Variant("rms fp32 weight group 16", replace(FP8_RMS, group=16), weight="float32"),
-        Fp8Variant("rms e5m2 group 16", replace(FP8_RMS, group=16), fp8="float8_e5m2"),
+        Fp8Variant("rms group 16", replace(FP8_RMS, group=16), fp8="float8_e5m2"),
         Fp8Variant("rms group 16 64-bit offsets", replace(FP8_RMS, group=16), index_bits=64)]
-    for v in backward_variants:
+    for v in map(_typed, backward_variants):
         op = "layer_norm" if v.features.layer_norm else "rms_norm"
         chosen = fp8_plans("backward", op, min_cols=4096)
         for plan in (chosen[0], chosen[-1]):
