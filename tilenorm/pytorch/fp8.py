@@ -99,7 +99,16 @@ Function takes it as an input, reads ``.fp8`` and ``.scale_inv`` and returns a b
 for it, which reaches the norm's backward (dx in x's nominal dtype, bf16; dweight fp32 through
 the fixed-order partial buffer, bit-identical reruns). Any other use of the tensor sees its
 dequantized value (``q * scale_inv`` in the nominal dtype), so ordinary code stays correct. A
-COAT-style fused Function calls the launch-level pair instead.
+COAT-style fused Function calls the launch-level pair instead. FP8 x itself takes no gradient
+through autograd (torch would cast it to FP8; the op raises if it requires one): the weight's
+and the residual's gradients flow, and dx of FP8 x comes from the launch-level backward.
+
+Limits
+------
+Rows up to one tile (the forward's single-pass width: 32768 elements of 2-byte x for RMSNorm,
+16384 for LayerNorm; the FP8-input backward's, half that); wider rows take the reference path,
+and :func:`explain` names the limit. Operands are read contiguous (others are copied). MX
+scales are returned row-major, not in the 128 x 4 swizzle Blackwell's GEMMs read.
 """
 
 from __future__ import annotations
