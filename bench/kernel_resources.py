@@ -5,6 +5,7 @@ contiguous tensors, so the code is the code that runs; ``cuobjdump`` reads the r
 and the SASS (pip: nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm).
 
     python bench/kernel_resources.py [--gpu-code sm_90] [--ops rms,layer_norm]
+    python bench/kernel_resources.py --fp8        # the FP8-output kernels (tilenorm.fp8)
 """
 
 from __future__ import annotations
@@ -56,24 +57,54 @@ def resources(job: aot.ExportJob, gpu_code: str, tool: str) -> dict:
             "spill_loads": len(re.findall(r"\bLDL\b", sass))}
 
 
+def fp8_jobs() -> list[tuple[aot.ExportJob, str]]:
+    """(job, hints) of the FP8 kernels on every tile configuration: the row kernel with each
+    scaling its tile takes, the second pass (current scaling, transposed), the FP8-input
+    backward."""
+    from tilenorm.launch.cutile_fp8 import BLOCK_COLS
+
+    out = []
+    for plan in aot.fp8_plans("forward"):
+        hints = f"occ {plan.occupancy}, warps {plan.worker_warps or '-'}"
+        for scaling in ("amax", "delayed", "row", "block", "mx"):
+            if plan.tile_cols >= BLOCK_COLS.get(scaling, 16):
+                out.append((aot.fp8_row_job(plan, aot.Fp8Variant("rms", aot.FP8_RMS,
+                                                                 scaling)), hints))
+    out.append((aot.fp8_quantize_job(aot.Fp8Variant("rms", aot.FP8_RMS), True, True),
+                "second pass"))
+    for plan in aot.fp8_plans("backward"):
+        variant = aot.Fp8Variant("rms group 16", aot.replace(aot.FP8_RMS, group=16))
+        out.append((aot.fp8_backward_job(plan, variant),
+                    f"occ {plan.occupancy}, warps {plan.worker_warps or '-'}"))
+    return out
+
+
+def _print(job: aot.ExportJob, hints: str, gpu_code: str, tool: str) -> None:
+    r = resources(job, gpu_code, tool)
+    flag = "  SPILLS" if r["stack"] else ""
+    print(f"{job.label:>44} {hints:>18} {r['registers']:>5} {r['stack']:>6} "
+          f"{r['shared']:>7} {r['spill_stores']:>3}/{r['spill_loads']:<4}{flag}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpu-code", default="sm_90")
     parser.add_argument("--ops", default="rms,layer_norm")
+    parser.add_argument("--fp8", action="store_true", help="the FP8-output kernels instead")
     args = parser.parse_args()
     tool = cuobjdump()
     print(f"{'kernel':>44} {'hints':>18} {'regs':>5} {'stack':>6} {'smem':>7} {'STL/LDL':>8}")
+    if args.fp8:
+        for job, hints in fp8_jobs():
+            _print(job, hints, args.gpu_code, tool)
+        return
     for direction in ("forward", "backward"):
         for name in args.ops.split(","):
             v = aot.OP_VARIANTS[name]
             for plan in aot.plans(direction, aot.op_of(v)):
                 for job in aot.plan_jobs(plan, v):
-                    r = resources(job, args.gpu_code, tool)
                     hints = f"occ {plan.occupancy}, warps {plan.worker_warps or '-'}"
-                    flag = "  SPILLS" if r["stack"] else ""
-                    print(f"{job.label:>44} {hints:>18} {r['registers']:>5} {r['stack']:>6} "
-                          f"{r['shared']:>7} {r['spill_stores']:>3}/{r['spill_loads']:<4}{flag}",
-                          flush=True)
+                    _print(job, hints, args.gpu_code, tool)
 
 
 if __name__ == "__main__":
