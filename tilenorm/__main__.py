@@ -26,7 +26,13 @@ import torch
 
 import tilenorm
 from tilenorm import validation
-from tilenorm.testing import float64_norm, fresh_generator, rel_error
+from tilenorm.testing import (
+    float64_fp8_norm,
+    float64_norm,
+    fp8_rounding_excess,
+    fresh_generator,
+    rel_error,
+)
 
 EPS = 1e-6
 
@@ -109,6 +115,36 @@ def self_check(device: str) -> bool:
                 print(f"  {op:>10} {str(dtype)[6:]:>8} {str(shape):>14} via {path}: rel err "
                       f"y {errs[0]:.1e} dx {errs[1]:.1e} dparams {max(errs[2:]):.1e} "
                       f"{'ok' if passed else f'FAILED (seed {seed})'}")
+    return ok & fp8_self_check(device)
+
+
+def fp8_self_check(device: str) -> bool:
+    """The FP8-output RMSNorm with each scaling: q within FP8 rounding of float64 at its own
+    scales, and dx through autograd (the gradient in bf16) against float64."""
+    ok = True
+    g, seed = fresh_generator(device)
+    e4m3 = torch.float8_e4m3fn
+    with tilenorm.experimental(device == "cuda"):
+        for scaling in tilenorm.fp8.SCALINGS:
+            x = torch.randn(21, 4096, device=device, generator=g).to(torch.bfloat16)
+            w = 1 + 0.5 * torch.randn(4096, device=device, generator=g)
+            dy = torch.randn(x.shape, device=device, generator=g, dtype=torch.bfloat16)
+            scale = torch.tensor([20.0], device=device) if scaling == "delayed" else None
+            decision = tilenorm.fp8.explain(x, w, scaling=scaling)
+            xg = x.clone().requires_grad_()
+            y = tilenorm.fp8.rms_norm(xg, w, EPS, scaling=scaling, scale=scale)
+            y.backward(dy)
+            ref = float64_fp8_norm(x, w, eps=EPS, scaling=scaling, fp8_dtype=e4m3,
+                                   scale=scale, dy=dy)
+            excess = fp8_rounding_excess(y.fp8, y.scale_inv, scaling, ref.norm.y, e4m3)
+            dx_err = rel_error(xg.grad, ref.norm.dx)
+            passed = excess <= 1 and dx_err <= 1e-2
+            ok &= passed
+            path = (f"{decision.family.language} {', '.join(decision.kernels)}"
+                    if decision.uses_kernel else "reference")
+            print(f"  {'fp8 ' + scaling:>14} bfloat16 (21, 4096) via {path}: q at "
+                  f"{excess:.2f} of its rounding bound, dx {dx_err:.1e} "
+                  f"{'ok' if passed else f'FAILED (seed {seed})'}")
     return ok
 
 

@@ -38,9 +38,15 @@ scaling     scale_inv (what dequantizes: y ~ q * s)   layout
 M is the product of x's leading dimensions; q keeps x's shape. ``transpose=True`` also
 writes the (N, M) copy that the weight-gradient GEMM reads, from the same pass over y: for
 "tensor" and "delayed" (one scale serves both copies). Row and block scales run along N; the
-transposed copy needs its own along M (128 x 1 blocks), so for "row", "block" and "mx" it is
-designed (a second pass of 128-row column blocks, scales (N, M / 128)) but not built, and
-asking for it raises.
+transposed copy contracts over M and needs scales along M, so for "row", "block" and "mx" it
+is designed but not built, and asking for it raises. The design: "block" and "mx" take one
+more kernel after the row kernel, over (128 or 32 rows) x 128-column blocks, which re-reads x
+with the saved rstd, takes each column's amax over the block's rows (rows past M masked:
+LayerNorm's bias would otherwise count) and writes q_t with scales (N, M / 128) fp32, N
+contiguous (the transposed operand's BlockWise1x128 layout), or (N, M / 32) E8M0; "row"
+needs one scale per column over all M (torch._scaled_mm's rowwise scale of the (N, M)
+operand), so the row kernel would also fold a per-program column amax into a (grid, N)
+partial buffer that the transposing kernel reduces first, as the per-tensor scalings do.
 
 Scale conventions
 -----------------
