@@ -101,6 +101,14 @@ def plans(direction, op: str = "rms_norm", heads: int = 1, per_head: bool = Fals
     return list(by_config.values())
 
 
+
+def _partial_layouts(plan, f) -> dict[str, ArrayLayout]:
+    """dgamma's and dbeta's partial sums: side by side in one buffer (PartialBuffer)."""
+    partial = ArrayLayout("float32", *cutile.PartialBuffer.of(
+        plan, max(1, f.has_weight + f.has_bias)).group())
+    return {name: partial for name, has in (("partial_w", f.has_weight),
+                                            ("partial_b", f.has_bias)) if has}
+
 def plan_jobs(plan: RowNormPlan, v: Variant) -> Iterator[ExportJob]:
     f = v.features
     res = v.residual or "float32"
@@ -132,13 +140,7 @@ def plan_jobs(plan: RowNormPlan, v: Variant) -> Iterator[ExportJob]:
         layouts["dres_in"] = _dense(res, rows3)
     if split:
         layouts["dres"] = _dense(res, rows3)
-    # dgamma's and dbeta's partial sums lie side by side in one buffer (PartialBuffer).
-    partial = ArrayLayout("float32", *cutile.PartialBuffer.of(
-        plan, max(1, f.has_weight + f.has_bias)).group())
-    if f.has_weight:
-        layouts["partial_w"] = partial
-    if f.has_bias:
-        layouts["partial_b"] = partial
+    layouts.update(_partial_layouts(plan, f))
     if bound.first is not None:
         layouts["row_sums"] = _dense("float32", rows3[:2] + bound.workspace)
         yield _job(f"bwd row sums {name}", bound.first, layouts)
@@ -347,12 +349,7 @@ def fp8_backward_job(plan: RowNormPlan, v: Fp8Variant) -> ExportJob:
     layouts = _fp8_common_layouts(rows, cols, v)
     layouts.update(dy=_dense(v.x, (rows, cols)), x=_dense(v.fp8, (rows, cols)),
                    dx=_dense(v.x, (rows, cols)))
-    partial = ArrayLayout("float32", *cutile.PartialBuffer.of(
-        plan, max(1, f.has_weight + f.has_bias)).group())
-    if f.has_weight:
-        layouts["partial_w"] = partial
-    if f.has_bias:
-        layouts["partial_b"] = partial
+    layouts.update(_partial_layouts(plan, f))
     bound = cutile_fp8.bind_fp8_input_backward(replace(plan, index_bits=v.index_bits), f)
     return _job(f"fp8 input bwd {plan.tile_rows}x{plan.tile_cols} {v.label}", bound, layouts)
 
