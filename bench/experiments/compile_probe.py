@@ -1,18 +1,21 @@
-"""Where a compiled, host-bound training step's time goes with each norm provider (issue 17):
-a Llama-style model at the host-bound size (1 x 1024 tokens, hidden 512, 8 layers), whole
-model under ``torch.compile``, norms from torch (``torch.nn.RMSNorm`` swapped in) or tilenorm
-(norms only, or with the residual adds fused). Steps are timed interleaved across providers
-(CUDA events around each step, median); then one profiled step per provider lists the host
-ops by self CPU time and counts kernel launches; dynamo's counters show graph breaks and
+"""Where a compiled training step's time goes with each norm provider (issue 17): a
+Llama-style model at the host-bound size (1 x 1024 tokens, hidden 512, 8 layers) or, with
+``--size gpu``, bench_training's GPU-bound one (2 x 4096 tokens, hidden 2048), whole model
+under ``torch.compile``, norms from torch (``torch.nn.RMSNorm`` swapped in) or tilenorm (norms
+only, or with the residual adds fused). Steps are timed interleaved across providers (CUDA
+events around each step, median); then one profiled step per provider lists the host ops by
+self CPU time, counts kernel launches, and sums the GPU time of the norms' kernels (inductor's
+fused norm kernels, tilenorm's) against the step's; dynamo's counters show graph breaks and
 recompiles.
 
-    python bench/experiments/compile_probe.py [--steps 30] [--mode default]
+    python bench/experiments/compile_probe.py [--steps 30] [--mode default] [--size gpu]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import re
 import statistics
 import sys
 
@@ -21,12 +24,18 @@ import transformers
 
 import tilenorm.transformers as tt
 
+#: (batch, seq, hidden, intermediate, heads, kv heads): bench_training's Llama sizes.
+SIZES = {"host": (1, 1024, 512, 1408, 8, 4), "gpu": (2, 4096, 2048, 5632, 16, 8)}
+#: The kernels of a norm: inductor's fused ones name the op, tilenorm's are its own.
+NORM_KERNEL = re.compile(r"rms_norm|norm_fwd|norm_bwd|column_sums|row_sums|RowNorm")
 
-def build(seed: int = 0) -> torch.nn.Module:
+
+def build(size: str, seed: int = 0) -> torch.nn.Module:
+    _, seq, hidden, intermediate, heads, kv_heads = SIZES[size]
     config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-        max_position_embeddings=1024, use_cache=False)
+        vocab_size=32000, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=8, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=hidden // heads, max_position_embeddings=seq, use_cache=False)
     torch.manual_seed(seed)
     with torch.device("cuda"):
         model = transformers.LlamaForCausalLM(config)
@@ -48,10 +57,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--mode", default="default", help="torch.compile mode")
     parser.add_argument("--providers", default="torch,tilenorm,tilenorm+residual")
+    parser.add_argument("--size", choices=SIZES, default="host")
     args = parser.parse_args()
     torch._dynamo.config.cache_size_limit = 64
-    base = build()
-    ids = torch.randint(3, 32000, (1, 1024), device="cuda")
+    base = build(args.size)
+    batch, seq = SIZES[args.size][:2]
+    ids = torch.randint(3, 32000, (batch, seq), device="cuda")
     runs = {}
     for provider in args.providers.split(","):
         model = copy.deepcopy(base)
@@ -103,7 +114,15 @@ def main() -> None:
         launches = sum(e.count for e in events
                        if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
                                     "cudaLaunchKernelExC"))
-        print(f"\n== {provider}: {launches} kernel launches in one step")
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                   and e.self_device_time_total > 0]
+        norms = [e for e in kernels if NORM_KERNEL.search(e.key)]
+        norm_us = sum(e.self_device_time_total for e in norms)
+        total_us = sum(e.self_device_time_total for e in kernels)
+        print(f"\n== {provider}: {launches} kernel launches in one step; GPU time {total_us:.0f} "
+              f"us, of it the norms' kernels {norm_us:.0f} us in {sum(e.count for e in norms)}")
+        for e in sorted(norms, key=lambda e: -e.self_device_time_total):
+            print(f"   {e.self_device_time_total:9.1f} us {e.count:4d}x  {e.key[:110]}")
         print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
 
 
