@@ -1,11 +1,15 @@
 """tilenorm.jax's CUDA kernel path (XLA FFI calls of the prepared launches): on the CPU, that
 the FFI module builds, its targets register and a call lowered for CUDA holds the custom
-calls; on the GPU host (``gpu``), values and gradients against the float64 reference, bit-
-identical reruns and the torch side's results on the same inputs."""
+calls, under vmap, checkpoint, shard_map and NamedSharding-ed operands too; on the GPU host
+(``gpu``), values and gradients against the float64 reference, bit-identical reruns and the
+torch side's results on the same inputs. tests/test_jax_kernel_path.py runs the kernel path
+under JAX's transformations. Run these modules without tests/test_jax.py, which forces JAX's
+CPU backend (the GPU tests then skip)."""
 
 from __future__ import annotations
 
 import os
+import re
 
 # Before jax starts a backend: on the GPU host JAX would otherwise take 75% of the GPU's
 # memory from the torch tests beside it.
@@ -18,11 +22,13 @@ jax = pytest.importorskip("jax")
 jax.config.update("jax_enable_x64", True)
 
 import jax.numpy as jnp  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import tilenorm.jax as tj  # noqa: E402
 from tilenorm import dispatch as kernel_dispatch  # noqa: E402
 from tilenorm.device import DeviceInfo  # noqa: E402
-from tilenorm.jax import kernels, native  # noqa: E402
+from tilenorm.jax import kernels, native, sharding  # noqa: E402
 from tilenorm.launch.driver import LaunchRecipe  # noqa: E402
 from tilenorm.validation import CUTILE_NORM  # noqa: E402
 
@@ -119,6 +125,72 @@ def test_vmapped_backward_lowers_with_a_weight_gradient_per_example(kernel_path_
     assert native.BACKWARD_TARGET in _lowered_for_cuda(grad, x, w)
 
 
+def _one_device_mesh(explicit: bool = False) -> Mesh:
+    kind = AxisType.Explicit if explicit else AxisType.Auto
+    return Mesh(np.array(jax.devices()[:1]), ("data",), axis_types=(kind,))
+
+
+def _transformed(transform: str):
+    """(function of (x, w, r, dy, dh) returning outputs and gradients, its operands, how
+    many forward calls it lowers to) for a prenorm RMSNorm with Gemma's offset under one of
+    JAX's transformations."""
+    shape = (4, 6, 136)
+    x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    w = jax.ShapeDtypeStruct(shape[-1:], jnp.float32)
+    r = jax.ShapeDtypeStruct(shape, jnp.float32)
+    args = [x, w, r, x, r]
+
+    def norm(x, w, r):
+        return tj.rms_norm(x, w, residual=r, prenorm=True, offset=1.0)
+
+    forwards = 1
+    if transform == "checkpoint":
+        norm, forwards = jax.checkpoint(norm), 2  # the backward recomputes the forward
+    elif transform == "shard_map-helper":
+        def norm(x, w, r):  # noqa: F811
+            return sharding.rms_norm(x, w, residual=r, prenorm=True, offset=1.0,
+                                     mesh=_one_device_mesh(), spec=P("data"))
+    elif transform == "shard_map-inside":
+        plain = norm
+
+        def norm(x, w, r):  # noqa: F811
+            return jax.shard_map(plain, mesh=_one_device_mesh(),
+                                 in_specs=(P("data"), P(), P("data")),
+                                 out_specs=(P("data"), P("data")))(x, w, r)
+    elif transform.startswith("named-sharding"):
+        mesh = _one_device_mesh(explicit=transform.endswith("explicit"))
+        args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(
+            mesh, P("data") if a.ndim == 3 else P())) for a in args]
+
+    def step(x, w, r, dy, dh):
+        out, vjp = jax.vjp(norm, x, w, r)
+        return out, vjp((dy, dh))
+
+    if transform == "vmap":  # per-example weight gradients
+        step = jax.vmap(step, (0, None, 0, 0, 0))
+    elif transform == "nested-vmap":
+        step = jax.vmap(jax.vmap(step, (0, None, 0, 0, 0)), (0, None, 0, 0, 0))
+    return step, args, forwards
+
+
+@pytest.mark.parametrize("transform", [
+    "jit", "vmap", "nested-vmap", "checkpoint", "shard_map-helper", "shard_map-inside",
+    "named-sharding", "named-sharding-explicit"])
+def test_transformed_calls_lower_to_the_custom_calls(kernel_path_without_gpu, transform):
+    """What tests/test_jax_kernel_path.py runs on the GPU, lowered for CUDA here with the FFI
+    calls themselves (the emulation there replaces them): shard_map's type checks included."""
+    native.register_targets()
+    step, args, forwards = _transformed(transform)
+    text = _lowered_for_cuda(step, *args)
+    assert text.count(f"custom_call @{native.FORWARD_TARGET}(") == forwards
+    assert text.count(f"custom_call @{native.BACKWARD_TARGET}(") == 1
+    out, grads = jax.eval_shape(step, *args)
+    batch = {"vmap": args[0].shape[:1], "nested-vmap": args[0].shape[:2]}.get(transform, ())
+    assert grads[1].shape == batch + args[1].shape  # dweight, per example under vmap
+    if transform.startswith("shard_map"):  # dweight summed over the devices' rows
+        assert re.search(r"psum.*axes=\('data',\)", str(jax.make_jaxpr(step)(*args)))
+
+
 def test_kernel_path_is_installed_only_with_a_cuda_plugin():
     previous = tj.set_kernel_path(None)
     try:
@@ -152,11 +224,20 @@ def _on_gpu(t):
     return jax.device_put(t, _cuda_device())
 
 
-def _rel(out, ref) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    assert np.isfinite(out).all()
-    scale = np.linalg.norm(ref)
-    return np.linalg.norm(out - ref) / (scale if scale > 0 else 1.0)
+def _rel(out, ref, scale=None) -> float:
+    """:func:`tilenorm.testing.rel_error` of ``out`` (all finite) against ``ref`` (arrays or
+    torch tensors), in float64."""
+    torch = pytest.importorskip("torch")
+    from tilenorm.testing import rel_error
+
+    def t(a):
+        if isinstance(a, torch.Tensor):
+            return a.detach().double().cpu()
+        return torch.from_numpy(np.asarray(a, np.float64))
+
+    out = t(out)
+    assert torch.isfinite(out).all()
+    return rel_error(out, t(ref), None if scale is None else t(scale))
 
 
 def _reference64(x, w, b, r, eps, layer_norm, offset, dy, dh):

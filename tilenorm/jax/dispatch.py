@@ -22,8 +22,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec, reshard
 
 from tilenorm import dispatch as kernel_dispatch
 from tilenorm._experimental import experimental_enabled
@@ -51,6 +53,14 @@ class KernelPath:
 
 
 _kernel_path: KernelPath | None = None
+
+
+def varying_axes(t) -> frozenset:
+    """The ``shard_map`` mesh axes over which ``t`` varies: its type's
+    ``manual_axis_type.varying`` (JAX 0.10 on; ``vma`` before)."""
+    aval = jax.typeof(t)
+    manual = getattr(aval, "manual_axis_type", None)
+    return manual.varying if manual is not None else frozenset(getattr(aval, "vma", ()))
 
 
 def set_kernel_path(path: KernelPath | None) -> KernelPath | None:
@@ -137,10 +147,35 @@ def _either(spec: NormSpec, arrays: tuple, reference_fn: Callable, launch: str, 
     if path is not None:
         decision = decide(spec, x, residual, weight, bias, path.platform)
         if decision.uses_kernel:
-            kernel = functools.partial(getattr(path, launch), spec, decision.kernels)
-            return lax.platform_dependent(*arrays, default=functools.partial(reference_fn, spec),
+            reference_fn = functools.partial(reference_fn, spec)
+            kernel = _unsplit(functools.partial(getattr(path, launch), spec, decision.kernels),
+                              reference_fn)
+            return lax.platform_dependent(*arrays, default=reference_fn,
                                           **{path.platform: kernel})
     return reference_fn(spec, *arrays)
+
+
+def _split(t) -> bool:
+    """Whether ``t``'s type is split across explicit mesh axes."""
+    return t is not None and any(e is not None for e in jax.typeof(t).sharding.spec)
+
+
+def _unsplit(kernel: Callable, reference_fn: Callable) -> Callable:
+    """``kernel`` for operands whose types may be split across a mesh's explicit axes: the
+    kernel path reshapes its operands to the kernels' (rows, heads, cols), which such types
+    do not always allow, so it gets them replicated, and its results get the types of the
+    reference path's. Only a call on one device runs this way, where nothing moves; a call
+    partitioned across devices traces it for its types, and each device runs the computation
+    of its shard, whose operands are plain arrays."""
+    def run(*arrays):
+        if not any(_split(t) for t in arrays):
+            return kernel(*arrays)
+        wanted = jax.eval_shape(reference_fn, *arrays)
+        out = kernel(*(None if t is None else reshard(
+            t, NamedSharding(jax.typeof(t).sharding.mesh, PartitionSpec())) for t in arrays))
+        return tuple(o if o is None or jax.typeof(o).sharding.spec == w.sharding.spec
+                     else reshard(o, w.sharding) for o, w in zip(out, wanted, strict=True))
+    return run
 
 
 def forward(spec: NormSpec, x, residual, weight, bias):

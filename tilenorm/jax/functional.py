@@ -106,14 +106,6 @@ def _backward(spec: NormSpec, dy, dh, h, weight, bias, mean, rstd):
 # --- autodiff -------------------------------------------------------------------------------
 
 
-def _varying_axes(t) -> frozenset:
-    """The ``shard_map`` mesh axes over which ``t`` varies: its type's
-    ``manual_axis_type.varying`` (JAX 0.10 on; ``vma`` before)."""
-    aval = jax.typeof(t)
-    manual = getattr(aval, "manual_axis_type", None)
-    return manual.varying if manual is not None else frozenset(getattr(aval, "vma", ()))
-
-
 def _typed_like(gradient, primal):
     """``gradient`` with ``primal``'s type: summed over the ``shard_map`` axes it varies over
     and ``primal`` does not (the gradient of a parameter replicated across devices is the sum
@@ -121,7 +113,7 @@ def _typed_like(gradient, primal):
     explicit (a replicated weight's gradient from x split along its hidden dimension)."""
     if gradient is None:
         return None
-    axes = tuple(sorted(_varying_axes(gradient) - _varying_axes(primal)))
+    axes = tuple(sorted(dispatch.varying_axes(gradient) - dispatch.varying_axes(primal)))
     if axes:
         gradient = lax.psum(gradient, axes)
     wanted = jax.typeof(primal).sharding

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from tilenorm import dispatch as kernel_dispatch
 from tilenorm.arguments import dres_apart
@@ -167,8 +168,36 @@ class _Call:
         call = native.register_call([(r, table) for r in self.launches], pointers,
                                     [spec.eps, spec.offset], len(self.operands),
                                     len(self.results))
-        out = jax.ffi.ffi_call(target, self.results)(*self.operands, call=np.int64(call))
+        operands, results = _varying_alike(self.operands, self.results)
+        out = jax.ffi.ffi_call(target, results)(*operands, call=np.int64(call))
         return list(out[:-1])
+
+
+def _varying_alike(operands: list, results: list) -> tuple[list, list]:
+    """Inside ``shard_map`` (with its type checks): the operands cast to vary over the mesh
+    axes that any of them varies over (a replicated weight beside a split x), as an FFI
+    call's operands must, and the results typed as varying over them too, as the reference
+    path's results are (``lax.platform_dependent`` takes the branches' types to agree)."""
+    axes = frozenset().union(*(dispatch.varying_axes(t) for t in operands))
+    if not axes:
+        return operands, results
+    operands = [_vary(t, tuple(sorted(axes - dispatch.varying_axes(t)))) for t in operands]
+    aval = jax.typeof(operands[0])
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is None:  # JAX before 0.10
+        typed = {"vma": frozenset(aval.vma)}
+    else:  # the type's mesh: shard_map's, whose axes are manual
+        typed = {"manual_axis_type": manual,
+                 "sharding": NamedSharding(aval.sharding.mesh, PartitionSpec())}
+    return operands, [jax.ShapeDtypeStruct(r.shape, r.dtype, **typed) for r in results]
+
+
+def _vary(t: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``t`` cast to vary over ``axes`` as well (``lax.pcast``; ``lax.pvary`` before)."""
+    if not axes:
+        return t
+    pcast = getattr(jax.lax, "pcast", None)
+    return pcast(t, axes, to="varying") if pcast is not None else jax.lax.pvary(t, axes)
 
 
 @functools.lru_cache(maxsize=1024)

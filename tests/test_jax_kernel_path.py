@@ -1,0 +1,670 @@
+"""tilenorm.jax's kernel path under JAX's transformations (issue 18): reruns under jit,
+``jax.vmap``, ``jax.checkpoint``, donation, ``jax.grad`` and ``jax.value_and_grad``,
+``shard_map`` and ``NamedSharding``-ed operands on a one-device mesh, the Flax modules, and
+every dtype and feature, each against the float64 reference (:func:`tilenorm.testing.float64_norm`
+and :func:`tilenorm.testing.rel_error`) on fresh random inputs, each checking that the kernel
+path ran (the custom calls in the lowered program).
+
+Every test runs on two backends (the ``backend`` fixture):
+
+- ``cuda`` (marked ``gpu``): the kernel path installed by ``import tilenorm.jax`` (the cuTile
+  launches as XLA FFI calls) on the first CUDA device. Run this module without
+  tests/test_jax.py, which forces JAX's CPU backend:
+  ``python -m pytest -q -m gpu tests/test_jax_gpu.py tests/test_jax_kernel_path.py``.
+- ``emulated`` (the CPU): the kernel path's own code (:mod:`tilenorm.jax.kernels`: the
+  kernels' (rows, heads, cols) view of every operand, the vmapped dimensions moved next to the
+  heads, the launches' layouts, the registered call) with each FFI call replaced by a jnp
+  emulation of the kernels, which also checks that the layouts the launches were prepared with
+  are the shapes and dtypes of the call's operands and results. It checks the layout plumbing
+  and these tests themselves where there is no GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_jax_gpu import (
+    GRAD_TOL,
+    TOL,
+    _cuda_device,  # noqa: F401  (needs_cuda's condition is evaluated in this module)
+    _fake_decision,
+    _rel,
+    _unlaunchable_recipe,
+    needs_cuda,
+)
+
+jax = pytest.importorskip("jax")
+jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import tilenorm.jax as tj  # noqa: E402
+from tilenorm.arguments import dres_apart  # noqa: E402
+from tilenorm.jax import kernels, native, sharding  # noqa: E402
+from tilenorm.jax.dispatch import varying_axes  # noqa: E402
+from tilenorm.testing import float64_norm  # noqa: E402
+
+F32 = np.dtype(np.float32)
+
+
+# --- the emulated kernels ------------------------------------------------------------------
+
+
+def _emulated_forward(spec, ops: dict) -> dict:
+    """The forward kernel's outputs from its operands, all dense (rows, heads, cols): the
+    weight and bias (1, heads or 1, cols), the statistics (rows, heads)."""
+    x = ops["x"].astype(F32)
+    out = {}
+    if "residual" in ops:
+        h = (x + ops["residual"].astype(F32)).astype(spec.h_dtype)
+        out["residual_out"] = h
+        x = h.astype(F32)
+    n = x.shape[-1]
+    if spec.layer_norm:
+        mean = jnp.sum(x, -1) / n
+        out["mean"] = mean
+        x = x - mean[..., None]
+    rstd = jax.lax.rsqrt(jnp.sum(x * x, -1) / n + np.float32(spec.eps))
+    y = x * rstd[..., None]
+    if "weight" in ops:
+        y = y * (ops["weight"].astype(F32) + np.float32(spec.offset))
+    if "bias" in ops:
+        y = y + ops["bias"].astype(F32)
+    out["y"], out["rstd"] = y.astype(spec.out_dtype), rstd
+    return out
+
+
+def _emulated_backward(spec, ops: dict) -> dict:
+    """The backward kernels' outputs: dx (and dres where it is written apart), and the weight
+    and bias gradients of each kernel head, summed over rows, flat (heads * cols), as
+    ``out_a`` (the weight's, else the bias's) and ``out_b``."""
+    h, g, rstd = ops["h"].astype(F32), ops["dy"].astype(F32), ops["rstd"][..., None]
+    n = h.shape[-1]
+    x_hat = (h - ops["mean"][..., None] if "mean" in ops else h) * rstd
+    wdy = g * (ops["weight"].astype(F32) + np.float32(spec.offset)) if "weight" in ops else g
+    d = wdy - x_hat * (jnp.sum(x_hat * wdy, -1, keepdims=True) / n)
+    if spec.layer_norm:
+        d = d - jnp.sum(wdy, -1, keepdims=True) / n
+    d = d * rstd
+    if "dres_in" in ops:
+        d = d + ops["dres_in"].astype(F32)
+    out = {"dx": d.astype(spec.x_dtype)}
+    if dres_apart(spec.x_dtype, spec.residual_dtype):
+        out["dres"] = d.astype(spec.residual_dtype)
+    sums = ([jnp.sum(g * x_hat, 0)] if "weight" in ops else []) + (
+        [jnp.sum(g, 0)] if spec.has_bias else [])
+    for name, s in zip(("out_a", "out_b")[:len(sums)], sums, strict=True):
+        out[name] = s.reshape(-1)
+    return out
+
+
+class _EmulatedLaunches:
+    """The layouts each launch was prepared with (a recipe's ``kernel`` is its index here)."""
+
+    def __init__(self):
+        self.layouts: list[dict] = []
+
+    def recipe(self, bound, layouts, decision):
+        recipe = _unlaunchable_recipe(bound, layouts, decision)
+        self.layouts.append(dict(layouts))
+        return dataclasses.replace(recipe, kernel=len(self.layouts) - 1)
+
+    def check_layouts(self, call, operands, results) -> None:
+        """Every array a launch was prepared for is an operand or result of the call, of the
+        prepared shape and dtype (the partial buffer is one flat result that its groups and
+        the reduction view as they please)."""
+        placeholder = len(call.operands) + len(results) - 1
+        for recipe in call.launches:
+            for name, layout in self.layouts[recipe.kernel].items():
+                kind, index, _ = call.pointers[name]
+                buffer = index if kind == "operand" else len(call.operands) + index
+                assert buffer != placeholder, f"{name} points at the placeholder"
+                if name.startswith("partial"):
+                    continue
+                t = operands[index] if kind == "operand" else results[index]
+                assert (tuple(t.shape), np.dtype(t.dtype).name) == (
+                    layout.shape, layout.dtype), (name, t, layout)
+
+    def emit(self, original):
+        """``_Call.emit`` with the FFI call replaced by :meth:`run`, after JAX's own typing of
+        the call (its operands' and results' types: shapes, dtypes, ``shard_map``'s varying
+        axes) has accepted it."""
+        real_ffi_call = jax.ffi.ffi_call
+
+        def emit(call, target, spec):
+            def ffi_call(name, results):
+                assert name == target
+
+                def run(*operands, **attributes):
+                    declared = jax.eval_shape(
+                        functools.partial(real_ffi_call(name, results), **attributes),
+                        *operands)
+                    return self.run(call, target, spec, operands, results, declared)
+                return run
+
+            with mock.patch.object(jax.ffi, "ffi_call", ffi_call):
+                return original(call, target, spec)
+        return emit
+
+    def run(self, call, target, spec, operands, results, declared):
+        self.check_layouts(call, operands, results)
+        ops = {name: operands[i] for name, (kind, i, _) in call.pointers.items()
+               if kind == "operand"}
+        emulate = _emulated_forward if target == native.FORWARD_TARGET else _emulated_backward
+
+        def kernel(ops):
+            return emulate(spec, ops)
+
+        kernel.__name__ = f"emulated_{target}"  # the lowered program calls it by this name
+        outs = jax.jit(kernel)(ops)
+        named = {i: name for name, (kind, i, offset) in call.pointers.items()
+                 if kind == "result" and offset == 0 and name in outs
+                 and i < len(results) - 1}  # the last is the placeholder
+        values = []
+        for i, r in enumerate(results):
+            if i in named:  # of the type the FFI call declares
+                value = outs[named[i]]
+                assert (value.shape, value.dtype, varying_axes(value)) == (
+                    declared[i].shape, declared[i].dtype, varying_axes(declared[i])), (
+                    named[i], jax.typeof(value), declared[i])
+            else:  # workspaces and the placeholder, which the caller drops
+                value = jnp.zeros(r.shape, r.dtype)
+            values.append(value)
+        return values
+
+
+# --- the backends ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Backend:
+    name: str
+    device: object
+    call_pattern: str  # a custom call of the target in the lowered program
+
+    def put(self, t):
+        return None if t is None else jax.device_put(t, self.device)
+
+    def mesh(self, explicit: bool = False) -> Mesh:
+        kind = AxisType.Explicit if explicit else AxisType.Auto
+        return Mesh(np.array([self.device]), ("data",), axis_types=(kind,))
+
+    def calls(self, text: str, target: str) -> int:
+        """How many calls of the kernels' ``target`` the program text holds."""
+        return len(re.findall(self.call_pattern.format(re.escape(target)), text))
+
+    def same(self, a, b) -> bool:
+        """Whether two programs that run the same kernels on the same operands agree: on the
+        GPU to the bit (the kernels' reductions have a fixed order); the emulation is XLA's,
+        whose fusions round differently from one program to another, so there within a few
+        roundings."""
+        if self.name == "cuda":
+            return _identical(a, b)
+        la, lb = _leaves(a), _leaves(b)
+        return jax.tree.structure(a) == jax.tree.structure(b) and all(
+            p.dtype == q.dtype and p.shape == q.shape
+            and _rel(p, q) <= (1e-6 if p.dtype.itemsize >= 4 else 1e-3)
+            for p, q in zip(la, lb, strict=True))
+
+    def lowered_calls(self, fn, *args, target: str = native.FORWARD_TARGET) -> int:
+        return self.calls(jax.jit(fn).lower(*args).as_text(), target)
+
+    def compiled_calls(self, jitted, *args, target: str = native.FORWARD_TARGET) -> int:
+        """Calls of ``target`` in the program as compiled (after the partitioner ran the
+        ``custom_partitioning`` rules); the emulation's are in the lowered program."""
+        if self.name == "cuda":
+            text = jitted.lower(*args).compile().as_text()
+            return len(re.findall(rf'custom_call_target="{re.escape(target)}"', text))
+        return self.calls(jitted.lower(*args).as_text(), target)
+
+
+@pytest.fixture(params=["emulated",
+                        pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
+def backend(request, monkeypatch):
+    if request.param == "cuda":
+        path = tj.kernel_path()
+        assert path is not None and path.platform == "cuda" and \
+            path.forward is kernels.forward, "import tilenorm.jax installed no CUDA kernel path"
+        yield Backend("cuda", _cuda_device(), r"stablehlo\.custom_call @{}\(")
+        return
+    launches = _EmulatedLaunches()
+    monkeypatch.setattr(kernels, "launch_recipe", launches.recipe)
+    monkeypatch.setattr(kernels._Call, "emit", launches.emit(kernels._Call.emit))
+    kernels._forward_recipes.cache_clear()
+    kernels._backward_recipes.cache_clear()
+    previous = tj.set_kernel_path(tj.KernelPath("cpu", _fake_decision, kernels.forward,
+                                                kernels.backward))
+    yield Backend("emulated", jax.devices("cpu")[0], r"call @emulated_{}\(")
+    tj.set_kernel_path(previous)
+    kernels._forward_recipes.cache_clear()
+    kernels._backward_recipes.cache_clear()
+
+
+# --- cases and the float64 reference -------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One call: x's shape and dtype, LayerNorm (with a bias) or RMSNorm, a fused residual
+    add (with ``prenorm=True``: h is an output) of a residual of ``residual`` dtype stored in
+    ``stream`` (default the residual's), a weight per head, Gemma's offset."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: object
+    layer_norm: bool = False
+    residual: object = None
+    stream: object = None
+    per_head: bool = False
+    offset: float = 0.0
+
+    @property
+    def eps(self) -> float:
+        return 1e-5 if self.layer_norm else 1e-6
+
+    @property
+    def pshape(self) -> tuple[int, ...]:
+        return tuple(self.shape[-2:]) if self.per_head else (self.shape[-1],)
+
+    @property
+    def prenorm(self) -> bool:
+        return self.residual is not None
+
+    def norm(self, x, w, b, r):
+        if self.layer_norm:
+            return tj.layer_norm(x, w, b, self.eps, residual=r, prenorm=self.prenorm,
+                                 residual_dtype=self.stream)
+        return tj.rms_norm(x, w, self.eps, residual=r, prenorm=self.prenorm,
+                           residual_dtype=self.stream, per_head=self.per_head,
+                           offset=self.offset)
+
+    def inputs(self, backend, rng):
+        """Fresh random (x, w, b, r, dy, dh) on the backend's device."""
+        x = rand(rng, self.shape, self.dtype)
+        w = rand(rng, self.pshape, jnp.float32, 1.0, 0.3)
+        b = rand(rng, self.pshape, jnp.float32, 0.0, 0.2) if self.layer_norm else None
+        r = rand(rng, self.shape, self.residual) if self.prenorm else None
+        dy = rand(rng, self.shape, self.dtype)
+        dh = rand(rng, self.shape, self.stream or self.residual) if self.prenorm else None
+        return tuple(backend.put(t) for t in (x, w, b, r, dy, dh))
+
+    def explain(self, x, w, b, r):
+        return tj.explain(x, w, r, bias=b, layer_norm=self.layer_norm,
+                          per_head=self.per_head, residual_dtype=self.stream)
+
+    def float64(self, x, w, b, r, dy=None, dh=None):
+        """:func:`tilenorm.testing.float64_norm` of the call (a weight per head broadcast
+        to x, its gradients summed per head)."""
+        def t(a):
+            return None if a is None else torch.from_numpy(np.asarray(a, np.float64))
+
+        w64, b64 = t(w), t(b)
+        if self.per_head:
+            w64 = w64.expand(self.shape)
+        ref = float64_norm(t(x), w64, b64, self.eps, layer_norm=self.layer_norm,
+                           offset=self.offset, residual=t(r), dy=t(dy), dh=t(dh))
+        if self.per_head and ref.dweight is not None:
+            ref.dweight = ref.dweight.reshape((-1,) + self.pshape).sum(0)
+        return ref
+
+
+def fresh_rng() -> tuple[np.random.Generator, int]:
+    seed = int.from_bytes(os.urandom(4), "little")
+    return np.random.default_rng(seed), seed
+
+
+def rand(rng, shape, dtype, loc=0.0, scale=1.0):
+    return jnp.asarray(loc + scale * rng.standard_normal(shape), dtype)
+
+
+def _vjp_step(norm, prenorm: bool):
+    """(outputs, gradients of (x, w, b, r)) for the cotangents dy (and dh)."""
+    def step(x, w, b, r, dy, dh):
+        out, vjp = jax.vjp(norm, x, w, b, r)
+        return out, vjp((dy, dh) if prenorm else dy)
+    return step
+
+
+def _leaves(tree) -> list:
+    return [np.asarray(t) for t in jax.tree.leaves(tree)]
+
+
+def _identical(a, b) -> bool:
+    la, lb = _leaves(a), _leaves(b)
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(
+        p.dtype == q.dtype and p.shape == q.shape and np.array_equal(p, q, equal_nan=False)
+        for p, q in zip(la, lb, strict=True))
+
+
+def _check_grads(case, grads, ref, seed, what=""):
+    dx, dw, db, dr = grads
+    tol = GRAD_TOL[case.dtype]
+    assert _rel(dx, ref.dx) <= tol, (what, "dx", seed)
+    assert _rel(dw, ref.dweight) <= tol, (what, "dweight", seed)
+    if case.layer_norm:
+        assert _rel(db, ref.dbias) <= tol, (what, "dbias", seed)
+    if case.prenorm:
+        assert _rel(dr, ref.dresidual) <= tol, (what, "dresidual", seed)
+
+
+BF16, FP16, FP32 = jnp.bfloat16, jnp.float16, jnp.float32
+# Shapes are shared between tests: the kernels compile once per layout.
+RMS_BF16 = Case("rms-bf16", (16, 4096), BF16)
+GEMMA_FP16 = Case("rms-fp16-prenorm-gemma", (3, 7, 1000), FP16, residual=FP16, offset=1.0)
+LN_FP32 = Case("ln-fp32-odd", (9, 333), FP32, layer_norm=True)
+CASES = [
+    RMS_BF16,
+    GEMMA_FP16,
+    LN_FP32,
+    Case("rms-fp32-prenorm-odd", (9, 333), FP32, residual=FP32),
+    Case("rms-bf16-fp32-stream", (4, 5, 1000), BF16, residual=BF16, stream=FP32),
+    Case("rms-bf16-fp32-residual-gemma", (4, 5, 1000), BF16, residual=FP32, offset=1.0),
+    Case("ln-bf16-prenorm", (5, 2, 2000), BF16, layer_norm=True, residual=BF16),
+    Case("ln-fp16-prenorm-odd", (6, 77), FP16, layer_norm=True, residual=FP16),
+    Case("per-head-bf16-gemma", (6, 8, 128), BF16, per_head=True, offset=1.0),
+    Case("per-head-fp32-odd", (5, 3, 72), FP32, per_head=True),
+]
+
+
+# --- every dtype and feature: grad and value_and_grad under jit, reruns ---------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_value_and_grad_under_jit_and_bit_identical_reruns(backend, case):
+    rng, seed = fresh_rng()
+    x, w, b, r, dy, dh = case.inputs(backend, rng)
+    decision = case.explain(x, w, b, r)
+    assert decision.uses_kernel, str(decision)
+
+    def loss(x, w, b, r, dy, dh):
+        out = case.norm(x, w, b, r)
+        y, h = out if case.prenorm else (out, None)
+        total = jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+        if h is not None:
+            total = total + jnp.sum(h.astype(jnp.float32) * dh.astype(jnp.float32))
+        return total
+
+    args = (x, w, b, r, dy, dh)
+    value_and_grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+    text = value_and_grad.lower(*args).as_text()
+    assert backend.calls(text, native.FORWARD_TARGET) == 1
+    assert backend.calls(text, native.BACKWARD_TARGET) == 1
+    value, grads = first = value_and_grad(*args)
+    # y's gradient is dy exactly (dh, h's): the float64 reference of the same cotangents
+    ref = case.float64(x, w, b, r, dy, dh)
+    ref_value = float((ref.y * torch.from_numpy(np.asarray(dy, np.float64))).sum())
+    scale = ref.y.norm() * float(np.linalg.norm(np.asarray(dy, np.float64)))
+    if case.prenorm:
+        dh64 = torch.from_numpy(np.asarray(dh, np.float64))
+        ref_value += float((ref.h * dh64).sum())
+        scale = scale + ref.h.norm() * dh64.norm()
+    assert _rel(value, ref_value, scale) <= TOL[case.dtype], seed
+    _check_grads(case, grads, ref, seed)
+    # three runs of the compiled function, forward and backward: the same bits
+    for _ in range(2):
+        assert _identical(value_and_grad(*args), first), seed
+    # jax.grad under jit: the same kernels on the same operands
+    assert backend.same(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args), grads), seed
+    # the forward's outputs themselves
+    out = jax.jit(case.norm)(x, w, b, r)
+    y, h = out if case.prenorm else (out, None)
+    assert y.dtype == case.dtype and _rel(y, ref.y) <= TOL[case.dtype], seed
+    if case.prenorm:
+        assert h.dtype == (case.stream or case.residual)
+        assert _rel(h, ref.h) <= TOL[case.stream or case.residual], seed
+
+
+# --- vmap ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layer_norm", [False, True], ids=["rms", "ln"])
+def test_vmap_values_and_per_example_weight_gradients(backend, layer_norm):
+    rng, seed = fresh_rng()
+    case = dataclasses.replace(LN_FP32, shape=(3, 4, 333)) if layer_norm else \
+        dataclasses.replace(RMS_BF16, shape=(3, 5, 4096))
+    x, w, b, _, dy, _ = case.inputs(backend, rng)
+    batch = case.shape[0]
+
+    def norm(x, w, b):
+        return case.norm(x, w, b, None)
+
+    def loss(x, w, b, dy):
+        return jnp.sum(norm(x, w, b).astype(jnp.float32) * dy.astype(jnp.float32))
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    forward = jax.vmap(norm, (0, None, None))
+    per_example = jax.vmap(grad, (0, None, None, 0))
+    summed = jax.grad(lambda x, w, b, dy: jnp.sum(jax.vmap(loss, (0, None, None, 0))(
+        x, w, b, dy)), argnums=(0, 1, 2))
+    per_row = jax.vmap(per_example, (0, None, None, 0))  # nested: every row its own example
+    assert backend.lowered_calls(forward, x, w, b) == 1
+    for fn in (per_example, summed, per_row):
+        assert backend.lowered_calls(fn, x, w, b, dy, target=native.BACKWARD_TARGET) == 1
+
+    y = jax.jit(forward)(x, w, b)
+    g = jax.jit(per_example)(x, w, b, dy)
+    refs = [case.float64(x[i], w, b, None, dy[i]) for i in range(batch)]
+    loop_y = [jax.jit(norm)(x[i], w, b) for i in range(batch)]
+    loop_g = [jax.jit(grad)(x[i], w, b, dy[i]) for i in range(batch)]
+    tol, grad_tol = TOL[case.dtype], GRAD_TOL[case.dtype]
+    assert _rel(y, torch.stack([r.y for r in refs])) <= tol, seed
+    assert _rel(y, jnp.stack(loop_y)) <= tol, seed
+    assert g[1].shape == (batch,) + case.pshape  # a weight gradient per example
+    for k, name in enumerate(("dx", "dweight", "dbias")[:3 if layer_norm else 2]):
+        ref = torch.stack([getattr(r, name) for r in refs])
+        assert _rel(g[k], ref) <= grad_tol, (name, seed)
+        assert _rel(g[k], jnp.stack([lg[k] for lg in loop_g])) <= grad_tol, (name, seed)
+    # grad of vmap: the shared weight's gradient summed over the batch
+    whole = case.float64(x, w, b, None, dy)
+    sg = jax.jit(summed)(x, w, b, dy)
+    assert _rel(sg[0], whole.dx) <= grad_tol and _rel(sg[1], whole.dweight) <= grad_tol, seed
+    if layer_norm:
+        assert _rel(sg[2], whole.dbias) <= grad_tol, seed
+    # nested vmap: per-row weight gradients
+    rg = jax.jit(per_row)(x, w, b, dy)
+    assert rg[1].shape == case.shape
+    x2, dy2 = (np.asarray(t).reshape(-1, case.shape[-1]) for t in (x, dy))
+    rows = [case.float64(x2[i:i + 1], w, b, None, dy2[i:i + 1]) for i in range(len(x2))]
+    assert _rel(rg[1], torch.stack([r.dweight for r in rows]).reshape(case.shape)) <= \
+        grad_tol, seed
+    # a weight per example is the reference path's (the kernels take one weight per call)
+    wb = backend.put(rand(rng, (batch,) + case.pshape, jnp.float32, 1.0, 0.3))
+    assert backend.lowered_calls(jax.vmap(norm, (0, 0, None)), x, wb, b) == 0
+    yb = jax.jit(jax.vmap(norm, (0, 0, None)))(x, wb, b)
+    assert _rel(yb, torch.stack([case.float64(x[i], wb[i], b, None).y
+                                 for i in range(batch)])) <= tol, seed
+
+
+# --- checkpoint, donation --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", [LN_FP32, GEMMA_FP16], ids=lambda c: c.name)
+def test_checkpoint_recomputes_the_forward_with_the_same_results(backend, case):
+    rng, seed = fresh_rng()
+    args = case.inputs(backend, rng)
+    plain = jax.jit(_vjp_step(case.norm, case.prenorm))
+    expected = plain(*args)
+    ref = case.float64(*args)
+    _check_grads(case, expected[1], ref, seed)
+    policies = {"default": (None, 2),
+                "nothing_saveable": (jax.checkpoint_policies.nothing_saveable, 2),
+                "everything_saveable": (jax.checkpoint_policies.everything_saveable, 1)}
+    for name, (policy, forwards) in policies.items():
+        step = _vjp_step(jax.checkpoint(case.norm, policy=policy), case.prenorm)
+        text = jax.jit(step).lower(*args).as_text()
+        # the backward recomputes the forward unless the policy saves its results
+        assert backend.calls(text, native.FORWARD_TARGET) == forwards, name
+        assert backend.calls(text, native.BACKWARD_TARGET) == 1, name
+        # the same kernels on the same operands: the same bits
+        assert backend.same(jax.jit(step)(*args), expected), (name, seed)
+
+
+def test_donated_inputs_leave_the_results_unchanged(backend):
+    rng, seed = fresh_rng()
+    for case in (RMS_BF16, GEMMA_FP16):
+        x, w, b, r, dy, dh = case.inputs(backend, rng)
+        expected = jax.jit(case.norm)(x, w, b, r)
+        step = _vjp_step(case.norm, case.prenorm)
+        expected_step = jax.jit(step)(x, w, b, r, dy, dh)
+
+        def copy(t):
+            return None if t is None else jnp.array(t, copy=True)
+
+        # x (and the residual): the buffers of y (and h), which have their shapes
+        donated = [copy(x), copy(r)]
+        fn = jax.jit(case.norm, donate_argnums=(0, 3) if case.prenorm else (0,))
+        assert backend.calls(fn.lower(*donated[:1], w, b, donated[1]).as_text(),
+                             native.FORWARD_TARGET) == 1
+        out = fn(donated[0], w, b, donated[1])
+        assert backend.same(out, expected), (case.name, seed)
+        assert all(t.is_deleted() for t in donated if t is not None), case.name
+        # the backward: x, dy (and the residual, dh) donated to y, dx (and h, dresidual)
+        donated = [copy(t) for t in (x, r, dy, dh)]
+        jitted = jax.jit(step, donate_argnums=(0, 3, 4, 5) if case.prenorm else (0, 4))
+        operands = (donated[0], w, b, donated[1], donated[2], donated[3])
+        assert backend.calls(jitted.lower(*operands).as_text(), native.BACKWARD_TARGET) == 1
+        out = jitted(*operands)
+        assert backend.same(out, expected_step), (case.name, seed)
+        assert donated[0].is_deleted() and donated[2].is_deleted(), case.name
+        _check_grads(case, out[1], case.float64(x, w, b, r, dy, dh), seed, case.name)
+
+
+# --- one-device meshes -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", [RMS_BF16, LN_FP32, GEMMA_FP16], ids=lambda c: c.name)
+def test_shard_map_on_one_device_psums_the_weight_gradient(backend, case):
+    rng, seed = fresh_rng()
+    mesh = backend.mesh()
+    args = case.inputs(backend, rng)
+    spec = P("data")
+
+    def helper(x, w, b, r):
+        kw = dict(mesh=mesh, spec=spec, residual=r, prenorm=case.prenorm)
+        if case.layer_norm:
+            return sharding.layer_norm(x, w, b, case.eps, **kw)
+        return sharding.rms_norm(x, w, case.eps, offset=case.offset, **kw)
+
+    def inside(x, w, b, r):  # the op inside a user's shard_map
+        out = (spec, spec) if case.prenorm else spec
+        params = P() if b is not None else None
+        return jax.shard_map(lambda x, w, b, r: case.norm(x, w, b, r), mesh=mesh,
+                             in_specs=(spec, P(), params, spec if case.prenorm else None),
+                             out_specs=out)(x, w, b, r)
+
+    expected = jax.jit(_vjp_step(case.norm, case.prenorm))(*args)
+    for norm in (helper, inside):
+        step = _vjp_step(norm, case.prenorm)
+        jaxpr = str(jax.make_jaxpr(step)(*args))
+        assert re.search(r"psum\S*\[[^\]]*axes=\('data',\)", jaxpr), norm.__name__
+        text = jax.jit(step).lower(*args).as_text()
+        assert backend.calls(text, native.FORWARD_TARGET) == 1, norm.__name__
+        assert backend.calls(text, native.BACKWARD_TARGET) == 1, norm.__name__
+        # the same shard, the same kernels; a psum over one device: the same bits
+        assert backend.same(jax.jit(step)(*args), expected), (norm.__name__, seed)
+    _check_grads(case, expected[1], case.float64(*args), seed)
+
+
+@pytest.mark.parametrize("case,explicit", [(RMS_BF16, False), (LN_FP32, False),
+                                           (GEMMA_FP16, False), (GEMMA_FP16, True)],
+                         ids=["rms", "ln", "prenorm-gemma", "prenorm-gemma-explicit-axes"])
+def test_named_shardings_on_one_device_match_the_unsharded_call(backend, case, explicit):
+    rng, seed = fresh_rng()
+    mesh = backend.mesh(explicit)
+    args = case.inputs(backend, rng)
+    step = jax.jit(_vjp_step(case.norm, case.prenorm))
+    expected = step(*args)
+
+    def put(t, rows_split):
+        if t is None:
+            return None
+        return jax.device_put(t, NamedSharding(mesh, P("data") if rows_split else P()))
+
+    x, w, b, r, dy, dh = args
+    sharded = (put(x, True), put(w, False), put(b, False), put(r, True), put(dy, True),
+               put(dh, True))
+    assert backend.compiled_calls(step, *sharded) == 1
+    assert backend.compiled_calls(step, *sharded, target=native.BACKWARD_TARGET) == 1
+    out = step(*sharded)
+    assert backend.same(out, expected), seed
+    _check_grads(case, out[1], case.float64(*args), seed)
+
+
+# --- Flax ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+@pytest.mark.parametrize("kind", ["RMSNorm", "LayerNorm"])
+def test_flax_modules_run_the_kernel_path(backend, api, kind):
+    pytest.importorskip("flax")
+    import flax.linen as nn
+    from flax import nnx
+
+    import tilenorm.jax.flax as tf
+
+    rng, seed = fresh_rng()
+    layer_norm = kind == "LayerNorm"
+    case = Case(kind, (4, 7, 1000), BF16, layer_norm=layer_norm)
+    x = backend.put(rand(rng, case.shape, BF16, 1.0 if layer_norm else 0.0))
+    dy = backend.put(rand(rng, case.shape, jnp.float32))  # y is float32: bf16 x, fp32 params
+    names = ("scale", "bias") if layer_norm else ("scale",)
+
+    def perturbed(t):
+        return t + backend.put(rand(rng, t.shape, t.dtype, 0.0, 0.3))
+
+    if api == "linen":
+        ours, theirs = getattr(tf, kind)(epsilon=case.eps), getattr(nn, kind)(epsilon=case.eps)
+        key = jax.random.key(seed)
+        params, their_params = ours.init(key, x), theirs.init(key, x)
+        assert _identical(params, their_params)  # names, shapes, dtypes, values
+        params = jax.tree.map(perturbed, params)
+
+        def apply(params, x):
+            return ours.apply(params, x)
+
+        def param_values(params):
+            return [params["params"][n] for n in names]
+    else:
+        ours, theirs = (module(case.shape[-1], epsilon=case.eps, rngs=nnx.Rngs(seed))
+                        for module in (getattr(tf, "Nnx" + kind), getattr(nnx, kind)))
+        mine, their_state = nnx.state(ours, nnx.Param), nnx.state(theirs, nnx.Param)
+        assert _identical(mine, their_state)
+        graphdef, params = nnx.split(ours)
+        params = jax.tree.map(perturbed, params)
+
+        def apply(params, x):
+            return nnx.merge(graphdef, params)(x)
+
+        def param_values(params):
+            return [params[n][...] for n in names]
+
+    def loss(params, x, dy):
+        return jnp.sum(apply(params, x) * dy)
+
+    scale, *bias = param_values(params)
+    decision = tj.explain(x, scale, bias=bias[0] if bias else None, layer_norm=layer_norm,
+                          out_dtype=jnp.float32)
+    assert decision.uses_kernel, str(decision)
+    assert backend.lowered_calls(apply, params, x) == 1
+    grad = jax.grad(loss, argnums=(0, 1))
+    assert backend.lowered_calls(grad, params, x, dy, target=native.BACKWARD_TARGET) == 1
+    y = jax.jit(apply)(params, x)
+    dparams, dx = jax.jit(grad)(params, x, dy)
+    ref = case.float64(x, scale, bias[0] if bias else None, None, dy)
+    # float32 arithmetic on x shifted by 1 (LayerNorm): a tolerance of 1e-5, as flax's own
+    assert y.dtype == jnp.float32 and _rel(y, ref.y) <= 1e-5, seed
+    assert dx.dtype == BF16 and _rel(dx, ref.dx) <= GRAD_TOL[BF16], seed
+    grads = param_values(dparams)
+    assert _rel(grads[0], ref.dweight) <= GRAD_TOL[FP32], seed
+    if layer_norm:
+        assert _rel(grads[1], ref.dbias) <= GRAD_TOL[FP32], seed
