@@ -105,12 +105,13 @@ def _junit_counts(path: Path) -> dict:
     return total
 
 
-def summarize(junit: Path, commit: str, out: Path, markers: str | None = None) -> dict:
-    """On the GPU host after the GPU tests: what ran (``markers``: pytest's ``-m``), where,
-    and how it went."""
+def summarize(junits: list[Path], commit: str, out: Path, markers: str | None = None) -> dict:
+    """On the GPU host after the GPU tests (one JUnit file per pytest run): what ran
+    (``markers``: pytest's ``-m``), where, and how it went."""
     import torch
 
-    counts = _junit_counts(junit)
+    per_run = [_junit_counts(junit) for junit in junits]
+    counts = {key: sum(c[key] for c in per_run) for key in per_run[0]}
     summary = {
         "device": torch.cuda.get_device_name(),
         "arch": "sm_{}{}".format(*torch.cuda.get_device_capability()),
@@ -160,7 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tilenorm validation")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("summarize", help="summarize a GPU test run (on the GPU host)")
-    s.add_argument("--junit", type=Path, required=True)
+    s.add_argument("--junit", type=Path, required=True, action="append",
+                   help="a pytest run's JUnit XML (repeat for several runs)")
     s.add_argument("--commit", required=True)
     s.add_argument("--out", type=Path, required=True)
     s.add_argument("--markers", help="the pytest -m expression the run selected")
