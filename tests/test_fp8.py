@@ -8,7 +8,12 @@ import torch
 
 import tilenorm
 from tilenorm import testing
-from tilenorm.planner import UnsupportedShape, plan_fp8_quantize, plan_fp8_row
+from tilenorm.planner import (
+    UnsupportedShape,
+    plan_fp8_column_amax,
+    plan_fp8_quantize,
+    plan_fp8_row,
+)
 from tilenorm.pytorch import reference
 from tilenorm.testing import float64_fp8_norm, fp8_rounding_excess, fresh_generator, rel_error
 
@@ -42,30 +47,52 @@ def _reference(x, w, b, scaling, fp8_dtype, out, **kw):
     scale = kw.pop("scale", torch.tensor([20.0]) if scaling == "delayed" else None)
     return float64_fp8_norm(x, w, b, kw.pop("eps", 1e-6 if b is None else 1e-5),
                             scaling=scaling, fp8_dtype=fp8_dtype, scale=scale,
-                            layer_norm=b is not None, **kw)
+                            layer_norm=b is not None, transpose=out.data_t is not None, **kw)
 
 
-def check_against_float64(out, ref, scaling, fp8_dtype, scale_tol=1e-5):
-    """q is the float64 reference rounded to FP8 at q's own scales; the scales are the op's
-    functions of the float64 amax (fp32 y's amax differs from it by rounding only); the
-    per-tensor scale_inv is exactly the op's function of the amax it returns."""
-    assert fp8_rounding_excess(out.data, out.scale_inv, scaling, ref.norm.y, fp8_dtype) <= 1
+def _check_quantized(q, scale_inv, y, terms, ref_amax, ref_scale_inv, scaling, fp8_dtype,
+                     scale_tol):
+    """q is float64 ``y`` rounded to FP8 at q's own scales; the scales are the op's functions
+    of the float64 amax (fp32 y's amax differs from it by rounding only), in its layout."""
+    assert fp8_rounding_excess(q, scale_inv, scaling, y, fp8_dtype, terms) <= 1
     if scaling == "mx":
-        k = out.scale_inv.view(torch.uint8).int().cpu()
-        k_ref = ref.scale_inv.view(torch.uint8).int()
+        assert scale_inv.shape == ref_scale_inv.shape
+        k = scale_inv.view(torch.uint8).int().cpu()
+        k_ref = ref_scale_inv.view(torch.uint8).int()
         # A block's k may differ only where its amax sits on a power-of-two boundary.
-        near = (ref.amax.float() / reference.fp8_max(fp8_dtype)).log2()
+        near = (ref_amax.float() / reference.fp8_max(fp8_dtype)).log2()
         near = (near - near.round()).abs() < 1e-5
         assert ((k == k_ref) | near).all()
     else:
-        assert out.scale_inv.shape == ref.scale_inv.shape
-        assert out.scale_inv.stride() == ref.scale_inv.stride()
-        assert rel_error(out.scale_inv.cpu(), ref.scale_inv) <= scale_tol
+        assert scale_inv.shape == ref_scale_inv.shape
+        assert scale_inv.stride() == ref_scale_inv.stride()
+        assert rel_error(scale_inv.cpu(), ref_scale_inv) <= scale_tol
+
+
+def check_against_float64(out, ref, scaling, fp8_dtype, scale_tol=1e-5):
+    """q, and the transposed copy where there is one, are the float64 reference rounded to
+    FP8 at their own scales; the scales are the op's functions of the float64 amax of their
+    groups; the per-tensor scale_inv is exactly the op's function of the amax it returns,
+    and the per-tensor copy is q's transpose with the same scale."""
+    _check_quantized(out.data, out.scale_inv, ref.norm.y, ref.terms, ref.amax, ref.scale_inv,
+                     scaling, fp8_dtype, scale_tol)
     if scaling in ("tensor", "delayed"):
         assert rel_error(out.amax.cpu(), ref.amax) <= 1e-5
         if scaling == "tensor":
             exact = 1.0 / reference.scale_from_amax(out.amax.cpu(), fp8_dtype)
             assert torch.equal(out.scale_inv.cpu(), exact)
+    if out.data_t is None:
+        return
+    n = out.data.shape[-1]
+    assert out.data_t.shape == (n, out.data.numel() // max(n, 1))
+    if scaling in ("tensor", "delayed"):
+        assert out.scale_inv_t is out.scale_inv
+        assert torch.equal(out.data_t.view(torch.uint8),
+                           out.data.reshape(-1, n).t().view(torch.uint8))
+    else:
+        y_t = ref.norm.y.reshape(-1, n).t()
+        _check_quantized(out.data_t, out.scale_inv_t, y_t, ref.terms.t(), ref.amax_t,
+                         ref.scale_inv_t, scaling, fp8_dtype, scale_tol)
 
 
 # --- reference path (CPU) ------------------------------------------------------------------
@@ -103,8 +130,65 @@ def test_transposed_copy_is_q_transposed():
     x, w, _ = _inputs(g, 9, 256)
     for scaling in ("tensor", "delayed"):
         out = _forward(x, w, None, scaling, transpose=True)
-        assert out.data_t.shape == (256, 9)
+        assert out.data_t.shape == (256, 9) and out.scale_inv_t is out.scale_inv
         assert torch.equal(out.data_t.view(torch.uint8), out.data.t().view(torch.uint8))
+
+
+@pytest.mark.parametrize("scaling", ["row", "block", "mx"])
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+@pytest.mark.parametrize("rows,cols", [(7, 256), (200, 128), (300, 512)])
+def test_transposed_copy_with_scales_along_m_matches_float64(scaling, fp8_dtype, op, rows,
+                                                              cols):
+    """The (N, M) copy of a per-row, per-block or MX scaling: scales along M (per column of
+    y, per 128 x 1 or 32 x 1 block, the last one short where M is not a multiple), q_t the
+    float64 y^T rounded at them; q itself as without the copy."""
+    g, seed = fresh_generator()
+    x, w, b = _inputs(g, rows, cols, layer_norm=op == "layer_norm")
+    out = _forward(x, w, b, scaling, fp8_dtype, transpose=True)
+    check_against_float64(out, _reference(x, w, b, scaling, fp8_dtype, out), scaling,
+                          fp8_dtype)
+    plain = _forward(x, w, b, scaling, fp8_dtype)
+    assert torch.equal(out.data.view(torch.uint8), plain.data.view(torch.uint8)), seed
+    assert plain.data_t is None and plain.scale_inv_t is None
+
+
+def test_transposed_scale_layouts_are_what_gemms_take():
+    """The copy is the weight-gradient GEMM's operand over M: torch._scaled_mm takes its
+    rowwise scale as (N, 1) (as ``a``; ``.t()`` as ``b``), its 1 x 128 blocks along M as
+    (N, M / 128) with strides (1, N) (``a``, and ``b`` in scaled_mm v2; ``.t()``, (M / 128,
+    N) contiguous, for ``b`` in _scaled_mm), and MX's as (N, M / 32) E8M0 before the 128 x 4
+    swizzle."""
+    g, _ = fresh_generator()
+    x, w, _ = _inputs(g, 300, 256)
+    expected = {"row": ((256, 1), (1, 1), torch.float32),
+                "block": ((256, 3), (1, 256), torch.float32),
+                "mx": ((256, 10), (10, 1), torch.float8_e8m0fnu)}
+    for scaling, (shape, strides, dtype) in expected.items():
+        out = _forward(x, w, None, scaling, transpose=True)
+        assert out.data_t.shape == (256, 300) and out.data_t.is_contiguous()
+        t = out.scale_inv_t
+        assert (t.shape, t.stride(), t.dtype) == (shape, strides, dtype), scaling
+    dequantized = out.dequantize_t()
+    assert dequantized.shape == (256, 300) and dequantized.isfinite().all()
+
+
+@pytest.mark.parametrize("scaling", ["row", "block", "mx"])
+def test_transposed_copy_keeps_nan_in_its_column(scaling):
+    """A NaN in x makes its row of y NaN: that column of q_t quantizes to NaN, every scale
+    stays finite and every other element is the float64 reference (NaN skipped)."""
+    g, seed = fresh_generator()
+    x, w, _ = _inputs(g, 160, 256)
+    x[37, 5] = float("nan")
+    w[9] = 0  # a column of y all zero: scale_inv 1, q 0
+    out = _forward(x, w, None, scaling, transpose=True)
+    q_t = out.data_t.float()
+    assert q_t[:, 37].isnan().all() and not q_t[:, :37].isnan().any(), seed
+    s = testing.fp8_scales_per_element(out.scale_inv_t, scaling, 256, 160)
+    assert s.isfinite().all()
+    others = [m for m in range(160) if m != 37]  # y of the NaN row is NaN in column 9 too
+    assert (q_t[9, others] == 0).all() and (s[9] == 1).all()
+    check_against_float64(out, _reference(x, w, None, scaling, E4M3, out), scaling, E4M3)
 
 
 @pytest.mark.parametrize("scaling", SCALINGS)
@@ -251,8 +335,6 @@ def test_float8_norm_tensor_reads_as_its_dequantized_value():
     (lambda x, w: tilenorm.fp8.rms_norm(x, w, scaling="delayed"), ValueError, "scale"),
     (lambda x, w: tilenorm.fp8.rms_norm(x, w, scaling="row", scale=torch.ones(1)),
      ValueError, "delayed"),
-    (lambda x, w: tilenorm.fp8.rms_norm(x, w, scaling="row", transpose=True), ValueError,
-     "per-tensor"),
     (lambda x, w: tilenorm.fp8.rms_norm(x[:, :96], w[:96], scaling="block"), ValueError,
      "multiple of 128"),
     (lambda x, w: tilenorm.fp8.rms_norm(x[:, :48], w[:48], scaling="mx"), ValueError,
@@ -309,11 +391,24 @@ def test_fp8_row_plans_are_single_pass_and_persistent_where_asked():
         plan_fp8_row(64, 16385, itemsize=1, sm_count=132, arch=(9, 0), direction="backward")
 
 
-def test_fp8_quantize_plan_covers_every_block_once():
-    p = plan_fp8_quantize(1000, 4100, sm_count=132, arch=(9, 0), dependent_launch=False)
+@pytest.mark.parametrize("column_blocks", [False, True])
+def test_fp8_quantize_plan_covers_every_block_once(column_blocks):
+    p = plan_fp8_quantize(1000, 4100, sm_count=132, arch=(9, 0), dependent_launch=False,
+                          column_blocks=column_blocks)
     covered = [b for program in range(p.grid) for b in range(program, p.blocks, p.grid)]
     assert sorted(covered) == list(range(p.blocks))
     assert p.blocks == -(-1000 // p.tile_rows) * -(-4100 // p.tile_cols)
+    # Whole groups of FP8 x's multipliers; whole 128 x 1 and 32 x 1 blocks of a column.
+    assert p.tile_cols % tilenorm.pytorch.fp8.MAX_GROUP_SIZE == 0
+    if column_blocks:
+        assert p.tile_rows % 128 == 0
+
+
+@pytest.mark.parametrize("cols", [16, 100, 128, 4096, 5000, 32768])
+def test_fp8_column_amax_plan_covers_every_column_once(cols):
+    p = plan_fp8_column_amax(264, cols, arch=(9, 0), dependent_launch=True)
+    assert p.grid * p.tile_cols >= cols > (p.grid - 1) * p.tile_cols
+    assert p.tile_cols & (p.tile_cols - 1) == 0 and p.tile_rows & (p.tile_rows - 1) == 0
 
 
 # --- kernels (GPU) -------------------------------------------------------------------------
@@ -326,6 +421,12 @@ def _poison(t: torch.Tensor) -> None:
         t.view(torch.uint8).fill_(0xFF)  # NaN in both FP8 formats and in E8M0
     else:
         t.fill_(float("nan"))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes in its logical order (NaN compares equal to itself): flat, as viewing a
+    wider dtype as bytes takes a dimension with unit stride."""
+    return t.reshape(-1).view(torch.uint8)
 
 
 def _unwritten(name: str, t: torch.Tensor) -> bool:
@@ -366,8 +467,7 @@ def run_kernels(op, x, w, b, scaling, fp8_dtype=E4M3, repeats=3, **kw):
     for name, t in first.items():
         assert not _unwritten(name, t), f"{name} has unwritten (poisoned) elements"
         for again in runs[1:]:
-            assert torch.equal(t.view(torch.uint8), again[name].view(torch.uint8)), \
-                f"{name} differs between runs"
+            assert torch.equal(_bits(t), _bits(again[name])), f"{name} differs between runs"
     return call.result(first)
 
 
@@ -403,7 +503,8 @@ def test_kernels_on_rows_no_power_of_two(scaling, cols):
 @pytest.mark.parametrize("case", ["residual bf16", "residual fp32 stream", "offset",
                                   "fp32 x", "fp16 x", "no weight", "bf16 weight"])
 @pytest.mark.parametrize("scaling", ["tensor", "delayed", "row", "block"])
-def test_feature_kernels_match_float64(case, scaling):
+@pytest.mark.parametrize("transpose", [False, True])
+def test_feature_kernels_match_float64(case, scaling, transpose):
     g, seed = fresh_generator("cuda")
     dtype = {"fp32 x": torch.float32, "fp16 x": torch.float16}.get(case, torch.bfloat16)
     x, w, _ = _inputs(g, 1000, 4096, dtype=dtype, device="cuda")
@@ -417,7 +518,7 @@ def test_feature_kernels_match_float64(case, scaling):
     elif case.startswith("residual"):
         kw["residual"] = torch.randn(x.shape, generator=g, device="cuda").to(torch.bfloat16)
         kw["residual_dtype"] = torch.float32 if "fp32" in case else None
-    out = run_kernels("rms_norm", x, w, None, scaling, **dict(kw))
+    out = run_kernels("rms_norm", x, w, None, scaling, transpose=transpose, **dict(kw))
     h = x.cpu()
     if "residual" in kw:
         h = (x.float() + kw["residual"].float()).to(kw["residual_dtype"] or torch.bfloat16)
@@ -425,7 +526,8 @@ def test_feature_kernels_match_float64(case, scaling):
         h = h.cpu()
     ref = float64_fp8_norm(h, None if w is None else w.cpu(), scaling=scaling,
                            fp8_dtype=E4M3, offset=kw.get("offset", 0.0),
-                           scale=torch.tensor([20.0]) if scaling == "delayed" else None)
+                           scale=torch.tensor([20.0]) if scaling == "delayed" else None,
+                           transpose=transpose)
     check_against_float64(out, ref, scaling, E4M3)
 
 
@@ -442,10 +544,68 @@ def test_transposed_copy_is_q_transposed_on_gpu(scaling, rows, cols):
 
 
 @gpu
+@pytest.mark.parametrize("scaling", ["row", "block", "mx"])
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+@pytest.mark.parametrize("rows,cols", GPU_SHAPES + [(4133, 4096), (100, 256)])
+def test_transposed_copy_with_scales_along_m_on_gpu(op, fp8_dtype, scaling, rows, cols):
+    """The row kernel, the column-amax reduction ("row") and the transposing kernel on
+    poisoned outputs, reruns bit-identical: the dequantized (N, M) copy is the float64 y^T
+    within FP8 rounding at its own scales, the scales are the op's functions of the float64
+    amax along M (M not a multiple of 128 or 32 included), and q is as without the copy."""
+    g, seed = fresh_generator("cuda")
+    x, w, b = _inputs(g, rows, cols, device="cuda", layer_norm=op == "layer_norm")
+    out = run_kernels(op, x, w, b, scaling, fp8_dtype, transpose=True)
+    ref = _reference(x.cpu(), w.cpu(), b if b is None else b.cpu(), scaling, fp8_dtype, out)
+    check_against_float64(out, ref, scaling, fp8_dtype)
+    plain = run_kernels(op, x, w, b, scaling, fp8_dtype, repeats=0)
+    assert torch.equal(out.data.view(torch.uint8), plain.data.view(torch.uint8)), seed
+    assert torch.equal(_bits(out.scale_inv), _bits(plain.scale_inv))
+
+
+@gpu
+@pytest.mark.parametrize("scaling", ["row", "block", "mx"])
+def test_transposed_copy_keeps_nan_in_its_column_on_gpu(scaling):
+    g, seed = fresh_generator("cuda")
+    rows, cols = 1000, 4096
+    x, w, b = _inputs(g, rows, cols, device="cuda", layer_norm=True)
+    x[417, 3] = float("nan")
+    w[9] = 0  # a column of y that is the bias alone
+    b[10], w[10] = 0, 0  # and one all zero: scale_inv 1, q 0
+    out = run_kernels("layer_norm", x, w, b, scaling, transpose=True, repeats=1)
+    q_t = out.data_t.float().cpu()
+    others = [m for m in range(rows) if m != 417]
+    assert q_t[:, 417].isnan().all() and not q_t[:, others].isnan().any(), seed
+    s = testing.fp8_scales_per_element(out.scale_inv_t.cpu(), scaling, cols, rows)
+    assert s.isfinite().all()
+    assert (q_t[10, others] == 0).all() and (s[10] == 1).all()
+    ref = _reference(x.cpu(), w.cpu(), b.cpu(), scaling, E4M3, out)
+    check_against_float64(out, ref, scaling, E4M3)
+
+
+@gpu
+@pytest.mark.parametrize("scaling", ["tensor", "delayed", "row", "block", "mx"])
+def test_padding_rows_stay_out_of_every_amax_on_gpu(scaling):
+    """One LayerNorm row in tiles of many: a padding row normalizes to the bias, here far
+    larger than any of the row's y, and must count in no amax (per tensor, per column, per
+    128 x 1 or 32 x 1 block)."""
+    g, seed = fresh_generator("cuda")
+    x, w, b = _inputs(g, 1, 256, device="cuda", layer_norm=True)
+    x_hat = testing.float64_norm(x, None, None, 1e-5, layer_norm=True).y[0, 0]
+    b[0] = 50.0
+    w[0] = float(-40.0 / x_hat)  # y[0, 0] = 10: the bias is 5 times the column's amax
+    out = run_kernels("layer_norm", x, w, b, scaling, transpose=True, repeats=1)
+    ref = _reference(x.cpu(), w.cpu(), b.cpu(), scaling, E4M3, out)
+    assert float(ref.amax.max()) < 40, seed
+    check_against_float64(out, ref, scaling, E4M3)
+
+
+@gpu
 @pytest.mark.parametrize("group_size", [16, 128])
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
-@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
-def test_fp8_input_kernels_match_float64(group_size, op, scaling):
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block", "mx"])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_fp8_input_kernels_match_float64(group_size, op, scaling, transpose):
     g, seed = fresh_generator("cuda")
     rows, cols = 1000, 4096
     _, w, b = _inputs(g, rows, cols, device="cuda", layer_norm=op == "layer_norm")
@@ -453,7 +613,7 @@ def test_fp8_input_kernels_match_float64(group_size, op, scaling):
     s = torch.rand(rows, cols // group_size, generator=g, device="cuda") + 0.5
     dy = torch.randn(rows, cols, generator=g, device="cuda").to(torch.bfloat16)
     kw = dict(x_scale_inv=s, group_size=group_size)
-    out = run_kernels(op, x, w, b, scaling, **dict(kw))
+    out = run_kernels(op, x, w, b, scaling, transpose=transpose, **dict(kw))
     cpu = dict(x_scale_inv=s.cpu(), group_size=group_size)
     ref = _reference(x.cpu(), w.cpu(), b if b is None else b.cpu(), scaling, E4M3, out,
                      dy=dy.cpu(), **cpu)
@@ -563,7 +723,7 @@ def test_scaled_mm_of_the_fp8_output_is_the_gemm_of_the_norm(scaling):
     x, w, _ = _inputs(g, m, k, device="cuda")
     out = run_kernels("rms_norm", x, w, None, scaling, repeats=0)
     b = torch.randn(n, k, generator=g, device="cuda") / k ** 0.5
-    b_q, scale_b, _, _ = reference.fp8_quantize(b, scaling, E4M3)  # b's scaling as a's
+    b_q, scale_b, _, _, _ = reference.fp8_quantize(b, scaling, E4M3)  # b's scaling as a's
     if scaling == "row":
         scale_b = scale_b.reshape(1, n)
     product = torch._scaled_mm(out.data, b_q.t(), scale_a=out.scale_inv, scale_b=scale_b,
@@ -573,9 +733,35 @@ def test_scaled_mm_of_the_fp8_output_is_the_gemm_of_the_norm(scaling):
 
 
 @gpu
+@pytest.mark.skipif(not _scaled_mm_rowwise_supported(),
+                    reason="torch._scaled_mm with rowwise scales needs sm_90")
+def test_scaled_mm_of_the_transposed_copy_is_the_weight_gradient():
+    """dW = dY^T X as torch._scaled_mm(dY^T, X^T^T) with the transposed copy of the norm
+    output and its per-column scales (``scale_inv_t.t()``, (1, N)): the layouts are the
+    ones it takes for the operand that contracts over M."""
+    g, seed = fresh_generator("cuda")
+    m, k, n = 2048, 4096, 1024
+    x, w, _ = _inputs(g, m, k, device="cuda")
+    out = run_kernels("rms_norm", x, w, None, "row", transpose=True, repeats=0)
+    dy = torch.randn(m, n, generator=g, device="cuda")
+    dy_t, scale_dy, _, _, _ = reference.fp8_quantize(dy.t().contiguous(), "row", E4M3)
+    product = torch._scaled_mm(dy_t, out.data_t.t(), scale_a=scale_dy,
+                               scale_b=out.scale_inv_t.t(), out_dtype=torch.bfloat16)
+    expected = dy.double().t() @ testing.float64_norm(x, w).y
+    assert rel_error(product, expected) <= 0.06, seed
+
+
+@gpu
 def test_explain_on_gpu_names_the_fp8_kernels():
     x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     with tilenorm.experimental():
         text = str(tilenorm.fp8.explain(x, torch.ones(4096, device="cuda"), scaling="tensor",
                                         transpose=True))
+        row = str(tilenorm.fp8.explain(x, torch.ones(4096, device="cuda"), scaling="row",
+                                       transpose=True))
+        mx = str(tilenorm.fp8.explain(x, torch.ones(4096, device="cuda"), scaling="mx",
+                                      transpose=True))
     assert "norm_fwd_fp8_single, fp8_quantize_normed" in text and "quantize:" in text
+    assert "norm_fwd_fp8_single, fp8_column_amax, fp8_quantize_transposed" in row
+    assert "columns:" in row
+    assert "norm_fwd_fp8_single, fp8_quantize_transposed" in mx

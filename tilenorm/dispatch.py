@@ -18,11 +18,13 @@ from tilenorm.launch.cutile import REDUCE_KERNEL_NAME, kernel_names
 from tilenorm.planner import (
     MAX_INT32_OFFSET,
     BlockPlan,
+    ColumnAmaxPlan,
     CuteBackwardPlan,
     Op,
     RowNormPlan,
     UnsupportedShape,
     plan_cute_backward,
+    plan_fp8_column_amax,
     plan_fp8_quantize,
     plan_fp8_row,
     plan_row_norm,
@@ -241,13 +243,20 @@ class Fp8Problem:
         quantizing pass over blocks."""
         return self.scaling == "tensor" or self.transpose
 
+    @property
+    def scales_along_rows(self) -> bool:
+        """A transposed copy whose scales run along M (per row, per block, MX): its own
+        pass after the row kernel, which writes q."""
+        return self.transpose and self.scaling in ("row", "block", "mx")
+
 
 @dataclass(frozen=True)
 class Fp8Decision:
     """What runs for one FP8-output problem, and why (``str()`` it): the row kernel's plan
-    (``forward``), the second pass's (``quantize``, per-tensor current scaling and
-    transposed copies), and for FP8 x the backward's (``backward``; bf16 x takes the bf16
-    norms' backward, :func:`decide`). None of them on the reference path."""
+    (``forward``), the second pass's (``quantize``: per-tensor current scaling and
+    transposed copies), the column-amax reduction's before the transposed copy of a per-row
+    scaling (``column_amax``), and for FP8 x the backward's (``backward``; bf16 x takes the
+    bf16 norms' backward, :func:`decide`). None of them on the reference path."""
 
     op: str
     reason: str
@@ -255,6 +264,7 @@ class Fp8Decision:
     family: KernelFamily | None = None
     forward: RowNormPlan | None = None
     quantize: BlockPlan | None = None
+    column_amax: ColumnAmaxPlan | None = None
     backward: RowNormPlan | None = None
     device: DeviceInfo | None = None
 
@@ -268,8 +278,11 @@ class Fp8Decision:
         if not self.uses_kernel:
             return ()
         names = ("norm_fwd_fp8_single",)
+        if self.column_amax is not None:
+            names += ("fp8_column_amax",)
         if self.quantize is not None:
-            names += ("fp8_quantize_normed",)
+            names += ("fp8_quantize_normed",) if self.scaling in ("tensor", "delayed") \
+                else ("fp8_quantize_transposed",)
         elif self.scaling == "delayed":
             names += ("fp8_amax_finish",)
         if self.backward is not None:
@@ -287,6 +300,8 @@ class Fp8Decision:
             f"  kernels:  {', '.join(self.kernels)}",
             f"  forward:  {self.forward.describe()}",
         ]
+        if self.column_amax is not None:
+            lines.append(f"  columns:  {self.column_amax.describe()}")
         if self.quantize is not None:
             lines.append(f"  quantize: {self.quantize.describe()}")
         if self.backward is not None:
@@ -335,12 +350,17 @@ def decide_fp8(p: Fp8Problem) -> Fp8Decision:
                                     direction="backward", op=p.op, max_offset=p.max_offset)
     except UnsupportedShape as e:
         return reference(str(e))
-    quantize = None
+    quantize = column_amax = None
     if p.two_passes:
         quantize = plan_fp8_quantize(p.rows, p.cols, sm_count=info.sm_count, arch=info.arch,
                                      dependent_launch=forward.dependent_launch,
-                                     max_offset=p.max_offset)
+                                     max_offset=p.max_offset,
+                                     column_blocks=p.scales_along_rows and p.scaling != "row")
+    if p.scales_along_rows and p.scaling == "row":
+        column_amax = plan_fp8_column_amax(forward.grid, p.cols, arch=info.arch,
+                                           dependent_launch=forward.dependent_launch)
     reason = ("validated kernels cover this case" if stable
               else "experimental kernels are enabled")
     return Fp8Decision(op=p.op, reason=reason, scaling=p.scaling, family=family,
-                       forward=forward, quantize=quantize, backward=backward, device=info)
+                       forward=forward, quantize=quantize, column_amax=column_amax,
+                       backward=backward, device=info)

@@ -365,16 +365,48 @@ class BlockPlan:
 
 
 def plan_fp8_quantize(rows: int, cols: int, *, sm_count: int, arch: tuple[int, int],
-                      dependent_launch: bool, max_offset: int | None = None) -> BlockPlan:
-    """The second pass of a per-tensor FP8 scaling; ``dependent_launch`` as its first
-    pass's (it waits for that kernel's writes)."""
+                      dependent_launch: bool, max_offset: int | None = None,
+                      column_blocks: bool = False) -> BlockPlan:
+    """The second pass of a per-tensor FP8 scaling or the transposing pass of a per-row
+    one, or with ``column_blocks`` that of "block" and "mx", whose tile holds whole 128 x 1
+    blocks of each column; ``dependent_launch`` as its first pass's (it waits for that
+    kernel's writes)."""
     s = fp8_settings_for(arch)
     if max_offset is None:
         max_offset = rows * cols - 1
-    tile_rows, tile_cols = s.quantize_tile
+    tile_rows, tile_cols = s.transpose_tile if column_blocks else s.quantize_tile
     blocks = cdiv(rows, tile_rows) * cdiv(cols, tile_cols)
     return BlockPlan(rows=rows, cols=cols, tile_rows=tile_rows, tile_cols=tile_cols,
                      grid=min(blocks, sm_count * s.quantize_occupancy),
                      occupancy=s.quantize_occupancy,
                      index_bits=64 if max_offset > MAX_INT32_OFFSET else 32,
                      dependent_launch=dependent_launch)
+
+
+@dataclass(frozen=True)
+class ColumnAmaxPlan:
+    """The reduction of the row kernel's (partials, cols) column amaxes to one per column:
+    ``grid`` programs of ``tile_cols`` columns each, taking ``tile_rows`` partial rows at a
+    time."""
+
+    partials: int
+    cols: int
+    tile_rows: int
+    tile_cols: int
+    grid: int
+    dependent_launch: bool
+
+    def describe(self) -> str:
+        return (f"{self.partials}x{self.cols} column amaxes in {self.grid} programs of "
+                f"{self.tile_cols} columns")
+
+
+def plan_fp8_column_amax(partials: int, cols: int, *, arch: tuple[int, int],
+                         dependent_launch: bool) -> ColumnAmaxPlan:
+    """Each column's amax over ``partials`` per-program rows of the row kernel, before the
+    transposed copy of a per-row scaling; ``dependent_launch`` as the row kernel's."""
+    tile_rows, tile_cols = fp8_settings_for(arch).column_amax_tile
+    tile_cols = min(tile_cols, next_pow2(cols))
+    return ColumnAmaxPlan(partials=partials, cols=cols, tile_rows=tile_rows,
+                          tile_cols=tile_cols, grid=cdiv(cols, tile_cols),
+                          dependent_launch=dependent_launch)

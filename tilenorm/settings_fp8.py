@@ -22,6 +22,14 @@ class Fp8Settings:
     quantize_tile: tuple[int, int] = (64, 128)
     #: Resident programs per SM the second pass is compiled for.
     quantize_occupancy: int = 2
+    #: (rows, cols) of the blocks of the transposed copies of "block" and "mx": 128 rows hold
+    #: one 128 x 1 block or four 32 x 1 MX blocks of each column, 128 columns whole groups of
+    #: FP8 x's multipliers. (128, 64) uses the same 128 registers and no stack on sm_90 but
+    #: cannot hold a group of 128; "row"'s copy takes ``quantize_tile``.
+    transpose_tile: tuple[int, int] = (128, 128)
+    #: (partial rows, cols) a program of the column-amax reduction takes at a time; its
+    #: programs own ``cols`` columns each.
+    column_amax_tile: tuple[int, int] = (32, 128)
 
 
 SM90_FP8 = Fp8Settings()

@@ -130,33 +130,27 @@ class Float64Fp8Norm:
     of the (dequantized) input, its gradients included where a ``dy`` was given (the
     quantization passes the gradient through unchanged); ``amax`` the float64 max |y| (per
     tensor, per row or per block: the scaling's groups, NaN skipped), and ``scale_inv`` the
-    op's scales computed from it by the op's conventions, laid out as the op returns them."""
+    op's scales computed from it by the op's conventions, laid out as the op returns them;
+    with ``transpose``, ``amax_t`` and ``scale_inv_t`` likewise of the (N, M) copy, whose
+    groups run along M (per column, per 128 x 1 or 32 x 1 block; the per-tensor ones are
+    the tensor's). ``terms`` is the size of what y is computed from, (M, N): ``|y - b| +
+    |b|``, plus LayerNorm's ``|mean| * rstd * |w|``; fp32 y's rounding error is relative to
+    it, not to y, where the bias cancels the rest or the mean is far from 0."""
 
     norm: Float64Norm
     amax: torch.Tensor
     scale_inv: torch.Tensor
+    terms: torch.Tensor
+    amax_t: torch.Tensor | None = None
+    scale_inv_t: torch.Tensor | None = None
 
 
-def float64_fp8_norm(x: torch.Tensor, weight: torch.Tensor | None = None,
-                     bias: torch.Tensor | None = None, eps: float = 1e-6, *, scaling: str,
-                     fp8_dtype: torch.dtype, scale: torch.Tensor | None = None,
-                     layer_norm: bool = False, offset: float = 0.0,
-                     residual: torch.Tensor | None = None,
-                     x_scale_inv: torch.Tensor | None = None, group_size: int = 0,
-                     dy: torch.Tensor | None = None, dh: torch.Tensor | None = None
-                     ) -> Float64Fp8Norm:
-    """The float64 reference of :func:`tilenorm.fp8.rms_norm` (``layer_norm=True``: of
-    :func:`tilenorm.fp8.layer_norm`) over the last dimension. FP8 x is dequantized exactly
-    (``x_scale_inv`` per ``group_size`` elements) first."""
+def _float64_scales(y: torch.Tensor, scaling: str, fp8_dtype: torch.dtype,
+                    scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(amax, scale_inv) of float64 ``y`` (R, C) with the scaling's groups along its rows (a
+    last block shorter than the others holds what is left), laid out as the op's."""
     from tilenorm.pytorch import reference
 
-    if group_size:
-        n = x.shape[-1]
-        x = (x.double().reshape(-1, n // group_size, group_size)
-             * x_scale_inv.double().reshape(-1, n // group_size, 1)).reshape(x.shape)
-    ref = float64_norm(x, weight, bias, eps, layer_norm=layer_norm, offset=offset,
-                       residual=residual, dy=dy, dh=dh)
-    y = ref.y.reshape(-1, ref.y.shape[-1])
     rows, cols = y.shape
     if scaling in ("tensor", "delayed"):
         amax = reference.amax_skipping_nan(y)
@@ -164,7 +158,9 @@ def float64_fp8_norm(x: torch.Tensor, weight: torch.Tensor | None = None,
         amax = reference.amax_skipping_nan(y, dim=1, keepdim=True)
     else:
         block = reference.FP8_BLOCK_COLS[scaling]
-        amax = reference.amax_skipping_nan(y.reshape(rows, cols // block, block), dim=2)
+        blocks = -(-cols // block)
+        padded = torch.nn.functional.pad(y, (0, blocks * block - cols))
+        amax = reference.amax_skipping_nan(padded.reshape(rows, blocks, block), dim=2)
     if scaling == "delayed":
         scale_inv = 1.0 / scale.float().reshape(())
     elif scaling == "mx":
@@ -174,19 +170,52 @@ def float64_fp8_norm(x: torch.Tensor, weight: torch.Tensor | None = None,
         scale_inv = 1.0 / reference.scale_from_amax(amax.float(), fp8_dtype)
         if scaling == "block":
             scale_inv = scale_inv.t().contiguous().t()
-    return Float64Fp8Norm(norm=ref, amax=amax, scale_inv=scale_inv)
+    return amax, scale_inv
+
+
+def float64_fp8_norm(x: torch.Tensor, weight: torch.Tensor | None = None,
+                     bias: torch.Tensor | None = None, eps: float = 1e-6, *, scaling: str,
+                     fp8_dtype: torch.dtype, scale: torch.Tensor | None = None,
+                     layer_norm: bool = False, offset: float = 0.0,
+                     residual: torch.Tensor | None = None,
+                     x_scale_inv: torch.Tensor | None = None, group_size: int = 0,
+                     transpose: bool = False, dy: torch.Tensor | None = None,
+                     dh: torch.Tensor | None = None) -> Float64Fp8Norm:
+    """The float64 reference of :func:`tilenorm.fp8.rms_norm` (``layer_norm=True``: of
+    :func:`tilenorm.fp8.layer_norm`) over the last dimension. FP8 x is dequantized exactly
+    (``x_scale_inv`` per ``group_size`` elements) first."""
+    if group_size:
+        n = x.shape[-1]
+        x = (x.double().reshape(-1, n // group_size, group_size)
+             * x_scale_inv.double().reshape(-1, n // group_size, 1)).reshape(x.shape)
+    ref = float64_norm(x, weight, bias, eps, layer_norm=layer_norm, offset=offset,
+                       residual=residual, dy=dy, dh=dh)
+    y = ref.y.reshape(-1, ref.y.shape[-1])
+    amax, scale_inv = _float64_scales(y, scaling, fp8_dtype, scale)
+    terms = y.abs() if bias is None else (y - bias.double()).abs() + bias.double().abs()
+    if layer_norm:
+        w = 1.0 if weight is None else weight.double().abs()
+        terms = terms + (ref.mean * ref.rstd).abs().reshape(-1, 1) * w
+    out = Float64Fp8Norm(norm=ref, amax=amax, scale_inv=scale_inv, terms=terms)
+    if transpose:
+        out.amax_t, out.scale_inv_t = _float64_scales(y.t(), scaling, fp8_dtype, scale)
+    return out
 
 
 def fp8_scales_per_element(scale_inv: torch.Tensor, scaling: str, rows: int, cols: int
                            ) -> torch.Tensor:
     """float64 (rows, cols): each element's dequantizing multiplier."""
+    from tilenorm.pytorch.reference import FP8_BLOCK_COLS
+
     if scaling == "mx":
         s = torch.pow(2.0, scale_inv.view(torch.uint8).double() - 127)
     else:
         s = scale_inv.double()
     if scaling in ("tensor", "delayed"):
         return s.reshape(1, 1).expand(rows, cols)
-    return s.repeat_interleave(cols // s.shape[1], dim=1)
+    if scaling == "row":
+        return s.expand(rows, cols)
+    return s.repeat_interleave(FP8_BLOCK_COLS[scaling], dim=1)[:, :cols]
 
 
 def fp8_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, scaling: str) -> torch.Tensor:
@@ -205,19 +234,23 @@ def fp8_step(v: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
 
 
 def fp8_rounding_excess(q: torch.Tensor, scale_inv: torch.Tensor, scaling: str,
-                        y: torch.Tensor, fp8_dtype: torch.dtype) -> float:
+                        y: torch.Tensor, fp8_dtype: torch.dtype,
+                        terms: torch.Tensor | None = None) -> float:
     """The largest ``|q * s - saturate(y / s) * s| / bound`` over the elements whose float64
     reference ``y`` is a number, where ``s`` is the output's own multiplier of the element
     and ``bound`` half an FP8 step at ``|y / s|`` times ``s``, plus the fp32 arithmetic's
-    share (2^-20 |y|). At most 1 when every value is the reference rounded to FP8 at the
-    output's scales (saturated where the scale puts it past the format's largest value)."""
+    share (2^-20 of ``terms``, the size of what y is summed from: |y| by default, see
+    :class:`Float64Fp8Norm`). At most 1 when every value is the reference rounded to FP8 at
+    the output's scales (saturated where the scale puts it past the format's largest
+    value)."""
     from tilenorm.pytorch.reference import fp8_max
 
     y2 = y.reshape(-1, y.shape[-1]).double()
+    size = y2.abs() if terms is None else terms.reshape(y2.shape).double()
     s = fp8_scales_per_element(scale_inv, scaling, *y2.shape)
     top = fp8_max(fp8_dtype)
     ideal = (y2 / s).clamp(-top, top)
-    bound = 0.5 * fp8_step(ideal, fp8_dtype) * s * (1 + 2.0 ** -10) + 2.0 ** -20 * y2.abs()
+    bound = 0.5 * fp8_step(ideal, fp8_dtype) * s * (1 + 2.0 ** -10) + 2.0 ** -20 * size
     excess = ((fp8_dequantize(q, scale_inv, scaling) - ideal * s).abs() / bound)
     finite = ~y2.isnan()
     return float(excess[finite].max()) if finite.any() else 0.0

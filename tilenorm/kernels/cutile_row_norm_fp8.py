@@ -20,8 +20,16 @@ Operands are 2-D (rows, cols); weight and bias (1, cols); mean and rstd (rows,).
 - :func:`norm_fwd_fp8_single`: the row on chip, one pass. Per-row, per-block and MX scales,
   or a given per-tensor scale (delayed scaling); or, with ``SCALING == AMAX_ONLY``, no q at
   all: the statistics and one amax per program, pass 1 of the two-pass per-tensor scalings.
+  With ``COLUMN_AMAX`` it also keeps each column's largest |y| over the program's rows, for
+  the per-column scales of a transposed copy.
 - :func:`fp8_quantize_normed`: pass 2, over (TILE_R x TILE_C) blocks: re-reads h (or x),
   rstd and the amax of every pass-1 program, and writes q and its (cols, rows) transpose.
+- :func:`fp8_column_amax`: each column's amax over the per-program column amaxes of the row
+  kernel, before :func:`fp8_quantize_transposed` of a per-row scaling.
+- :func:`fp8_quantize_transposed`: the (cols, rows) copy of a per-row, per-block or MX
+  scaling, whose scales run along the rows of y (the copy's contraction dimension): one per
+  column, per 128 x 1 or per 32 x 1 block of y; over (TILE_R x TILE_C) blocks, re-reading h
+  (or x) with the saved statistics.
 - :func:`fp8_amax_finish`: one program folding the per-program amaxes of a one-pass delayed
   scaling into this call's amax.
 - :func:`norm_bwd_fp8_input_single`: the backward of an FP8-input norm, re-reading FP8 x and
@@ -162,25 +170,38 @@ def _column_mask(cols, TILE_N):
     return (ct.arange(TILE_N, dtype=ct.int32) < cols).reshape((1, TILE_N))
 
 
+def _inside_rows(a, row_tile, rows, TILE_A, HAS_BIAS):
+    """``a`` (TILE_A, n) with the rows past the end read as 0. A padding row loads x = 0 and
+    normalizes to the bias, which must not count in an amax; without a bias it is 0."""
+    if HAS_BIAS:
+        index = ct.arange(TILE_A, dtype=ct.int32) + row_tile * TILE_A
+        return ct.where((index < rows).reshape((TILE_A, 1)), a, 0.0)
+    return a
+
+
 # --- forward, one pass ----------------------------------------------------------------------
 
 
 def norm_fwd_fp8_single(x, x_scale_inv, residual, weight, bias, scale, q, q_scale,
-                        residual_out, mean, rstd, amax_partial,
+                        residual_out, mean, rstd, amax_partial, column_amax_partial,
                         eps: float, offset: float, inv_n: float, fp8_max: float,
                         TILE_A: ConstInt, TILE_N: ConstInt, LAYER_NORM: ConstBool,
                         HAS_WEIGHT: ConstBool, HAS_BIAS: ConstBool, HAS_RESIDUAL: ConstBool,
                         PADDED: ConstBool, HAS_OFFSET: ConstBool, GROUP: ConstInt,
-                        SCALING: ConstInt, BLOCK_N: ConstInt, DEPENDENT: ConstBool):
+                        SCALING: ConstInt, BLOCK_N: ConstInt, COLUMN_AMAX: ConstBool,
+                        DEPENDENT: ConstBool):
     """One pass over rows that fit in one (TILE_A, TILE_N) tile. ``q_scale`` is (rows, 1)
     fp32 (ROW), (rows, cols / BLOCK_N) fp32 (BLOCK) or uint8 E8M0 bytes (MX); ``scale`` the
     given (1,) multiplier (TENSOR). AMAX_ONLY and TENSOR write the largest |y| of the
-    program's rows to ``amax_partial[program]``."""
+    program's rows to ``amax_partial[program]``; COLUMN_AMAX writes each column's largest
+    |y| over the program's rows to row ``program`` of the (grid, cols) fp32
+    ``column_amax_partial``."""
     start_after_predecessor(DEPENDENT)
     shape = (TILE_A, TILE_N)
     program = ct.bid(0)
     row_tiles = ct.num_tiles(x, axis=0, shape=shape)
     amax_acc = ct.zeros((TILE_A, 1), dtype=ct.float32)
+    column_acc = ct.zeros((1, TILE_N), dtype=ct.float32)
     for t in range(program, row_tiles, ct.num_blocks(0)):
         v = _dequantized(x, x_scale_inv, t, 0, TILE_A, TILE_N, GROUP)
         if HAS_RESIDUAL:
@@ -198,8 +219,11 @@ def norm_fwd_fp8_single(x, x_scale_inv, residual, weight, bias, scale, q, q_scal
         _store(rstd, (t,), r.reshape((TILE_A,)))
         y = _affine(v * r, weight, bias, offset, 0, TILE_N, HAS_WEIGHT, HAS_BIAS, HAS_OFFSET)
         if SCALING <= TENSOR:
-            amax_acc = ct.maximum(amax_acc,
-                                  ct.max(_abs_skipping_nan(y), axis=1, keepdims=True))
+            a = _inside_rows(_abs_skipping_nan(y), t, x.shape[0], TILE_A, HAS_BIAS)
+            amax_acc = ct.maximum(amax_acc, ct.max(a, axis=1, keepdims=True))
+        if COLUMN_AMAX:
+            a = _inside_rows(_abs_skipping_nan(y), t, x.shape[0], TILE_A, HAS_BIAS)
+            column_acc = ct.maximum(column_acc, ct.max(a, axis=0, keepdims=True))
         if SCALING == TENSOR:
             s = _load2(scale, (0,), (1,)).reshape((1, 1))
             _store(q, (t, 0), _saturate(y * s, fp8_max).astype(q.dtype))
@@ -213,6 +237,8 @@ def norm_fwd_fp8_single(x, x_scale_inv, residual, weight, bias, scale, q, q_scal
     if SCALING <= TENSOR:
         _store(amax_partial, (program,),
                ct.max(amax_acc, axis=0, keepdims=True).reshape((1,)))
+    if COLUMN_AMAX:
+        _store(column_amax_partial, (program, 0), column_acc)
 
 
 # --- per-tensor scalings: the finishing kernels ----------------------------------------------
@@ -269,6 +295,73 @@ def fp8_amax_finish(amax_partial, scale, amax, scale_inv, PARTIALS: ConstInt,
     start_after_predecessor(DEPENDENT)
     _store(amax, (0,), _amax_of_partials(amax_partial, PARTIALS))
     _store(scale_inv, (0,), 1.0 / _load2(scale, (0,), (1,)))
+
+
+# --- transposed copies with scales along the rows of y ---------------------------------------
+
+
+def fp8_column_amax(column_amax_partial, column_amax, TILE_R: ConstInt, TILE_C: ConstInt,
+                    DEPENDENT: ConstBool):
+    """``column_amax[c]``: the largest of the (grid, cols) ``column_amax_partial[:, c]`` that
+    the row kernel's programs wrote (COLUMN_AMAX), for this program's TILE_C columns. Max is
+    exact and independent of the order: the same bits on every run."""
+    start_after_predecessor(DEPENDENT)
+    col_tile = ct.bid(0)
+    shape = (TILE_R, TILE_C)
+    acc = ct.zeros(shape, dtype=ct.float32)
+    for i in range(ct.num_tiles(column_amax_partial, axis=0, shape=shape)):
+        acc = ct.maximum(acc, _load2(column_amax_partial, (i, col_tile), shape))
+    _store(column_amax, (col_tile,), ct.max(acc, axis=0, keepdims=True).reshape((TILE_C,)))
+
+
+def fp8_quantize_transposed(h, x_scale_inv, weight, bias, mean, rstd, column_amax, q_t,
+                            q_t_scale, offset: float, fp8_max: float,
+                            TILE_R: ConstInt, TILE_C: ConstInt, LAYER_NORM: ConstBool,
+                            HAS_WEIGHT: ConstBool, HAS_BIAS: ConstBool, HAS_OFFSET: ConstBool,
+                            GROUP: ConstInt, SCALING: ConstInt, BLOCK_R: ConstInt,
+                            DEPENDENT: ConstBool):
+    """The (cols, rows) copy ``q_t`` of y and its scales ``q_t_scale``, over (TILE_R, TILE_C)
+    blocks of the (rows, cols) h (as :func:`fp8_quantize_normed` reads it), after the row
+    kernel that wrote the statistics. The scales run along y's rows, the copy's contraction
+    dimension: ROW, one per column, from ``column_amax`` (cols,), written as the (cols, 1)
+    fp32 ``q_t_scale`` by the programs of the first row block; BLOCK, one per BLOCK_R x 1
+    block, ``q_t_scale`` (cols, cdiv(rows, BLOCK_R)) fp32; MX, one per BLOCK_R x 1 block,
+    E8M0 bytes. TILE_R is a multiple of BLOCK_R, so a block's rows are all in one tile;
+    rows past the end are left out of its amax."""
+    start_after_predecessor(DEPENDENT)
+    shape = (TILE_R, TILE_C)
+    col_blocks = ct.num_tiles(h, axis=1, shape=shape)
+    blocks = ct.num_tiles(h, axis=0, shape=shape) * col_blocks
+    for b in range(ct.bid(0), blocks, ct.num_blocks(0)):
+        row_block, col_block = b // col_blocks, b % col_blocks
+        v = _dequantized(h, x_scale_inv, row_block, col_block, TILE_R, TILE_C, GROUP)
+        if LAYER_NORM:
+            v = v - _load2(mean, (row_block,), (TILE_R,)).reshape((TILE_R, 1))
+        r = _load2(rstd, (row_block,), (TILE_R,)).reshape((TILE_R, 1))
+        y = _affine(v * r, weight, bias, offset, col_block, TILE_C, HAS_WEIGHT, HAS_BIAS,
+                    HAS_OFFSET)
+        if SCALING == ROW:
+            s = _scale_of(_load2(column_amax, (col_block,), (TILE_C,)).reshape((1, TILE_C)),
+                          fp8_max)
+            quantized = _saturate(y * s, fp8_max)
+            if row_block == 0:
+                _store(q_t_scale, (col_block, 0), (1.0 / s).reshape((TILE_C, 1)))
+        else:
+            groups = TILE_R // BLOCK_R
+            a = _inside_rows(_abs_skipping_nan(y), row_block, h.shape[0], TILE_R, HAS_BIAS)
+            amax = ct.max(a.reshape((groups, BLOCK_R, TILE_C)), axis=1, keepdims=True)
+            y3 = y.reshape((groups, BLOCK_R, TILE_C))
+            if SCALING == MX:
+                k = _mx_exponent(amax, fp8_max)
+                scaled = y3 * _power_of_two(-k)
+                stored = ct.transpose((k + 127).reshape((groups, TILE_C))).astype(ct.uint8)
+            else:
+                block_scale = _scale_of(amax, fp8_max)
+                scaled = y3 * block_scale
+                stored = ct.transpose((1.0 / block_scale).reshape((groups, TILE_C)))
+            _store(q_t_scale, (col_block, row_block), stored)
+            quantized = _saturate(scaled, fp8_max).reshape((TILE_R, TILE_C))
+        _store(q_t, (col_block, row_block), ct.transpose(quantized).astype(q_t.dtype))
 
 
 # --- backward of FP8 input -------------------------------------------------------------------

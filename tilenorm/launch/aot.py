@@ -11,8 +11,9 @@ variants are the ones that run. The jobs cover every tile configuration the plan
 choose (for RMSNorm and LayerNorm in bf16), and every feature and dtype combination the ops
 accept on one single-pass, one split and one wide-row (chunked forward, column-split
 backward) configuration. The FP8-output kernels (:func:`fp8_jobs`) likewise: every tile
-configuration of the row kernel, every scaling, FP8 format and feature on two of them, both
-second-pass kernels and the FP8-input backward.
+configuration of the row kernel, every scaling, FP8 format and feature on two of them, the
+second-pass kernels (per-tensor, and the transposed copies with scales along M), the
+column-amax reduction and the FP8-input backward.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from tilenorm.planner import (
     RowNormPlan,
     max_fp8_cols,
     max_single_pass_cols,
+    plan_fp8_column_amax,
     plan_fp8_quantize,
     plan_fp8_row,
     plan_row_norm,
@@ -253,6 +255,9 @@ class Fp8Variant:
     weight: str = "bfloat16"
     residual: str = "bfloat16"
     index_bits: int = 32
+    #: The row kernel also keeps per-program column amaxes (a per-row scaling's transposed
+    #: copy).
+    column_amax: bool = False
 
     @property
     def x_dtype(self) -> str:
@@ -313,8 +318,11 @@ def fp8_row_job(plan: RowNormPlan, v: Fp8Variant) -> ExportJob:
         layouts["q"] = _dense(v.fp8, (rows, cols))
     if v.scaling in ("row", "block", "mx"):
         layouts["q_scale"] = _fp8_scale_layout(v.scaling, rows, cols)
-    bound = cutile_fp8.bind_fp8_forward(plan, f, v.scaling, FP8_MAX[v.fp8])
-    return _job(f"fp8 fwd {v.scaling} {plan.tile_rows}x{plan.tile_cols} {v.label}", bound,
+    if v.column_amax:
+        layouts["column_amax_partial"] = _dense("float32", (plan.grid, cols))
+    bound = cutile_fp8.bind_fp8_forward(plan, f, v.scaling, FP8_MAX[v.fp8], v.column_amax)
+    scaling = f"{v.scaling}+columns" if v.column_amax else v.scaling
+    return _job(f"fp8 fwd {scaling} {plan.tile_rows}x{plan.tile_cols} {v.label}", bound,
                 layouts)
 
 
@@ -341,6 +349,45 @@ def fp8_quantize_job(v: Fp8Variant, current: bool, transpose: bool) -> ExportJob
                                          FP8_MAX[v.fp8])
     name = f"{'current' if current else 'delayed'}{' transposed' if transpose else ''}"
     return _job(f"fp8 quantize {name} {v.label}", bound, layouts)
+
+
+def _fp8_transposed_scale_layout(scaling: str, rows: int, cols: int) -> ArrayLayout:
+    """The transposed copy's scales as the ops allocate them (see tilenorm.pytorch.fp8)."""
+    if scaling == "row":
+        return _dense("float32", (cols, 1))
+    if scaling == "block":  # (N, M / 128), N contiguous
+        return ArrayLayout("float32", (cols, -(-rows // 128)), (1, cols))
+    return _dense("uint8", (cols, -(-rows // 32)))
+
+
+def fp8_transposed_job(v: Fp8Variant) -> ExportJob:
+    """The transposed copy of ``v.scaling`` ("row", "block", "mx") after the row kernel of
+    65536 x 4096."""
+    f = v.features
+    rows, cols = 65536, 4096
+    first = fp8_plans("forward", itemsize=ITEMSIZE.get(v.x, 2))
+    plan = replace(plan_fp8_quantize(rows, cols, sm_count=132, arch=(9, 0),
+                                     dependent_launch=first[0].dependent_launch,
+                                     column_blocks=v.scaling != "row"),
+                   index_bits=v.index_bits)
+    layouts = _fp8_common_layouts(rows, cols, v)
+    if f.has_residual:
+        layouts.pop("x_scale_inv", None)
+    h = v.residual if f.has_residual else v.x_dtype
+    layouts.update(h=_dense(h, (rows, cols)), q_t=_dense(v.fp8, (cols, rows)),
+                   q_t_scale=_fp8_transposed_scale_layout(v.scaling, rows, cols))
+    if v.scaling == "row":
+        layouts["column_amax"] = _dense("float32", (cols,))
+    bound = cutile_fp8.bind_fp8_quantize_transposed(plan, f, v.scaling, FP8_MAX[v.fp8])
+    return _job(f"fp8 transposed {v.scaling} {v.label}", bound, layouts)
+
+
+def fp8_column_amax_job(partials: int, cols: int, dependent: bool) -> ExportJob:
+    plan = plan_fp8_column_amax(partials, cols, arch=(9, 0), dependent_launch=dependent)
+    layouts = {"column_amax_partial": _dense("float32", (partials, cols)),
+               "column_amax": _dense("float32", (cols,))}
+    return _job(f"fp8 column amax {partials}x{cols}{' dependent' if dependent else ''}",
+                cutile_fp8.bind_fp8_column_amax(plan), layouts)
 
 
 def fp8_backward_job(plan: RowNormPlan, v: Fp8Variant) -> ExportJob:
@@ -392,12 +439,15 @@ def _typed(v: Fp8Variant) -> Fp8Variant:
 
 def fp8_jobs() -> Iterator[ExportJob]:
     """Every FP8-output kernel configuration: the row kernel on every tile configuration
-    (per-row scales), each scaling and FP8 format on the narrowest and widest tiles its
-    blocks allow, each feature on 4096-column and the widest tiles; the second pass for
-    both per-tensor scalings with and without the transpose; the amax fold; the FP8-input
-    backward on every tile configuration and each feature."""
+    (per-row scales, and with the per-program column amaxes), each scaling and FP8 format on
+    the narrowest and widest tiles its blocks allow, each feature on 4096-column and the
+    widest tiles; the second pass for both per-tensor scalings with and without the
+    transpose; the transposed copies of the per-row, per-block and MX scalings and the
+    column-amax reduction before the per-row one; the amax fold; the FP8-input backward on
+    every tile configuration and each feature."""
     for plan in fp8_plans("forward"):
         yield fp8_row_job(plan, Fp8Variant("rms", FP8_RMS))
+        yield fp8_row_job(plan, Fp8Variant("rms", FP8_RMS, column_amax=True))
     for scaling in ("amax", "delayed", "row", "block", "mx"):
         chosen = fp8_plans("forward", min_cols=cutile_fp8.BLOCK_COLS.get(scaling, 16))
         for fp8 in FP8_MAX:
@@ -410,11 +460,19 @@ def fp8_jobs() -> Iterator[ExportJob]:
             plan = replace(plan, index_bits=v.index_bits)
             for scaling in ("row", "amax"):
                 yield fp8_row_job(plan, replace(v, scaling=scaling))
-    for v in map(_typed, fp8_feature_variants() + [Fp8Variant("rms", FP8_RMS,
-                                                              fp8="float8_e5m2")]):
+            yield fp8_row_job(plan, replace(v, column_amax=True))
+    typed_variants = list(map(_typed, fp8_feature_variants() + [
+        Fp8Variant("rms", FP8_RMS, fp8="float8_e5m2")]))
+    for v in typed_variants:
         for current in (True, False):
             for transpose in (False, True):
                 yield fp8_quantize_job(v, current, transpose)
+        for scaling in cutile_fp8.TRANSPOSED_SCALINGS:
+            yield fp8_transposed_job(replace(v, scaling=scaling))
+    for cols in (16, 32, 64, 4096):  # every tile width of the reduction
+        for dependent in (False, True):
+            yield fp8_column_amax_job(264, cols, dependent)
+    yield fp8_column_amax_job(1, 4096, False)
     for partials in (1, 264):
         for dependent in (False, True):
             bound = cutile_fp8.bind_fp8_amax_finish(partials, dependent)

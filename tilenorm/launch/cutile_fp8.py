@@ -12,21 +12,27 @@ from dataclasses import dataclass
 from tilenorm.kernels import cutile_row_norm_fp8 as kernels
 from tilenorm.kernels.cutile_row_norm_fp8 import (
     fp8_amax_finish,
+    fp8_column_amax,
     fp8_quantize_normed,
+    fp8_quantize_transposed,
     norm_bwd_fp8_input_single,
     norm_fwd_fp8_single,
 )
 from tilenorm.launch import cutile
 from tilenorm.launch.cutile import BoundKernel
-from tilenorm.planner import BlockPlan, RowNormPlan, next_pow2
+from tilenorm.planner import BlockPlan, ColumnAmaxPlan, RowNormPlan, next_pow2
 
 # Each kernel's array parameters, in order: what the 64-bit variants and the launchers read.
 cutile.ARRAYS.update({
     norm_fwd_fp8_single: ("x", "x_scale_inv", "residual", "weight", "bias", "scale", "q",
-                          "q_scale", "residual_out", "mean", "rstd", "amax_partial"),
+                          "q_scale", "residual_out", "mean", "rstd", "amax_partial",
+                          "column_amax_partial"),
     fp8_quantize_normed: ("h", "x_scale_inv", "weight", "bias", "mean", "rstd", "scale",
                           "amax_partial", "q", "q_t", "amax", "scale_inv"),
     fp8_amax_finish: ("amax_partial", "scale", "amax", "scale_inv"),
+    fp8_column_amax: ("column_amax_partial", "column_amax"),
+    fp8_quantize_transposed: ("h", "x_scale_inv", "weight", "bias", "mean", "rstd",
+                              "column_amax", "q_t", "q_t_scale"),
     norm_bwd_fp8_input_single: ("dy", "x", "x_scale_inv", "weight", "mean", "rstd", "dx",
                                 "partial_w", "partial_b"),
 })
@@ -37,8 +43,11 @@ FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 #: (no q, one amax per program), "delayed" a given per-tensor scale.
 ROW_SCALINGS = {"amax": kernels.AMAX_ONLY, "delayed": kernels.TENSOR, "row": kernels.ROW,
                 "block": kernels.BLOCK, "mx": kernels.MX}
-#: Columns per scale of the block scalings: DeepSeek-V3's 1 x 128 and MXFP8's 1 x 32.
+#: Columns per scale of the block scalings: DeepSeek-V3's 1 x 128 and MXFP8's 1 x 32. Their
+#: transposed copies scale as many rows of a column (128 x 1, 32 x 1).
 BLOCK_COLS = {"block": 128, "mx": 32}
+#: The transposing kernel's SCALING for each scaling whose copy has scales along M.
+TRANSPOSED_SCALINGS = {"row": kernels.ROW, "block": kernels.BLOCK, "mx": kernels.MX}
 
 
 @dataclass(frozen=True)
@@ -62,20 +71,22 @@ def _bound(fn, grid: int, occupancy: int, index_bits: int, worker_warps: int | N
 
 
 def bind_fp8_forward(plan: RowNormPlan, features: Fp8NormFeatures, scaling: str,
-                     fp8_max: float) -> BoundKernel:
+                     fp8_max: float, column_amax: bool = False) -> BoundKernel:
     """The one-pass row kernel for ``plan`` (single pass, one head) quantizing with
-    ``scaling`` (a key of :data:`ROW_SCALINGS`); runtime arguments ``(x, x_scale_inv,
-    residual, weight, bias, scale, q, q_scale, residual_out, mean, rstd, amax_partial, eps,
+    ``scaling`` (a key of :data:`ROW_SCALINGS`), and with ``column_amax`` keeping each
+    column's amax per program; runtime arguments ``(x, x_scale_inv, residual, weight, bias,
+    scale, q, q_scale, residual_out, mean, rstd, amax_partial, column_amax_partial, eps,
     offset)``: x, residual, q, residual_out (rows, cols); x_scale_inv (rows, cols / group);
     weight and bias (1, cols); scale (1,); q_scale (rows, 1), (rows, cols / 128) or
-    (rows, cols / 32) uint8; mean and rstd (rows,); amax_partial (grid,) fp32."""
+    (rows, cols / 32) uint8; mean and rstd (rows,); amax_partial (grid,) and
+    column_amax_partial (grid, cols) fp32."""
     if not plan.single_pass or plan.split_cols or plan.heads != 1:
         raise ValueError("the FP8 row kernel takes single-pass, unsplit, one-head plans")
     f = features
     constants = (1.0 / plan.cols, fp8_max, plan.tile_rows, plan.tile_cols, f.layer_norm,
                  f.has_weight, f.has_bias, f.has_residual, plan.tile_cols != plan.cols,
                  f.has_offset, f.group, ROW_SCALINGS[scaling], BLOCK_COLS.get(scaling, 0),
-                 plan.dependent_launch)
+                 column_amax, plan.dependent_launch)
     return _bound(norm_fwd_fp8_single, plan.grid, plan.occupancy, plan.index_bits,
                   plan.worker_warps, constants, plan.dependent_launch)
 
@@ -94,6 +105,34 @@ def bind_fp8_quantize(plan: BlockPlan, features: Fp8NormFeatures, partials: int,
                  f.has_weight, f.has_bias, f.has_offset, group, current, transpose,
                  plan.dependent_launch)
     return _bound(fp8_quantize_normed, plan.grid, plan.occupancy, plan.index_bits, None,
+                  constants, plan.dependent_launch)
+
+
+def bind_fp8_column_amax(plan: ColumnAmaxPlan) -> BoundKernel:
+    """Each column's amax over the row kernel's per-program column amaxes; runtime arguments
+    ``(column_amax_partial, column_amax)``: (partials, cols) and (cols,) fp32."""
+    return _bound(fp8_column_amax, plan.grid, 1, 32, None,
+                  (plan.tile_rows, plan.tile_cols, plan.dependent_launch),
+                  plan.dependent_launch)
+
+
+def bind_fp8_quantize_transposed(plan: BlockPlan, features: Fp8NormFeatures, scaling: str,
+                                 fp8_max: float) -> BoundKernel:
+    """The (cols, rows) copy of a ``scaling`` (a key of :data:`TRANSPOSED_SCALINGS`) whose
+    scales run along the rows; runtime arguments ``(h, x_scale_inv, weight, bias, mean, rstd,
+    column_amax, q_t, q_t_scale, offset)``: h as for :func:`bind_fp8_quantize`; column_amax
+    (cols,) fp32 ("row"); q_t (cols, rows); q_t_scale (cols, 1) fp32, (cols, cdiv(rows,
+    128)) fp32 or (cols, cdiv(rows, 32)) uint8."""
+    f = features
+    block_rows = BLOCK_COLS.get(scaling, 1)
+    if plan.tile_rows % block_rows:
+        raise ValueError(f"a {scaling!r} copy scales blocks of {block_rows} rows: the tile's "
+                         f"{plan.tile_rows} rows must hold whole blocks")
+    group = 0 if f.has_residual else f.group
+    constants = (fp8_max, plan.tile_rows, plan.tile_cols, f.layer_norm, f.has_weight,
+                 f.has_bias, f.has_offset, group, TRANSPOSED_SCALINGS[scaling], block_rows,
+                 plan.dependent_launch)
+    return _bound(fp8_quantize_transposed, plan.grid, plan.occupancy, plan.index_bits, None,
                   constants, plan.dependent_launch)
 
 

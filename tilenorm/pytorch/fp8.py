@@ -35,18 +35,52 @@ scaling     scale_inv (what dequantizes: y ~ q * s)   layout
                                                       it after the 128 x 4 swizzle)
 =========== ========================================= ============================================
 
-M is the product of x's leading dimensions; q keeps x's shape. ``transpose=True`` also
-writes the (N, M) copy that the weight-gradient GEMM reads, from the same pass over y: for
-"tensor" and "delayed" (one scale serves both copies). Row and block scales run along N; the
-transposed copy contracts over M and needs scales along M, so for "row", "block" and "mx" it
-is designed but not built, and asking for it raises. The design: "block" and "mx" take one
-more kernel after the row kernel, over (128 or 32 rows) x 128-column blocks, which re-reads x
-with the saved rstd, takes each column's amax over the block's rows (rows past M masked:
-LayerNorm's bias would otherwise count) and writes q_t with scales (N, M / 128) fp32, N
-contiguous (the transposed operand's BlockWise1x128 layout), or (N, M / 32) E8M0; "row"
-needs one scale per column over all M (torch._scaled_mm's rowwise scale of the (N, M)
-operand), so the row kernel would also fold a per-program column amax into a (grid, N)
-partial buffer that the transposing kernel reduces first, as the per-tensor scalings do.
+M is the product of x's leading dimensions; q keeps x's shape.
+
+Transposed copies
+-----------------
+``transpose=True`` also writes the (N, M) copy ``data_t`` (contiguous) that the
+weight-gradient GEMM reads: dW contracts over M, so the copy's scales run along M, each one
+a function of the amax of y's values it covers:
+
+=========== ========================================= ============================================
+scaling     scale_inv_t (of the (N, M) copy)          layout
+=========== ========================================= ============================================
+"tensor",   the tensor's ``scale_inv`` (one scale     the same tensor, shape ()
+"delayed"   serves both copies)
+"row"       one per column of y: its amax over all    (N, 1) fp32: ``torch._scaled_mm``'s rowwise
+            M rows                                    scale of the copy as ``a``; ``.t()``, (1, N),
+                                                      as ``b`` (the copy's ``.t()``)
+"block"     one per 128 x 1 block of y (a 1 x 128     (N, cdiv(M, 128)) fp32, strides (1, N): the
+            block of the copy)                        copy's BlockWise1x128 scale as ``a``, and as
+                                                      ``b`` in ``torch.nn.functional.scaled_mm``;
+                                                      ``.t()`` is (cdiv(M, 128), N) contiguous,
+                                                      ``torch._scaled_mm``'s ``scale_b`` of 1 x 128
+                                                      blocks, and the memory of TE's columnwise
+                                                      ``scale_inv`` of 1-D block scaling ((M / 128,
+                                                      N), TE padding N to a multiple of 4)
+"mx"        one per 32 x 1 block of y, E8M0           (N, cdiv(M, 32)) ``torch.float8_e8m0fnu``,
+                                                      row-major: the copy's own MX scales as the
+                                                      128 x 4 swizzle takes them. TE keeps MXFP8's
+                                                      columnwise data (M, N), untransposed, with
+                                                      scales (M / 32, N) padded: the transpose of
+                                                      these
+=========== ========================================= ============================================
+
+(Checked against torch 2.13's ``_meta_registrations.py``, which states the shapes and strides
+``_scaled_mm`` and ``scaled_mm`` take, and TE's ``Float8BlockQuantizer.get_scale_shape`` and
+``MXFP8Quantizer``.) A last block along M shorter than 128 (32) takes the amax of the rows it
+holds; the GEMMs themselves want M a multiple of 128 (32). ``dequantize(data_t,
+scale_inv_t, scaling)`` dequantizes a copy, whose scales run along its own rows.
+
+The kernels: the row kernel writes q and its scales as without the copy; for "row" it also
+keeps, per program, each column's amax over its rows in a (grid, N) fp32 buffer, which
+``fp8_column_amax`` reduces to one per column (max is exact and order-free: the same bits on
+every run). ``fp8_quantize_transposed`` then re-reads x (or h) over 128 x 128 blocks (64 x
+128 for "row") with the saved rstd (and mean), takes each block's 128 x 1 (four 32 x 1)
+amaxes on chip, or the column's, and writes the copy and its scales. Rows past M count in
+no amax (a padding row normalizes to LayerNorm's bias). x is read twice, as for per-tensor
+current scaling. No atomics: reruns are bit-identical.
 
 Scale conventions
 -----------------
@@ -74,13 +108,14 @@ Per-tensor current scaling: two launches, deterministic
 -------------------------------------------------------
 A tensor's amax is known only after every row is normalized. Pass 1 (one program per SM,
 persistent) reads x (and the residual, writing h), writes rstd (and mean) and one amax per
-program into an fp32 partial buffer; pass 2, over (rows x 128-column) blocks, reads the whole
-partial buffer (max is exact and order-free, so every program gets the same amax bit for
-bit), derives the scale, re-reads x (or h) and writes q (and the transposed copy); its
-program 0 writes ``amax`` and ``scale_inv``. x is read twice: the "two reads" design the
-issue allows (5 bytes a bf16 element instead of 3). "delayed" with ``transpose=True`` runs the
-same two passes with the given scale. Without ``transpose``, "delayed" is one pass plus a
-one-program kernel that folds the per-program amaxes into ``amax``. No atomics anywhere.
+program (rows past M left out) into an fp32 partial buffer; pass 2, over (rows x
+128-column) blocks, reads the whole partial buffer (max is exact and order-free, so every
+program gets the same amax bit for bit), derives the scale, re-reads x (or h) and writes q
+(and the transposed copy); its program 0 writes ``amax`` and ``scale_inv``. x is read
+twice: the "two reads" design the issue allows (5 bytes a bf16 element instead of 3).
+"delayed" with ``transpose=True`` runs the same two passes with the given scale. Without
+``transpose``, "delayed" is one pass plus a one-program kernel that folds the per-program
+amaxes into ``amax``. No atomics anywhere.
 
 FP8 input
 ---------
@@ -147,15 +182,16 @@ MAX_GROUP_SIZE = 128
 class Float8NormOutput(NamedTuple):
     """A launch-level FP8-output forward: q (``data``, x's shape), its dequantizing scales
     (``scale_inv``, laid out per ``scaling``: see the module docstring), this call's
-    ``amax`` (per-tensor scalings, shape (); else None), the (N, M) copy ``data_t`` (with
-    ``transpose=True``), the residual sum ``h`` (with a residual; else None), and the
-    statistics ``mean`` (LayerNorm) and ``rstd`` (fp32, x's shape without N) that the
-    backward takes."""
+    ``amax`` (per-tensor scalings, shape (); else None), the (N, M) copy ``data_t`` and its
+    scales ``scale_inv_t`` (with ``transpose=True``), the residual sum ``h`` (with a
+    residual; else None), and the statistics ``mean`` (LayerNorm) and ``rstd`` (fp32, x's
+    shape without N) that the backward takes."""
 
     data: torch.Tensor
     scale_inv: torch.Tensor
     amax: torch.Tensor | None
     data_t: torch.Tensor | None
+    scale_inv_t: torch.Tensor | None
     h: torch.Tensor | None
     mean: torch.Tensor | None
     rstd: torch.Tensor
@@ -165,17 +201,22 @@ class Float8NormOutput(NamedTuple):
         """``data * scale_inv`` in ``dtype``, x's shape."""
         return dequantize(self.data, self.scale_inv, self.scaling, dtype)
 
+    def dequantize_t(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``data_t * scale_inv_t`` in ``dtype``, (N, M)."""
+        return dequantize(self.data_t, self.scale_inv_t, self.scaling, dtype)
+
 
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, scaling: str,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """FP8 ``data`` (..., N) times its scales (the layout of ``scaling``), in ``dtype``."""
+    """FP8 ``data`` (..., N) times its scales (the layout of ``scaling``), in ``dtype``. A
+    transposed copy (N, M) takes its own scales the same way: they run along its rows."""
     q = data.reshape(-1, data.shape[-1]).float()
     if scaling == "mx":
         s = torch.pow(2.0, scale_inv.view(torch.uint8).float() - 127)
     else:
         s = scale_inv.float()
     if scaling in ("block", "mx"):
-        s = s.repeat_interleave(q.shape[1] // s.shape[1], dim=1)
+        s = s.repeat_interleave(reference.FP8_BLOCK_COLS[scaling], dim=1)[:, :q.shape[1]]
     return (q * s).to(dtype).reshape(data.shape)
 
 
@@ -186,21 +227,25 @@ class Float8NormTensor(torch.Tensor):
     """The FP8 output of :func:`rms_norm` / :func:`layer_norm` as autograd sees it: a wrapper
     of nominal dtype (x's, or bf16 for FP8 x) and x's shape, so that the gradient reaching it
     is in that dtype. ``fp8`` is q, ``scale_inv`` its scales (see the module docstring),
-    ``amax`` this call's (per-tensor scalings), ``fp8_t`` the (N, M) copy. An FP8 GEMM reads
-    those; every other use of the tensor sees its dequantized value."""
+    ``amax`` this call's (per-tensor scalings), ``fp8_t`` the (N, M) copy and
+    ``scale_inv_t`` its scales. An FP8 GEMM reads those; every other use of the tensor sees
+    its dequantized value."""
 
     fp8: torch.Tensor
     scale_inv: torch.Tensor
     amax: torch.Tensor | None
     fp8_t: torch.Tensor | None
+    scale_inv_t: torch.Tensor | None
     scaling: str
 
     @staticmethod
     def __new__(cls, fp8: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor | None,
-                fp8_t: torch.Tensor | None, scaling: str, dtype: torch.dtype):
+                fp8_t: torch.Tensor | None, scale_inv_t: torch.Tensor | None, scaling: str,
+                dtype: torch.dtype):
         t = torch.Tensor._make_wrapper_subclass(cls, fp8.shape, dtype=dtype,
                                                 device=fp8.device)
-        t.fp8, t.scale_inv, t.amax, t.fp8_t, t.scaling = fp8, scale_inv, amax, fp8_t, scaling
+        t.fp8, t.scale_inv, t.amax, t.scaling = fp8, scale_inv, amax, scaling
+        t.fp8_t, t.scale_inv_t = fp8_t, scale_inv_t
         return t
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -218,7 +263,8 @@ class Float8NormTensor(torch.Tensor):
         kwargs = kwargs or {}
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
             t = args[0]
-            return cls(t.fp8, t.scale_inv, t.amax, t.fp8_t, t.scaling, t.dtype)
+            return cls(t.fp8, t.scale_inv, t.amax, t.fp8_t, t.scale_inv_t, t.scaling,
+                       t.dtype)
 
         def plain(a):
             return a.dequantize() if isinstance(a, Float8NormTensor) else a
@@ -272,9 +318,6 @@ def _check(op: str, x, weight, bias, residual, scaling, fp8_dtype, scale, transp
     elif scale is not None:
         raise ValueError(f"{op}: scale is the given multiplier of scaling='delayed'; "
                          f"scaling={scaling!r} computes its own")
-    if transpose and scaling not in ("tensor", "delayed"):
-        raise ValueError(f"{op}: transpose=True is built for the per-tensor scalings "
-                         f"('tensor', 'delayed'); a {scaling!r} copy needs scales along M")
     block = reference.FP8_BLOCK_COLS.get(scaling)
     if block and n % block:
         raise ValueError(f"{op}: scaling={scaling!r} scales blocks of {block} columns; x's "
@@ -394,18 +437,30 @@ class Fp8ForwardCall:
             out["q_scale"] = torch.empty((rows, cols // 32), dtype=torch.uint8, device=dev)
         if s.transpose:
             out["q_t"] = torch.empty((cols, rows), dtype=s.fp8_dtype, device=dev)
+        if s.transpose and s.scaling == "row":
+            out["q_t_scale"] = torch.empty((cols, 1), dtype=torch.float32, device=dev)
+            out["column_amax_partial"] = torch.empty((self.partials, cols),
+                                                     dtype=torch.float32, device=dev)
+            out["column_amax"] = torch.empty(cols, dtype=torch.float32, device=dev)
+        elif s.transpose and s.scaling == "block":  # (N, M / 128), N contiguous
+            out["q_t_scale"] = torch.empty_strided((cols, -(-rows // 128)), (1, cols),
+                                                   dtype=torch.float32, device=dev)
+        elif s.transpose and s.scaling == "mx":
+            out["q_t_scale"] = torch.empty((cols, -(-rows // 32)), dtype=torch.uint8,
+                                           device=dev)
         return out
 
     def run(self, x, weight, bias, residual, x_scale_inv, scale, eps: float, offset: float
             ) -> Float8NormOutput:
         s = self.spec
         if not self.decision.uses_kernel:
-            q, scale_inv, amax, q_t, h, mean, rstd = reference.norm_fp8_forward(
-                x, weight, bias, eps, scaling=s.scaling, fp8_dtype=s.fp8_dtype, scale=scale,
-                transpose=s.transpose, layer_norm=s.layer_norm, offset=offset,
-                residual=residual, residual_dtype=self.h_dtype, x_scale_inv=x_scale_inv,
-                group_size=s.group)
-            return Float8NormOutput(q, scale_inv, amax, q_t,
+            q, scale_inv, amax, q_t, scale_inv_t, h, mean, rstd = \
+                reference.norm_fp8_forward(
+                    x, weight, bias, eps, scaling=s.scaling, fp8_dtype=s.fp8_dtype,
+                    scale=scale, transpose=s.transpose, layer_norm=s.layer_norm,
+                    offset=offset, residual=residual, residual_dtype=self.h_dtype,
+                    x_scale_inv=x_scale_inv, group_size=s.group)
+            return Float8NormOutput(q, scale_inv, amax, q_t, scale_inv_t,
                                     h if residual is not None else None, mean, rstd,
                                     s.scaling)
         out = self.outputs()
@@ -432,10 +487,13 @@ class Fp8ForwardCall:
         """The launch's outputs as the op returns them."""
         stat = self.out_shape[:-1]
         scale_inv = out.get("scale_inv", out.get("q_scale"))
+        scale_inv_t = out.get("q_t_scale", scale_inv) if self.spec.transpose else None
         if self.spec.scaling == "mx":
             scale_inv = scale_inv.view(torch.float8_e8m0fnu)
+            if scale_inv_t is not None:
+                scale_inv_t = scale_inv_t.view(torch.float8_e8m0fnu)
         return Float8NormOutput(out["q"], scale_inv, out.get("amax"), out.get("q_t"),
-                                out.get("residual_out"),
+                                scale_inv_t, out.get("residual_out"),
                                 out["mean"].view(stat) if "mean" in out else None,
                                 out["rstd"].view(stat), self.spec.scaling)
 
@@ -479,6 +537,14 @@ def _layouts(spec: Fp8Spec, x, weight, bias, residual, h_dtype, rows, cols, part
         layouts["q_scale"] = _dense(torch.uint8, (rows, cols // 32))
     if spec.transpose:
         layouts["q_t"] = _dense(spec.fp8_dtype, (cols, rows))
+    if spec.transpose and spec.scaling == "row":
+        layouts["q_t_scale"] = _dense(torch.float32, (cols, 1))
+        layouts["column_amax_partial"] = _dense(torch.float32, (partials, cols))
+        layouts["column_amax"] = _dense(torch.float32, (cols,))
+    elif spec.transpose and spec.scaling == "block":
+        layouts["q_t_scale"] = ArrayLayout("float32", (cols, -(-rows // 128)), (1, cols))
+    elif spec.transpose and spec.scaling == "mx":
+        layouts["q_t_scale"] = _dense(torch.uint8, (cols, -(-rows // 32)))
     return layouts
 
 
@@ -499,21 +565,28 @@ def build_forward(spec: Fp8Spec, x, weight, bias, residual, residual_dtype,
                                has_bias=bias is not None, has_residual=residual is not None,
                                has_offset=spec.has_offset, group=spec.group)
     fp8_max = cutile_fp8.FP8_MAX[DTYPE_NAMES[spec.fp8_dtype]]
-    call.partials = plan.grid if spec.scaling in ("tensor", "delayed") else 0
+    per_tensor = spec.scaling in ("tensor", "delayed")
+    column_amax = decision.column_amax is not None
+    call.partials = plan.grid if per_tensor or column_amax else 0
     layouts = _layouts(spec, x, weight, bias, residual, h_dtype, rows, cols, call.partials)
+    # The second pass reads h: x as loaded (FP8 x with its multipliers), or the stored
+    # residual sum.
+    second = dict(layouts, h=layouts["residual_out"] if residual is not None else layouts["x"])
+    if residual is not None:
+        second.pop("x_scale_inv", None)
     two_passes = decision.quantize is not None
-    row_scaling = "amax" if two_passes else spec.scaling
-    kernels = [(cutile_fp8.bind_fp8_forward(plan, features, row_scaling, fp8_max), layouts)]
-    if two_passes:
-        # The second pass reads h: x as loaded (FP8 x with its multipliers), or the stored
-        # residual sum.
-        second = dict(layouts, h=layouts["residual_out"] if residual is not None
-                      else layouts["x"])
-        if residual is not None:
-            second.pop("x_scale_inv", None)
+    row_scaling = "amax" if two_passes and per_tensor else spec.scaling
+    kernels = [(cutile_fp8.bind_fp8_forward(plan, features, row_scaling, fp8_max,
+                                            column_amax), layouts)]
+    if column_amax:
+        kernels.append((cutile_fp8.bind_fp8_column_amax(decision.column_amax), layouts))
+    if two_passes and per_tensor:
         kernels.append((cutile_fp8.bind_fp8_quantize(
             decision.quantize, features, call.partials, spec.scaling == "tensor",
             spec.transpose, fp8_max), second))
+    elif two_passes:
+        kernels.append((cutile_fp8.bind_fp8_quantize_transposed(
+            decision.quantize, features, spec.scaling, fp8_max), second))
     elif spec.scaling == "delayed":
         kernels.append((cutile_fp8.bind_fp8_amax_finish(call.partials,
                                                         plan.dependent_launch), layouts))
@@ -671,8 +744,8 @@ class Fp8NormFunction(torch.autograd.Function):
         call = prepared.call
         out = call.run(x, weight, bias, residual, x_scale_inv, scale, prepared.eps,
                        prepared.offset)
-        y = Float8NormTensor(out.data, out.scale_inv, out.amax, out.data_t, out.scaling,
-                             call.nominal_dtype)
+        y = Float8NormTensor(out.data, out.scale_inv, out.amax, out.data_t,
+                             out.scale_inv_t, out.scaling, call.nominal_dtype)
         h = x if residual is None else out.h
         ctx.save_for_backward(h, x_scale_inv, weight, bias, out.mean, out.rstd)
         ctx.call, ctx.offset, ctx.x_dtype = call, prepared.offset, x.dtype
@@ -709,8 +782,8 @@ def _apply(op, x, weight, bias, eps, scaling, fp8_dtype, scale, transpose, offse
         y, h = (out, None) if residual is None else out
     else:
         r = p.call.run(x, weight, bias, residual, x_scale_inv, scale, p.eps, p.offset)
-        y = Float8NormTensor(r.data, r.scale_inv, r.amax, r.data_t, r.scaling,
-                             p.call.nominal_dtype)
+        y = Float8NormTensor(r.data, r.scale_inv, r.amax, r.data_t, r.scale_inv_t,
+                             r.scaling, p.call.nominal_dtype)
         h = r.h
     return (y, h) if prenorm else y
 
@@ -724,7 +797,8 @@ _OPS_DOC = """
             (MXFP8: 1 x 32, E8M0); see the module docstring for each one's scale layout.
         fp8_dtype: torch.float8_e4m3fn or torch.float8_e5m2.
         scale: for "delayed", TE's quantize multiplier: a one-element float32 tensor.
-        transpose: also write the (N, M) copy (per-tensor scalings).
+        transpose: also write the (N, M) copy for the weight-gradient GEMM, with scales
+            along M for "row" (per column), "block" (128 x 1) and "mx" (32 x 1).
         offset: Gemma's weight offset, ``offset + weight`` in fp32 (rms_norm only).
         residual, prenorm, residual_dtype: a fused residual add, as in
             :func:`tilenorm.rms_norm`; h is stored in ``residual_dtype`` (default the

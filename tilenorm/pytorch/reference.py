@@ -179,41 +179,57 @@ def saturate(v: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     return torch.where(v > m, m, torch.where(v < -m, -m, v))
 
 
+def quantize_along_rows(y: torch.Tensor, scaling: str, fp8_dtype: torch.dtype
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale_inv) of fp32 ``y`` (R, C) with scales along its rows: one per row ("row",
+    (R, 1) fp32), per 1 x 128 block ("block", (R, cdiv(C, 128)) fp32 with strides (1, R)) or
+    per 1 x 32 block ("mx", (R, cdiv(C, 32)) E8M0). A last block shorter than the others
+    takes the amax of what it holds. The transposed copies are this of y's transpose."""
+    rows, cols = y.shape
+    if scaling == "row":
+        s = scale_from_amax(amax_skipping_nan(y, dim=1, keepdim=True), fp8_dtype)
+        return saturate(y * s, fp8_dtype).to(fp8_dtype), 1.0 / s
+    block = FP8_BLOCK_COLS[scaling]
+    blocks = -(-cols // block)
+    # Zeros leave a block's amax as it is.
+    y3 = torch.nn.functional.pad(y, (0, blocks * block - cols)).reshape(rows, blocks, block)
+    block_amax = amax_skipping_nan(y3, dim=2, keepdim=True)
+    if scaling == "mx":
+        k = mx_exponent(block_amax, fp8_dtype)
+        scaled = y3 * torch.pow(2.0, -k.float())
+        scale_inv = (k + 127).to(torch.uint8).reshape(rows, blocks).view(torch.float8_e8m0fnu)
+    else:
+        s = scale_from_amax(block_amax, fp8_dtype)
+        scaled = y3 * s
+        scale_inv = (1.0 / s).reshape(rows, blocks).t().contiguous().t()
+    q = saturate(scaled.reshape(rows, blocks * block)[:, :cols], fp8_dtype).to(fp8_dtype)
+    return q, scale_inv
+
+
 def fp8_quantize(y: torch.Tensor, scaling: str, fp8_dtype: torch.dtype,
                  scale: torch.Tensor | None = None, transpose: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
-                            torch.Tensor | None]:
-    """(q, scale_inv, amax, q_t) of fp32 ``y`` of shape (M, N), as the kernels lay them out:
-    scale_inv of shape () for "tensor" and "delayed" (whose given ``scale`` q uses), (M, 1)
-    for "row", (M, N / 128) with strides (1, M) for "block", (M, N / 32) E8M0 for "mx"; amax
-    (shape ()) for the per-tensor scalings, else None; q_t (N, M) where ``transpose``."""
-    rows, cols = y.shape
-    amax = None
-    if scaling in ("tensor", "delayed"):
-        amax = amax_skipping_nan(y)
-        s = scale_from_amax(amax, fp8_dtype) if scaling == "tensor" else \
-            scale.float().reshape(())
-        scaled, scale_inv = y * s, 1.0 / s
-    elif scaling == "row":
-        s = scale_from_amax(amax_skipping_nan(y, dim=1, keepdim=True), fp8_dtype)
-        scaled, scale_inv = y * s, 1.0 / s
-    else:
-        block = FP8_BLOCK_COLS[scaling]
-        y3 = y.reshape(rows, cols // block, block)
-        block_amax = amax_skipping_nan(y3, dim=2, keepdim=True)
-        if scaling == "mx":
-            k = mx_exponent(block_amax, fp8_dtype)
-            scaled = y3 * torch.pow(2.0, -k.float())
-            scale_inv = (k + 127).to(torch.uint8).reshape(rows, cols // block).view(
-                torch.float8_e8m0fnu)
-        else:
-            s = scale_from_amax(block_amax, fp8_dtype)
-            scaled = y3 * s
-            scale_inv = (1.0 / s).reshape(rows, cols // block).t().contiguous().t()
-        scaled = scaled.reshape(rows, cols)
-    q = saturate(scaled, fp8_dtype).to(fp8_dtype)
-    q_t = q.t().contiguous() if transpose else None
-    return q, scale_inv, amax, q_t
+                            torch.Tensor | None, torch.Tensor | None]:
+    """(q, scale_inv, amax, q_t, scale_inv_t) of fp32 ``y`` of shape (M, N), as the kernels
+    lay them out: scale_inv of shape () for "tensor" and "delayed" (whose given ``scale`` q
+    uses), else as :func:`quantize_along_rows`; amax (shape ()) for the per-tensor
+    scalings, else None; where ``transpose``, the (N, M) copy q_t and its scales: the
+    per-tensor scale_inv itself, else :func:`quantize_along_rows` of y's transpose ((N, 1)
+    per column, (N, cdiv(M, 128)) per 128 x 1 block with strides (1, N), (N, cdiv(M, 32))
+    E8M0 per 32 x 1 block)."""
+    if scaling not in ("tensor", "delayed"):
+        q, scale_inv = quantize_along_rows(y, scaling, fp8_dtype)
+        q_t = scale_inv_t = None
+        if transpose:
+            q_t, scale_inv_t = quantize_along_rows(y.t().contiguous(), scaling, fp8_dtype)
+        return q, scale_inv, None, q_t, scale_inv_t
+    amax = amax_skipping_nan(y)
+    s = scale_from_amax(amax, fp8_dtype) if scaling == "tensor" else scale.float().reshape(())
+    q = saturate(y * s, fp8_dtype).to(fp8_dtype)
+    scale_inv = 1.0 / s
+    if transpose:
+        return q, scale_inv, amax, q.t().contiguous(), scale_inv
+    return q, scale_inv, amax, None, None
 
 
 def dequantize_groups(x: torch.Tensor, x_scale_inv: torch.Tensor, group_size: int
@@ -232,17 +248,17 @@ def norm_fp8_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.T
                      residual: torch.Tensor | None = None,
                      residual_dtype: torch.dtype | None = None,
                      x_scale_inv: torch.Tensor | None = None, group_size: int = 0) -> tuple:
-    """(q, scale_inv, amax, q_t, h, mean, rstd) of a norm over the last dimension with FP8
-    output, computed as the kernels compute it (fp32). FP8 x comes with ``x_scale_inv`` and
-    ``group_size``; h is the dequantized x (fp32) without a residual, else the sum stored in
-    ``residual_dtype``."""
+    """(q, scale_inv, amax, q_t, scale_inv_t, h, mean, rstd) of a norm over the last
+    dimension with FP8 output, computed as the kernels compute it (fp32). FP8 x comes with
+    ``x_scale_inv`` and ``group_size``; h is the dequantized x (fp32) without a residual,
+    else the sum stored in ``residual_dtype``."""
     with torch.no_grad():
         xv = dequantize_groups(x, x_scale_inv, group_size) if group_size else x
         n = x.shape[-1]
         y, h, mean, rstd = _forward(xv, weight, bias, eps, layer_norm, offset, residual,
                                     residual_dtype, torch.float32, 1)
-        q, scale_inv, amax, q_t = fp8_quantize(y.reshape(-1, n), scaling, fp8_dtype, scale,
-                                               transpose)
+        q, scale_inv, amax, q_t, scale_inv_t = fp8_quantize(y.reshape(-1, n), scaling,
+                                                            fp8_dtype, scale, transpose)
     stat = x.shape[:-1]
-    return (q.reshape(x.shape), scale_inv, amax, q_t, h,
+    return (q.reshape(x.shape), scale_inv, amax, q_t, scale_inv_t, h,
             None if mean is None else mean.reshape(stat), rstd.reshape(stat))
