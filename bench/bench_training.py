@@ -959,6 +959,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--budget-s", type=float, default=480,
                         help="skip configurations that would end later (0: no limit)")
     parser.add_argument("--out", type=Path, help="JSON path (default bench/results/...)")
+    parser.add_argument("--missing", action="store_true",
+                        help="with an existing --out: run only the model/size/modes that lack "
+                             "a row for some provider (a run split over several calls)")
     parser.add_argument("--plot", action="store_true", help="a PNG beside the JSON")
     parser.add_argument("--report", type=Path, metavar="RECORD",
                         help="run nothing: print a record's tables and plot it beside itself "
@@ -1025,6 +1028,8 @@ def main(argv: list[str] | None = None) -> dict:
         for part in ("absent", "providers", "references", "tilenorm_decisions"):
             record[part] = {**old.get(part, {}), **record[part]}
 
+    recorded = {_key(r) for r in record["rows"]}
+
     def write():
         record["targets"] = targets(record["rows"], dtype)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -1043,6 +1048,9 @@ def main(argv: list[str] | None = None) -> dict:
         group = {"model": spec.name, "size": size.name, "mode": mode}
         elapsed = time.perf_counter() - started
         head = f"[{n}/{len(groups)} {elapsed:5.0f}s] {' '.join(group.values())}:"
+        if args.missing and all(_key({**group, "provider": p}) in recorded for p in runs):
+            print(f"{head} recorded already", flush=True)
+            continue
         # All providers or none: the comparison (and the "fastest" target) needs all of them.
         guess = estimate.get((size.name, mode), max(
             (v for (_, m), v in estimate.items() if m == mode), default=0.0))
