@@ -413,14 +413,14 @@ def test_fp8_column_amax_plan_covers_every_column_once(cols):
 
 # --- kernels (GPU) -------------------------------------------------------------------------
 
-FP8_NAN_BYTES = {E4M3: (0x7F, 0xFF), E5M2: (0x7D, 0x7E, 0x7F, 0xFD, 0xFE, 0xFF)}
-
-
-def _poison(t: torch.Tensor) -> None:
+def _poison(t: torch.Tensor, pattern: int) -> None:
+    """Fill ``t`` with poison ``pattern`` (0 or 1): NaN bytes, then a finite pattern. Outputs
+    that may hold NaN (a NaN input's row or block) are checked by two runs, each poisoned
+    differently, coming out bit-identical: no element can keep both poisons."""
     if t.dtype in (E4M3, E5M2, torch.uint8):
-        t.view(torch.uint8).fill_(0xFF)  # NaN in both FP8 formats and in E8M0
+        t.view(torch.uint8).fill_((0xFF, 0x35)[pattern])  # NaN in FP8 and E8M0; then finite
     else:
-        t.fill_(float("nan"))
+        t.fill_((float("nan"), -12345.0)[pattern])
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -429,18 +429,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _unwritten(name: str, t: torch.Tensor) -> bool:
-    if t.dtype in (E4M3, E5M2):
-        b = t.view(torch.uint8)
-        return bool(sum((b == nan).sum() for nan in FP8_NAN_BYTES[t.dtype]))
-    if t.dtype == torch.uint8:
-        return bool((t == 0xFF).any())
-    return bool(t.isnan().any())
-
-
 def run_kernels(op, x, w, b, scaling, fp8_dtype=E4M3, repeats=3, **kw):
     """The op's prepared kernels on poisoned outputs: every output written, ``repeats``
-    reruns bit-identical. Returns the result."""
+    reruns (one at least) bit-identical. Returns the result."""
     from tilenorm.pytorch import fp8 as fp8_ops
 
     if scaling == "delayed" and "scale" not in kw:
@@ -456,18 +447,18 @@ def run_kernels(op, x, w, b, scaling, fp8_dtype=E4M3, repeats=3, **kw):
     call = p.call
     assert call.decision.uses_kernel, str(call.decision)
     runs = []
-    for _ in range(1 + repeats):
+    for n in range(max(2, 1 + repeats)):  # two poisons at least: every element written
         out = call.outputs()
         for t in out.values():
-            _poison(t)
+            _poison(t, n % 2)
         call.launch(out, x, w, b, residual, x_scale_inv, scale, p.eps, p.offset)
         runs.append(out)
     torch.cuda.synchronize()
     first = runs[0]
     for name, t in first.items():
-        assert not _unwritten(name, t), f"{name} has unwritten (poisoned) elements"
         for again in runs[1:]:
-            assert torch.equal(_bits(t), _bits(again[name])), f"{name} differs between runs"
+            assert torch.equal(_bits(t), _bits(again[name])), (
+                f"{name} differs between runs: unwritten (poisoned) elements or a race")
     return call.result(first)
 
 

@@ -246,6 +246,7 @@ def fp8_rounding_excess(q: torch.Tensor, scale_inv: torch.Tensor, scaling: str,
     from tilenorm.pytorch.reference import fp8_max
 
     y2 = y.reshape(-1, y.shape[-1]).double()
+    q, scale_inv = q.to(y2.device), scale_inv.to(y2.device)  # a GPU output, a CPU reference
     size = y2.abs() if terms is None else terms.reshape(y2.shape).double()
     s = fp8_scales_per_element(scale_inv, scaling, *y2.shape)
     top = fp8_max(fp8_dtype)
