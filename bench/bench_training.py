@@ -524,7 +524,8 @@ def time_rounds(runners: dict[str, Runner], steps: int, round_steps: int,
                 failed: dict[str, Exception]) -> int:
     """Fill each runner's ``step_ms`` with ``steps`` timed steps: round k runs
     ``round_steps`` steps of every runner before round k + 1 of any, the order rotated by one
-    each round, after one untimed round; garbage collected before each runner's turn. A
+    each round, after one untimed round; garbage collected before each runner's turn, and not
+    during it. A
     runner that raises is moved to ``failed`` and the others go on. The number of timed
     rounds."""
     rounds = math.ceil(steps / round_steps)
@@ -533,6 +534,7 @@ def time_rounds(runners: dict[str, Runner], steps: int, round_steps: int,
         for name in names[k % len(names):] + names[:k % len(names)]:
             count = round_steps if k == 0 else min(round_steps, steps - (k - 1) * round_steps)
             gc.collect()
+            gc.disable()  # as timeit: no collection lands inside one provider's turn
             try:
                 ms = runners[name].timed(count)
             except Exception as e:
@@ -540,6 +542,8 @@ def time_rounds(runners: dict[str, Runner], steps: int, round_steps: int,
                 failed[name] = e.with_traceback(None)
                 del runners[name]
                 continue
+            finally:
+                gc.enable()
             if k:
                 runners[name].step_ms += ms
                 runners[name].turn_ms.append(sum(ms) / len(ms))
@@ -654,23 +658,54 @@ def _groups(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
     return groups
 
 
+def sign_test_turns(turns: int, level: float = 0.05) -> int:
+    """The fewest of ``turns`` paired turns one provider must win for a two-sided sign test
+    at ``level`` to call it faster (turns + 1 where none suffices)."""
+    tail = 0.0
+    for k in range(turns, -1, -1):
+        tail += math.comb(turns, k) / 2 ** turns
+        if tail > level / 2:
+            return k + 1
+    return turns + 1
+
+
+def paired(row: dict | None, base: dict | None) -> dict | None:
+    """``row`` against ``base`` turn by turn: providers of a group are timed in rounds, turn k
+    of each in round k, so the host's drift over a run (NOTES.md #49) cancels in the ratio of
+    turn k's mean steps. The median ratio with its quartiles, the turns ``row`` won, and the
+    sign test's verdict: "faster", "slower", or "tie" (within the noise)."""
+    a, b = (r and r.get("turns_ms") for r in (row, base))
+    if not a or not b or len(a) != len(b) or len(a) < 2:
+        return None
+    ratios = [x / y for x, y in zip(a, b, strict=True)]
+    q = statistics.quantiles(ratios, n=4)
+    wins, need = sum(x < y for x, y in zip(a, b, strict=True)), sign_test_turns(len(a))
+    verdict = ("faster" if wins >= need else "slower" if len(a) - wins >= need else "tie")
+    return {"ratio": statistics.median(ratios), "ratio_p25": q[0], "ratio_p75": q[2],
+            "won": wins, "turns": len(a), "verdict": verdict}
+
+
 def targets(rows: list[dict], dtype: torch.dtype) -> list[dict]:
-    """Issue 17's targets over the rows that were measured."""
+    """Issue 17's targets over the rows that were measured; the step-time ones carry the
+    paired comparison (:func:`paired`) with the provider they are held against."""
     out = []
     for (model, size, mode), by in _groups(rows).items():
         where = f"{model} {size} {mode}"
         ours = by.get("tilenorm+residual")
-        others = [r["step_ms"] for p, r in by.items() if p != "tilenorm+residual"]
+        others = {p: r for p, r in by.items() if p != "tilenorm+residual"}
+        best = min(others, key=lambda p: others[p]["step_ms"]) if others else None
         out.append({"target": f"{where}: tilenorm+residual fastest", "unit": "ms",
                     "measured": ours and ours["step_ms"],
-                    "limit": min(others) if others else None})
+                    "limit": best and others[best]["step_ms"], "against": best,
+                    "paired": best and paired(ours, others[best])})
         torch_row = by.get("torch")
         for provider in OURS:
             row = by.get(provider)
             if SIZES[size].host_bound:
                 out.append({"target": f"{where}: {provider} step <= torch", "unit": "ms",
                             "measured": row and row["step_ms"],
-                            "limit": torch_row and torch_row["step_ms"]})
+                            "limit": torch_row and torch_row["step_ms"], "against": "torch",
+                            "paired": paired(row, torch_row)})
             if row is None:
                 continue
             out.append({"target": f"{where}: {provider} step 0 loss <= {LOSS0_TOL[dtype]:g}",
@@ -730,11 +765,17 @@ def print_tables(record: dict) -> None:
         print(f"FAILED {' '.join(_key(f))}: {f['error']}")
     for s in record["skipped"]:
         print(f"skipped {' '.join(_key(s))}: {s['reason']}")
-    print(f"\n{'target':>62} {'measured':>9} {'limit':>9}  result")
+    print(f"\n{'target':>62} {'measured':>9} {'limit':>9}  result  paired by turn (ratio "
+          f"[p25, p75], turns won: sign test)")
     for t in record["targets"]:
         result = "MISSING" if t["pass"] is None else "PASS" if t["pass"] else "FAIL"
         show = e if t["unit"] == "rel" else ms
-        print(f"{t['target']:>62} {show(t['measured']):>9} {show(t['limit']):>9}  {result}")
+        pair = t.get("paired")
+        how = "" if not pair else (
+            f"  {pair['ratio']:.3f} [{pair['ratio_p25']:.3f}, {pair['ratio_p75']:.3f}] of "
+            f"{t['against']}'s, {pair['won']}/{pair['turns']}: {pair['verdict']}")
+        print(f"{t['target']:>62} {show(t['measured']):>9} {show(t['limit']):>9}  "
+              f"{result:7}{how}")
 
 
 def _quartiles(row: dict) -> tuple[float, float]:
@@ -964,13 +1005,16 @@ def main(argv: list[str] | None = None) -> dict:
                              "a row for some provider (a run split over several calls)")
     parser.add_argument("--plot", action="store_true", help="a PNG beside the JSON")
     parser.add_argument("--report", type=Path, metavar="RECORD",
-                        help="run nothing: print a record's tables and plot it beside itself "
-                             "(a record written over several calls)")
+                        help="run nothing: recompute a record's targets (written back), print "
+                             "its tables and plot it beside itself (a record written over "
+                             "several calls)")
     parser.add_argument("--experimental", action="store_true",
                         help="let tilenorm run kernels not yet validated on a GPU")
     args = parser.parse_args(argv)
     if args.report:
         record = json.loads(args.report.read_text())
+        record["targets"] = targets(record["rows"], getattr(torch, record["dtype"]))
+        args.report.write_text(json.dumps(record, indent=1) + "\n")  # targets: derived
         plot(record, args.report.with_suffix(".png"))
         print(f"wrote {args.report.with_suffix('.png')}")
         print_tables(record)
