@@ -65,8 +65,14 @@ def _check_quantized(q, scale_inv, y, terms, ref_amax, ref_scale_inv, scaling, f
         assert ((k == k_ref) | near).all()
     else:
         assert scale_inv.shape == ref_scale_inv.shape
-        assert scale_inv.stride() == ref_scale_inv.stride()
+        assert _strides(scale_inv) == _strides(ref_scale_inv)
         assert rel_error(scale_inv.cpu(), ref_scale_inv) <= scale_tol
+
+
+def _strides(t: torch.Tensor) -> tuple:
+    """The layout: strides of the dimensions longer than 1 (a unit dimension's stride is
+    arbitrary: an (M, 1) block scale may say 1 or M there)."""
+    return tuple(st for n, st in zip(t.shape, t.stride(), strict=True) if n > 1)
 
 
 def check_against_float64(out, ref, scaling, fp8_dtype, scale_tol=1e-5):
@@ -238,6 +244,16 @@ def test_nan_stays_in_its_row(scaling):
         assert torch.equal(q[rows], q0[rows])
         s = testing.fp8_scales_per_element(dirty.scale_inv, scaling, 6, 256)
         assert s.isfinite().all()
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+def test_scale_is_the_correctly_rounded_quotient(fp8_dtype):
+    """fp8_max / amax rounded once, as the kernels' fp32 division (the per-tensor scale_inv
+    is compared bit for bit on the GPU)."""
+    g, seed = fresh_generator()
+    amax = torch.rand(100_000, generator=g) * 1e3 + 1e-3
+    exact = (reference.fp8_max(fp8_dtype) / amax.double()).float()
+    assert torch.equal(reference.scale_from_amax(amax, fp8_dtype), exact), seed
 
 
 def test_mx_exponent_is_exact_at_power_of_two_boundaries():
@@ -543,15 +559,31 @@ def test_transposed_copy_with_scales_along_m_on_gpu(op, fp8_dtype, scaling, rows
     """The row kernel, the column-amax reduction ("row") and the transposing kernel on
     poisoned outputs, reruns bit-identical: the dequantized (N, M) copy is the float64 y^T
     within FP8 rounding at its own scales, the scales are the op's functions of the float64
-    amax along M (M not a multiple of 128 or 32 included), and q is as without the copy."""
+    amax along M (M not a multiple of 128 or 32 included), and q is as without the copy up to
+    fp32 rounding."""
     g, seed = fresh_generator("cuda")
     x, w, b = _inputs(g, rows, cols, device="cuda", layer_norm=op == "layer_norm")
     out = run_kernels(op, x, w, b, scaling, fp8_dtype, transpose=True)
     ref = _reference(x.cpu(), w.cpu(), b if b is None else b.cpu(), scaling, fp8_dtype, out)
     check_against_float64(out, ref, scaling, fp8_dtype)
     plain = run_kernels(op, x, w, b, scaling, fp8_dtype, repeats=0)
-    assert torch.equal(out.data.view(torch.uint8), plain.data.view(torch.uint8)), seed
-    assert torch.equal(_bits(out.scale_inv), _bits(plain.scale_inv))
+    _same_up_to_fp32_rounding(out, plain, fp8_dtype, seed)
+
+
+def _same_up_to_fp32_rounding(out, plain, fp8_dtype, seed) -> None:
+    """q and its scales with the transposed copy against those without it. The row kernel
+    that also keeps column amaxes is other code, whose fp32 y may round differently in its
+    last bit (NOTES.md #51): a scale may move by a few ulps and an element of y at an FP8
+    rounding boundary by one FP8 step, rarely; anything more is a defect."""
+    if out.scale_inv.dtype == torch.float32:
+        s, s0 = out.scale_inv.cpu(), plain.scale_inv.cpu()
+        assert ((s - s0).abs() <= 4 * torch.finfo(torch.float32).eps * s0.abs()).all(), seed
+    else:  # MX's power-of-two exponents: the same unless an amax sits on 2^k * fp8_max
+        assert torch.equal(_bits(out.scale_inv), _bits(plain.scale_inv)), seed
+    q, q0 = out.data.float().cpu(), plain.data.float().cpu()
+    moved = q != q0
+    assert moved.float().mean() <= 1e-3, seed
+    assert ((q - q0).abs()[moved] <= testing.fp8_step(q0[moved], fp8_dtype)).all(), seed
 
 
 @gpu

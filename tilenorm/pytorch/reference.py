@@ -159,7 +159,10 @@ def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     where it would overflow (the kernels' ``_scale_of``)."""
     amax = amax.float()
     usable = (amax > 0) & (amax <= _FLOAT32_MAX)
-    scale = fp8_max(fp8_dtype) / torch.where(usable, amax, torch.ones_like(amax))
+    # A tensor numerator: torch's ``float / tensor`` is ``reciprocal(tensor) * float``, two
+    # roundings, 1 ulp off the kernels' correctly rounded quotient in a quarter of cases.
+    top = torch.full_like(amax, fp8_max(fp8_dtype))
+    scale = top / torch.where(usable, amax, torch.ones_like(amax))
     return torch.where(usable, scale.clamp(max=_FLOAT32_MAX), torch.ones_like(amax))
 
 
