@@ -111,7 +111,8 @@ would end past ``--budget-s`` (by the most seconds a provider took so far at its
 is skipped and recorded as such, so that the run ends in time with what it measured. The rest
 is a second call writing the same file (``--modes compile --models gemma3``, say): a record
 already at the path keeps its rows, each replaced by a new row or failure of its configuration
-(a skip leaves a row in place), so that a split run gives one record.
+(a skip leaves a row in place), so that a split run gives one record; ``--missing`` runs only
+the model/size/modes the record lacks (`bench/experiments/training_record.sh` is one such call).
 
 Writes bench/results/<device>-<date>-training-<commit>.json (or ``--out``), with ``--plot`` a
 PNG beside it, and prints the step times, peak memory, correctness and the targets (PASS /
