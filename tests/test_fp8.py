@@ -390,6 +390,144 @@ def test_explain_names_the_reference_path_on_cpu():
     assert "reference path" in text and "cpu" in text
 
 
+# --- torch.compile (CPU: the reference path inside the custom ops) ---------------------------
+
+
+class Fp8GemmStandIn(torch.autograd.Function):
+    """An FP8 GEMM's shape of use: reads the FP8 data and scales, returns a bf16 gradient."""
+
+    @staticmethod
+    def forward(ctx, a):
+        return a.dequantize(torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(torch.bfloat16)
+
+
+def _fp8_step(x, w, b, r, dy, scaling, scale, x_scale_inv, group_size):
+    """A norm (with a fused residual where r is given) whose FP8 output a GEMM stand-in
+    reads, a loss of it (and of h), and every output the op made."""
+    kw = dict(scaling=scaling, scale=scale, transpose=True, x_scale_inv=x_scale_inv,
+              group_size=group_size)
+    if r is not None:
+        kw.update(residual=r, prenorm=True)
+    out = tilenorm.fp8.rms_norm(x, w, **kw) if b is None else \
+        tilenorm.fp8.layer_norm(x, w, b, **kw)
+    y, h = out if r is not None else (out, None)
+    loss = (Fp8GemmStandIn.apply(y) * dy).sum()
+    if h is not None:
+        loss = loss + h.float().sum()
+    return loss, y.fp8, y.scale_inv, y.amax, y.fp8_t, y.scale_inv_t, h
+
+
+def check_compiled_matches_eager(scaling: str, case: str, device: str, row_counts, cols):
+    """torch.compile(fullgraph=True, dynamic=True) of :func:`_fp8_step` against eager, for
+    row counts that change between calls: forward outputs and gradients bit-identical."""
+    g, seed = fresh_generator(device)
+    torch.compiler.reset()  # the other cases' graphs of _fp8_step count as recompiles
+    compiled = torch.compile(_fp8_step, fullgraph=True, dynamic=True)
+    for rows in row_counts:
+        x, w, b = _inputs(g, rows, cols, device=device, layer_norm=case == "layer_norm")
+        r = torch.randn(rows, cols, generator=g, device=device).to(torch.bfloat16) \
+            if "residual" in case else None
+        x_scale_inv = group_size = None
+        if case == "fp8 x":
+            x = x.to(E4M3)
+            group_size = 16
+            x_scale_inv = torch.rand(rows, cols // 16, generator=g, device=device) + 0.5
+        dy = torch.randn(rows, cols, generator=g, device=device)
+        scale = torch.tensor([20.0], device=device) if scaling == "delayed" else None
+        leaves = [t for t in (x, w, b, r) if t is not None and t.dtype not in (E4M3, E5M2)]
+        results = []
+        for fn in (_fp8_step, compiled):
+            for t in leaves:
+                t.requires_grad_().grad = None
+            out = fn(x, w, b, r, dy, scaling, scale, x_scale_inv, group_size)
+            out[0].backward()
+            results.append((out, [t.grad for t in leaves]))
+        (eager, eager_grads), (got, got_grads) = results
+        for a, c in zip(eager[1:], got[1:], strict=True):
+            assert (a is None) == (c is None), (rows, seed)
+            if a is not None:
+                assert a.shape == c.shape and a.dtype == c.dtype and torch.equal(
+                    _bits(a), _bits(c)), (rows, seed)
+        for a, c in zip(eager_grads, got_grads, strict=True):
+            assert torch.equal(a, c), (rows, seed)
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("case", ["rms", "rms residual", "layer_norm", "fp8 x"])
+def test_compiled_fullgraph_matches_eager(scaling, case):
+    """The custom ops in the graph and the Float8NormTensor built around them, on the
+    reference path inside the ops."""
+    check_compiled_matches_eager(scaling, case, "cpu", (40, 72), 256)
+
+
+def test_compiled_launch_level_ops_match_eager():
+    """rms_norm_forward / layer_norm_forward and the FP8-input backward in a compiled graph
+    return what eager returns (Float8NormOutput's views included)."""
+    g, _ = fresh_generator()
+    x = torch.randn(24, 512, generator=g).to(E4M3)
+    s = torch.rand(24, 512 // 32, generator=g) + 0.5
+    w, b = torch.rand(512, generator=g) + 0.5, torch.randn(512, generator=g)
+    dy = torch.randn(24, 512, generator=g).to(torch.bfloat16)
+
+    def launch_level(x, s, w, b, dy):
+        out = tilenorm.fp8.layer_norm_forward(x, w, b, scaling="block", transpose=True,
+                                              x_scale_inv=s, group_size=32)
+        grads = tilenorm.fp8.layer_norm_backward(dy, x, w, b, out.mean, out.rstd,
+                                                 x_scale_inv=s, group_size=32)
+        return out, grads
+
+    eager, eager_grads = launch_level(x, s, w, b, dy)
+    got, got_grads = torch.compile(launch_level, fullgraph=True)(x, s, w, b, dy)
+    def layout(t):  # a dimension of one element has any stride
+        return t.shape, [st for size, st in zip(t.shape, t.stride(), strict=True) if size > 1]
+
+    for a, c in zip(eager, got, strict=True):
+        if isinstance(a, torch.Tensor):
+            assert layout(a) == layout(c) and a.dtype == c.dtype
+            assert torch.equal(_bits(a), _bits(c))
+        else:
+            assert a == c
+    for a, c in zip(eager_grads, got_grads, strict=True):
+        assert torch.equal(a, c)
+
+
+def test_compiled_without_grad_returns_the_float8_norm_tensor():
+    g, _ = fresh_generator()
+    x, w, _ = _inputs(g, 33, 256)
+
+    @torch.compile(fullgraph=True)
+    def quantize(x, w):
+        with torch.no_grad():
+            return tilenorm.fp8.rms_norm(x, w, scaling="mx", transpose=True)
+
+    got, eager = quantize(x, w), tilenorm.fp8.rms_norm(x, w, scaling="mx", transpose=True)
+    assert isinstance(got, tilenorm.fp8.Float8NormTensor) and got.dtype == torch.bfloat16
+    for name in ("fp8", "scale_inv", "fp8_t", "scale_inv_t"):
+        assert torch.equal(_bits(getattr(got, name)), _bits(getattr(eager, name))), name
+    assert got.scale_inv.dtype == torch.float8_e8m0fnu
+
+
+def test_compiled_graph_holds_the_fp8_custom_ops():
+    """The ops reach the graph as tilenorm::fp8_norm_fwd and the bf16 norms' norm_bwd, with
+    no graph break (fullgraph) and nothing of the reference path traced into it."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    backend = AotEagerAndRecordGraphs()
+    x = torch.randn(8, 256).to(torch.bfloat16).requires_grad_()
+    w = torch.ones(256, requires_grad=True)
+    step = torch.compile(lambda x, w: Fp8GemmStandIn.apply(
+        tilenorm.fp8.rms_norm(x, w, scaling="row")).sum(), backend=backend, fullgraph=True)
+    step(x, w).backward()
+    forward = "\n".join(gm.code for gm in backend.fw_graphs)
+    backward = "\n".join(gm.code for gm in backend.bw_graphs)
+    assert "tilenorm.fp8_norm_fwd" in forward and "amax" not in forward
+    assert "tilenorm.norm_bwd" in backward
+
+
 # --- planner -------------------------------------------------------------------------------
 
 
@@ -772,6 +910,16 @@ def test_scaled_mm_of_the_transposed_copy_is_the_weight_gradient():
                                scale_b=out.scale_inv_t.t(), out_dtype=torch.bfloat16)
     expected = dy.double().t() @ testing.float64_norm(x, w).y
     assert rel_error(product, expected) <= 0.06, seed
+
+
+@gpu
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("case", ["rms", "rms residual", "layer_norm", "fp8 x"])
+def test_compiled_fullgraph_on_gpu_matches_eager(scaling, case):
+    """The kernels inside the custom ops of a compiled graph: every output and gradient as
+    eager's, bit for bit."""
+    with tilenorm.experimental():
+        check_compiled_matches_eager(scaling, case, "cuda", (1000, 2053), 4096)
 
 
 @gpu

@@ -144,6 +144,25 @@ COAT-style fused Function calls the launch-level pair instead. FP8 x itself take
 through autograd (torch would cast it to FP8; the op raises if it requires one): the weight's
 and the residual's gradients flow, and dx of FP8 x comes from the launch-level backward.
 
+torch.compile
+-------------
+A compiled graph holds the ops as the ``torch.library`` custom ops ``tilenorm::fp8_norm_fwd``
+and, for FP8 x, ``tilenorm::fp8_norm_input_bwd`` (``tilenorm/pytorch/custom_ops.py``: fake
+implementations; inside, the same prepared calls as eager, kernels or reference path), with
+no graph break (``fullgraph=True``, dynamic shapes). The ops return plain contiguous tensors
+(data, scale_inv, amax, data_t, scale_inv_t, h, mean, rstd; block scales as their
+transpose, MX scales as bytes, since inductor's C++ kernels have no E8M0 type); the traced
+code around them takes the views this module returns and builds the
+:class:`Float8NormTensor`, a traceable wrapper subclass (``__tensor_flatten__``). Autograd
+is a Function the graph traces whole (``Fp8NormOpFunction``): forward the custom op,
+backward ``tilenorm::norm_bwd`` (the bf16 norms' op) over h, or ``fp8_norm_input_bwd``. It
+is not registered on the custom op, because the gradient of the op's FP8 output would reach
+it cast to FP8 (the engine casts a gradient to its output's dtype), the reason the subclass
+exists. A compiled function may return the tensor, but not to a caller who backpropagates a
+plain gradient into it: AOTAutograd expects that gradient to be a Float8NormTensor (torch
+2.13 lets a subclass declare no plain tangent). Inside a compiled model the tensor flows to
+its consumer, as in eager mode.
+
 Limits
 ------
 Rows up to one tile (the forward's single-pass width: 32768 elements of 2-byte x for RMSNorm,
@@ -162,7 +181,7 @@ from torch.utils import _pytree
 
 from tilenorm import dispatch
 from tilenorm._experimental import experimental_enabled
-from tilenorm.arguments import LAYER_NORM, RMS_NORM
+from tilenorm.arguments import LAYER_NORM, RMS_NORM, dres_apart
 from tilenorm.dispatch import Fp8Decision, Fp8Problem
 from tilenorm.launch import cutile, cutile_fp8
 from tilenorm.launch.cutile_fp8 import Fp8NormFeatures
@@ -229,12 +248,19 @@ class Float8NormTensor(torch.Tensor):
     is in that dtype. ``fp8`` is q, ``scale_inv`` its scales (see the module docstring),
     ``amax`` this call's (per-tensor scalings), ``fp8_t`` the (N, M) copy and
     ``scale_inv_t`` its scales. An FP8 GEMM reads those; every other use of the tensor sees
-    its dequantized value."""
+    its dequantized value.
+
+    A traceable wrapper subclass (``__tensor_flatten__``): ``torch.compile`` builds it
+    inside a graph. Inside, it flows to its consumers; a compiled function that returns it
+    to a caller who backpropagates a plain gradient into it fails, as AOTAutograd expects
+    that gradient to be of the output's subclass (torch 2.13 lets a subclass declare no
+    plain tangent): return what its consumer made of it instead."""
 
     fp8: torch.Tensor
     scale_inv: torch.Tensor
     amax: torch.Tensor | None
     fp8_t: torch.Tensor | None
+    #: ``scale_inv`` itself for the per-tensor scalings.
     scale_inv_t: torch.Tensor | None
     scaling: str
 
@@ -248,6 +274,9 @@ class Float8NormTensor(torch.Tensor):
         t.fp8_t, t.scale_inv_t = fp8_t, scale_inv_t
         return t
 
+    def __init__(self, *args, **kwargs):
+        """Everything is set in ``__new__``; Dynamo traces a construction through both."""
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``fp8 * scale_inv`` as a plain tensor, in the nominal dtype by default."""
         return dequantize(self.fp8, self.scale_inv, self.scaling, dtype or self.dtype)
@@ -255,6 +284,17 @@ class Float8NormTensor(torch.Tensor):
     def __repr__(self) -> str:
         return (f"Float8NormTensor(scaling={self.scaling!r}, fp8={self.fp8.dtype}, "
                 f"nominal dtype={self.dtype}, shape={tuple(self.shape)})")
+
+    def __tensor_flatten__(self) -> tuple[list[str], tuple]:
+        names = ("fp8", "scale_inv", "amax", "fp8_t", "scale_inv_t")
+        return [n for n in names if getattr(self, n) is not None], (self.scaling, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: tuple, outer_size, outer_stride
+                             ) -> Float8NormTensor:
+        scaling, dtype = meta
+        return Float8NormTensor(inner["fp8"], inner["scale_inv"], inner.get("amax"),
+                                inner.get("fp8_t"), inner.get("scale_inv_t"), scaling, dtype)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -774,6 +814,9 @@ class Fp8NormFunction(torch.autograd.Function):
 
 def _apply(op, x, weight, bias, eps, scaling, fp8_dtype, scale, transpose, offset, residual,
            prenorm, residual_dtype, x_scale_inv, group_size):
+    if torch.compiler.is_compiling():
+        return _traced(op, x, weight, bias, eps, scaling, fp8_dtype, scale, transpose, offset,
+                       residual, prenorm, residual_dtype, x_scale_inv, group_size)
     p = _prepared(op, x, weight, bias, residual, eps, offset, scaling, fp8_dtype, scale,
                   transpose, x_scale_inv, group_size, prenorm, residual_dtype)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
@@ -786,6 +829,153 @@ def _apply(op, x, weight, bias, eps, scaling, fp8_dtype, scale, transpose, offse
                              r.scaling, p.call.nominal_dtype)
         h = r.h
     return (y, h) if prenorm else y
+
+
+# --- torch.compile -------------------------------------------------------------------------
+#
+# A compiled graph holds the tilenorm::fp8_norm_fwd and fp8_norm_input_bwd custom ops
+# (tilenorm.pytorch.custom_ops), which return plain contiguous tensors; the views the ops
+# return (the block scales' strides, the per-tensor copy's shared scale) and the
+# Float8NormTensor are made in the traced code around them. Their autograd is a Function the
+# graph traces whole: a gradient registered on the custom op would reach its FP8 output
+# cast to FP8, the reason the subclass exists.
+
+
+def forward_op_outputs(x, weight, bias, residual, x_scale_inv, scale, eps: float,
+                       offset: float, layer_norm: bool, scaling: str, fp8_dtype: torch.dtype,
+                       transpose: bool, group_size: int, residual_dtype: torch.dtype | None
+                       ) -> tuple[torch.Tensor, ...]:
+    """tilenorm::fp8_norm_fwd: (data, scale_inv, amax, data_t, scale_inv_t, h, mean, rstd)
+    of the prepared call, contiguous (block scales as their (N / 128, M) transpose, MX
+    scales as their bytes), absent ones empty (and the per-tensor copy's scale, which is
+    scale_inv)."""
+    op = LAYER_NORM if layer_norm else RMS_NORM
+    p = _prepared(op, x, weight, bias, residual, eps, offset, scaling, fp8_dtype, scale,
+                  transpose, x_scale_inv, group_size or None, False, residual_dtype)
+    out = p.call.run(x, weight, bias, residual, x_scale_inv, scale, p.eps, p.offset)
+    scale_dtype = torch.uint8 if scaling == "mx" else torch.float32
+    scale_inv = out.scale_inv.t() if scaling == "block" else out.scale_inv
+    scale_inv_t = None if scaling in ("tensor", "delayed") else out.scale_inv_t
+    if scale_inv_t is not None and scaling == "block":
+        scale_inv_t = scale_inv_t.t()
+
+    def stored(t, dtype):
+        if t is None:
+            return torch.empty(0, dtype=dtype, device=x.device)
+        return t.view(dtype).contiguous() if t.dtype == torch.float8_e8m0fnu else \
+            t.contiguous()
+
+    return (stored(out.data, fp8_dtype), stored(scale_inv, scale_dtype),
+            stored(out.amax, torch.float32), stored(out.data_t, fp8_dtype),
+            stored(scale_inv_t, scale_dtype), stored(out.h, x.dtype),
+            stored(out.mean, torch.float32), stored(out.rstd, torch.float32))
+
+
+def _output_of_op(outputs: tuple[torch.Tensor, ...], scaling: str, transpose: bool,
+                  layer_norm: bool, has_residual: bool) -> Float8NormOutput:
+    """tilenorm::fp8_norm_fwd's outputs as the eager op returns them."""
+    data, scale_inv, amax, data_t, scale_inv_t, h, mean, rstd = outputs
+    per_tensor = scaling in ("tensor", "delayed")
+    if scaling == "block":
+        scale_inv, scale_inv_t = scale_inv.t(), scale_inv_t.t()
+    elif scaling == "mx":
+        scale_inv = scale_inv.view(torch.float8_e8m0fnu)
+        scale_inv_t = scale_inv_t.view(torch.float8_e8m0fnu)
+    if not transpose:
+        data_t = scale_inv_t = None
+    elif per_tensor:
+        scale_inv_t = scale_inv
+    return Float8NormOutput(data, scale_inv, amax if per_tensor else None, data_t,
+                            scale_inv_t, h if has_residual else None,
+                            mean if layer_norm else None, rstd, scaling)
+
+
+def _forward_op(x, weight, bias, residual, x_scale_inv, scale, eps, offset, layer_norm,
+                scaling, fp8_dtype, transpose, group, residual_dtype) -> Float8NormOutput:
+    outputs = torch.ops.tilenorm.fp8_norm_fwd(x, weight, bias, residual, x_scale_inv, scale,
+                                              eps, offset, layer_norm, scaling, fp8_dtype,
+                                              transpose, group, residual_dtype)
+    return _output_of_op(outputs, scaling, transpose, layer_norm, residual is not None)
+
+
+def input_backward_op_outputs(dy, x, x_scale_inv, weight, bias, mean, rstd, offset: float,
+                              group_size: int) -> tuple[torch.Tensor, ...]:
+    """tilenorm::fp8_norm_input_bwd: (dx, dweight, dbias) of a norm of FP8 x (LayerNorm
+    where ``mean`` is given), contiguous, absent ones empty."""
+    op = LAYER_NORM if mean is not None else RMS_NORM
+    offset = checks.check_offset(op, offset, weight)
+    call = build_input_backward(op, dy, x, weight, bias, group_size)
+    dx, dweight, dbias = call.run(dy, x, x_scale_inv, weight, bias, mean, rstd, offset)
+    empty = dx.new_empty(0)
+    return (dx.contiguous(), empty if dweight is None else dweight.contiguous(),
+            empty if bias is None else dbias.contiguous())
+
+
+class Fp8NormOpFunction(torch.autograd.Function):
+    """The autograd of :func:`rms_norm` / :func:`layer_norm` in a compiled graph: forward
+    the tilenorm::fp8_norm_fwd custom op and the :class:`Float8NormTensor` of its outputs;
+    backward tilenorm::norm_bwd over h (the bf16 norms' op), or for FP8 x
+    tilenorm::fp8_norm_input_bwd. The gradient arrives in the tensor's nominal dtype."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, x_scale_inv, scale, eps, offset, layer_norm,
+                scaling, fp8_dtype, transpose, group, residual_dtype):
+        out = _forward_op(x, weight, bias, residual, x_scale_inv, scale, eps, offset,
+                          layer_norm, scaling, fp8_dtype, transpose, group, residual_dtype)
+        nominal = torch.bfloat16 if group else x.dtype
+        y = Float8NormTensor(out.data, out.scale_inv, out.amax, out.data_t, out.scale_inv_t,
+                             scaling, nominal)
+        ctx.save_for_backward(x if residual is None else out.h, x_scale_inv, weight, bias,
+                              out.mean, out.rstd)
+        ctx.offset, ctx.group, ctx.nominal_dtype = offset, group, nominal
+        ctx.residual_dtype = None if residual is None else residual.dtype
+        return y if residual is None else (y, out.h)
+
+    @staticmethod
+    def backward(ctx, dy, dh=None):
+        h, x_scale_inv, weight, bias, mean, rstd = ctx.saved_tensors
+        has_residual = ctx.residual_dtype is not None
+        dx = dres = None  # FP8 x takes no gradient
+        if ctx.group and not has_residual:
+            _, dweight, dbias = torch.ops.tilenorm.fp8_norm_input_bwd(
+                dy, h, x_scale_inv, weight, bias, mean, rstd, ctx.offset, ctx.group)
+        else:
+            grad_x, dres, dweight, dbias = torch.ops.tilenorm.norm_bwd(
+                dy, dh if has_residual else None, h, weight, bias, mean, rstd, ctx.offset, 1,
+                False, ctx.nominal_dtype, ctx.residual_dtype)
+            if not dres_apart(ctx.nominal_dtype, ctx.residual_dtype):
+                dres = grad_x
+            dx = None if ctx.group else grad_x
+        return (dx, None if weight is None else dweight, None if bias is None else dbias,
+                dres if has_residual else None) + (None,) * 10
+
+
+def _traced(op, x, weight, bias, eps, scaling, fp8_dtype, scale, transpose, offset, residual,
+            prenorm, residual_dtype, x_scale_inv, group_size):
+    """:func:`_apply` under ``torch.compile``: the checks that hold for symbolic shapes here,
+    the numeric ones on eps and offset inside the custom op."""
+    group = _check(op, x, weight, bias, residual, scaling, fp8_dtype, scale, transpose,
+                   x_scale_inv, group_size, prenorm, residual_dtype)
+    args = (x, weight, bias, residual, x_scale_inv, scale, eps, offset, op == LAYER_NORM,
+            scaling, fp8_dtype, transpose, group, residual_dtype)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (x, weight, bias, residual)):
+        out = Fp8NormOpFunction.apply(*args)
+        y, h = (out, None) if residual is None else out
+    else:
+        r = _forward_op(*args)
+        y = Float8NormTensor(r.data, r.scale_inv, r.amax, r.data_t, r.scale_inv_t, scaling,
+                             torch.bfloat16 if group else x.dtype)
+        h = r.h
+    return (y, h) if prenorm else y
+
+
+def _traced_forward(op, x, weight, bias, eps, scaling, fp8_dtype, scale, transpose, offset,
+                    residual, residual_dtype, x_scale_inv, group_size) -> Float8NormOutput:
+    group = _check(op, x, weight, bias, residual, scaling, fp8_dtype, scale, transpose,
+                   x_scale_inv, group_size, False, residual_dtype)
+    return _forward_op(x, weight, bias, residual, x_scale_inv, scale, eps, offset,
+                       op == LAYER_NORM, scaling, fp8_dtype, transpose, group, residual_dtype)
 
 
 _OPS_DOC = """
@@ -847,6 +1037,10 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None = None, eps: f
     """The FP8-output RMSNorm without autograd, for a Function that keeps its own graph (a
     COAT-style fused norm and GEMM): a :class:`Float8NormOutput`.
     """
+    if torch.compiler.is_compiling():
+        return _traced_forward(RMS_NORM, x, weight, None, eps, scaling, fp8_dtype, scale,
+                               transpose, offset, residual, residual_dtype, x_scale_inv,
+                               group_size)
     p = _prepared(RMS_NORM, x, weight, None, residual, eps, offset, scaling, fp8_dtype,
                   scale, transpose, x_scale_inv, group_size, False, residual_dtype)
     return p.call.run(x, weight, None, residual, x_scale_inv, scale, p.eps, p.offset)
@@ -862,6 +1056,10 @@ def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor | None = None,
                        group_size: int | None = None) -> Float8NormOutput:
     """The FP8-output LayerNorm without autograd: a :class:`Float8NormOutput`.
     """
+    if torch.compiler.is_compiling():
+        return _traced_forward(LAYER_NORM, x, weight, bias, eps, scaling, fp8_dtype, scale,
+                               transpose, 0.0, residual, residual_dtype, x_scale_inv,
+                               group_size)
     p = _prepared(LAYER_NORM, x, weight, bias, residual, eps, 0.0, scaling, fp8_dtype, scale,
                   transpose, x_scale_inv, group_size, False, residual_dtype)
     return p.call.run(x, weight, bias, residual, x_scale_inv, scale, p.eps, p.offset)
@@ -887,6 +1085,11 @@ def _input_backward(op, dy, x, weight, bias, mean, rstd, x_scale_inv, group_size
                 and t.is_contiguous() and t.device == x.device):
             raise ValueError(f"{op}: {name} must be the forward's: contiguous float32 of "
                              f"shape {tuple(stat)} on {x.device}")
+    if torch.compiler.is_compiling():  # offset is checked inside the op
+        dx, dweight, dbias = torch.ops.tilenorm.fp8_norm_input_bwd(
+            dy, x, x_scale_inv, weight, bias, mean if op == LAYER_NORM else None, rstd,
+            offset, group_size)
+        return (dx, None if weight is None else dweight, None if bias is None else dbias)
     offset = checks.check_offset(op, offset, weight)
     call = build_input_backward(op, dy, x, weight, bias, group_size)
     return call.run(dy, x, x_scale_inv, weight, bias, mean, rstd, offset)
