@@ -157,17 +157,20 @@ norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 # reach it cast to FP8, the reason the subclass exists.
 
 
-def _fp8_scale_shape(scaling: str, rows, cols) -> tuple:
+def _fp8_scale_shape(scaling: str, mx_layout: str, rows, cols) -> tuple:
     """The scales of ``rows`` rows of ``cols`` as the op returns them: contiguous, the
     block scales transposed ((cols / 128, rows); the module takes the (rows, cols / 128)
-    view with strides (1, rows))."""
+    view with strides (1, rows)), swizzled MX scales padded to 128 x 4 tiles."""
     if scaling in ("tensor", "delayed"):
         return ()
     if scaling == "row":
         return (rows, 1)
     if scaling == "block":
         return (-(-cols // 128), rows)
-    return (rows, -(-cols // 32))
+    groups = -(-cols // 32)
+    if mx_layout == "swizzled":
+        return (-(-rows // 128) * 128, -(-groups // 4) * 4)
+    return (rows, groups)
 
 
 @torch.library.custom_op("tilenorm::fp8_norm_fwd", mutates_args=())
@@ -175,7 +178,7 @@ def fp8_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tenso
                  residual: torch.Tensor | None, x_scale_inv: torch.Tensor | None,
                  scale: torch.Tensor | None, eps: float, offset: float, layer_norm: bool,
                  scaling: str, fp8_dtype: torch.dtype, transpose: bool, group_size: int,
-                 residual_dtype: torch.dtype | None
+                 residual_dtype: torch.dtype | None, mx_layout: str
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                             torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(data, scale_inv, amax, data_t, scale_inv_t, h, mean, rstd) of
@@ -185,12 +188,12 @@ def fp8_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tenso
 
     return fp8.forward_op_outputs(x, weight, bias, residual, x_scale_inv, scale, eps,
                                   offset, layer_norm, scaling, fp8_dtype, transpose,
-                                  group_size, residual_dtype)
+                                  group_size, residual_dtype, mx_layout)
 
 
 @fp8_norm_fwd.register_fake
 def _(x, weight, bias, residual, x_scale_inv, scale, eps, offset, layer_norm, scaling,
-      fp8_dtype, transpose, group_size, residual_dtype):
+      fp8_dtype, transpose, group_size, residual_dtype, mx_layout):
     cols = x.shape[-1]
     rows = x.numel() // cols if cols else 0
     dev = x.device
@@ -201,11 +204,11 @@ def _(x, weight, bias, residual, x_scale_inv, scale, eps, offset, layer_norm, sc
         return torch.empty(shape, dtype=dtype, device=dev)
 
     return (empty(x.shape, fp8_dtype),
-            empty(_fp8_scale_shape(scaling, rows, cols), scale_dtype),
+            empty(_fp8_scale_shape(scaling, mx_layout, rows, cols), scale_dtype),
             empty(() if per_tensor else 0, torch.float32),
             empty((cols, rows) if transpose else 0, fp8_dtype),
-            empty(_fp8_scale_shape(scaling, cols, rows) if transpose and not per_tensor
-                  else 0, scale_dtype),
+            empty(_fp8_scale_shape(scaling, mx_layout, cols, rows) if transpose
+                  and not per_tensor else 0, scale_dtype),
             empty(x.shape if residual is not None else 0,
                   residual_dtype or (residual.dtype if residual is not None else x.dtype)),
             empty(x.shape[:-1] if layer_norm else 0, torch.float32),
