@@ -59,8 +59,9 @@ def resources(job: aot.ExportJob, gpu_code: str, tool: str) -> dict:
 
 def fp8_jobs() -> list[tuple[aot.ExportJob, str]]:
     """(job, hints) of the FP8 kernels on every tile configuration: the row kernel with each
-    scaling its tile takes, the second pass (current scaling, transposed), the transposed
-    copies with scales along M and the column-amax reduction, the FP8-input backward."""
+    scaling its tile takes and with the per-program column amaxes of a per-row copy, the
+    second pass (current scaling, transposed), the transposed copies with scales along M,
+    the column-amax reduction and the MX scale swizzle, the FP8-input backward."""
     from tilenorm.launch.cutile_fp8 import BLOCK_COLS
 
     out = []
@@ -70,12 +71,15 @@ def fp8_jobs() -> list[tuple[aot.ExportJob, str]]:
             if plan.tile_cols >= BLOCK_COLS.get(scaling, 16):
                 out.append((aot.fp8_row_job(plan, aot.Fp8Variant("rms", aot.FP8_RMS,
                                                                  scaling)), hints))
+        out.append((aot.fp8_row_job(plan, aot.Fp8Variant("rms", aot.FP8_RMS,
+                                                         column_amax=True)), hints))
     out.append((aot.fp8_quantize_job(aot.Fp8Variant("rms", aot.FP8_RMS), True, True),
                 "second pass"))
     for scaling in ("row", "block", "mx"):
         out.append((aot.fp8_transposed_job(aot.Fp8Variant("rms", aot.FP8_RMS, scaling)),
                     "transposed copy"))
     out.append((aot.fp8_column_amax_job(264, 4096, True), "column amax"))
+    out.append((aot.fp8_mx_swizzle_job(65536, 128, True), "mx swizzle"))
     for plan in aot.fp8_plans("backward"):
         variant = aot.Fp8Variant("rms group 16", aot.replace(aot.FP8_RMS, group=16))
         out.append((aot.fp8_backward_job(plan, variant),

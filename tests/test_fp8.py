@@ -3,6 +3,10 @@ FP8 plans, and (marked gpu) the cuTile kernels against the float64 reference."""
 
 from __future__ import annotations
 
+import ast
+import functools
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,6 +15,7 @@ from tilenorm import testing
 from tilenorm.planner import (
     UnsupportedShape,
     plan_fp8_column_amax,
+    plan_fp8_mx_swizzle,
     plan_fp8_quantize,
     plan_fp8_row,
 )
@@ -256,6 +261,114 @@ def test_scale_is_the_correctly_rounded_quotient(fp8_dtype):
     assert torch.equal(reference.scale_from_amax(amax, fp8_dtype), exact), seed
 
 
+@functools.cache
+def _torch_blocked() -> dict:
+    """torch's own ``to_blocked`` and ``from_blocked``: the MX scale layout its tests give
+    ``torch._scaled_mm`` on Blackwell, and its element-by-element reading of cuBLAS's
+    definition. Compiled from the installed torch/testing/_internal/common_quantized.py, as
+    importing that module needs torch's test harness (expecttest)."""
+    path = Path(torch.__file__).parent / "testing" / "_internal" / "common_quantized.py"
+    wanted = [node for node in ast.parse(path.read_text()).body
+              if isinstance(node, ast.FunctionDef)
+              and node.name in ("ceil_div", "to_blocked", "from_blocked")]
+    assert len(wanted) == 3, f"{path} no longer defines to_blocked and from_blocked"
+    namespace = {"torch": torch}
+    exec(compile(ast.Module(body=wanted, type_ignores=[]), str(path), "exec"), namespace)
+    return namespace
+
+
+def _to_blocked(scales: torch.Tensor) -> torch.Tensor:
+    """torch's ``to_blocked`` of (rows, groups) scales: the layout's bytes, flat."""
+    return _torch_blocked()["to_blocked"](scales.view(torch.uint8))
+
+
+def _row_major(out):
+    """A swizzled MX output with its scales back in rows (the checks' layout)."""
+    n = out.data.shape[-1]
+    m = out.data.numel() // n
+    scale_inv_t = out.scale_inv_t
+    if scale_inv_t is not None:
+        scale_inv_t = reference.unswizzle_mx_scales(scale_inv_t.cpu(), n, -(-m // 32))
+    return out._replace(scale_inv=reference.unswizzle_mx_scales(out.scale_inv.cpu(), m,
+                                                                n // 32),
+                        scale_inv_t=scale_inv_t, mx_layout="row_major")
+
+
+@pytest.mark.parametrize("rows,groups", [(128, 4), (300, 10), (1, 1), (256, 8), (129, 5)])
+def test_mx_swizzle_is_torchs_to_blocked(rows, groups):
+    """reference.swizzle_mx_scales is torch's ``to_blocked`` (cuBLAS's 1-D block scaling
+    factors), padding 0 included, in the padded 2-D shape; unswizzle_mx_scales is its
+    ``from_blocked``."""
+    g, _ = fresh_generator()
+    scales = torch.randint(0, 255, (rows, groups), generator=g, dtype=torch.uint8)
+    blocked = reference.swizzle_mx_scales(scales.view(torch.float8_e8m0fnu))
+    assert blocked.dtype == torch.float8_e8m0fnu and blocked.is_contiguous()
+    assert blocked.shape == (-(-rows // 128) * 128, -(-groups // 4) * 4)
+    assert torch.equal(blocked.view(torch.uint8).flatten(), _to_blocked(scales))
+    back = reference.unswizzle_mx_scales(blocked, rows, groups)
+    assert torch.equal(back.view(torch.uint8), scales)
+    from_blocked = _torch_blocked()["from_blocked"]
+    assert torch.equal(from_blocked(torch.empty(rows, 32 * groups), blocked.view(torch.uint8)
+                                    .flatten(), 32), scales)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+@pytest.mark.parametrize("rows,cols", [(7, 256), (300, 320), (128, 4096)])
+def test_swizzled_mx_scales_are_the_row_major_ones_re_laid(op, rows, cols):
+    """mx_layout="swizzled": q as without it, scale_inv and the copy's scale_inv_t torch's
+    ``to_blocked`` of the row-major ones; dequantizing reads them back."""
+    g, seed = fresh_generator()
+    x, w, b = _inputs(g, rows, cols, layer_norm=op == "layer_norm")
+    out = _forward(x, w, b, "mx", transpose=True, mx_layout="swizzled")
+    plain = _forward(x, w, b, "mx", transpose=True)
+    assert out.mx_layout == "swizzled" and plain.mx_layout == "row_major"
+    assert torch.equal(_bits(out.data), _bits(plain.data))
+    assert torch.equal(_bits(out.data_t), _bits(plain.data_t))
+    for got, row_major in ((out.scale_inv, plain.scale_inv),
+                           (out.scale_inv_t, plain.scale_inv_t)):
+        assert got.dtype == torch.float8_e8m0fnu and got.is_contiguous()
+        assert torch.equal(got.view(torch.uint8).flatten(), _to_blocked(row_major)), seed
+    assert torch.equal(out.dequantize(), plain.dequantize())
+    assert torch.equal(out.dequantize_t(), plain.dequantize_t())
+    norm = tilenorm.fp8.rms_norm if b is None else \
+        lambda *a, **kw: tilenorm.fp8.layer_norm(*a, bias=b, **kw)
+    y = norm(x, w, scaling="mx", mx_layout="swizzled")
+    assert y.mx_layout == "swizzled"
+    assert torch.equal(y.dequantize(), norm(x, w, scaling="mx").dequantize())
+    check_against_float64(_row_major(out), _reference(x, w, b, "mx", E4M3, out), "mx", E4M3)
+
+
+def test_scaled_mm_shape_checks_take_the_swizzled_mx_scales():
+    """torch._scaled_mm's own checks (on the meta device) take the swizzled scales of q, for
+    the GEMM that reads q (y @ w^T), and of the copy, for the one that contracts over M
+    (dy^T @ y), where M and N / 32 are not multiples of 128 and 4; they refuse the row-major
+    ones."""
+    g, _ = fresh_generator()
+    m, n, out_features = 288, 320, 256
+    x, w, _ = _inputs(g, m, n)
+    out = _forward(x, w, None, "mx", transpose=True, mx_layout="swizzled")
+    weight_q, weight_s, _, _, _ = reference.fp8_quantize(
+        torch.randn(out_features, n, generator=g), "mx", E4M3)
+    dy_t_q, dy_t_s, _, _, _ = reference.fp8_quantize(
+        torch.randn(out_features, m, generator=g), "mx", E4M3)
+
+    def scaled_mm(a, b, scale_a, scale_b):
+        a, b, scale_a, scale_b = (t.to("meta") for t in (a, b, scale_a, scale_b))
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b,
+                                out_dtype=torch.bfloat16)
+
+    forward = scaled_mm(out.data, weight_q.t(), out.scale_inv,
+                        reference.swizzle_mx_scales(weight_s))
+    assert forward.shape == (m, out_features)
+    wgrad = scaled_mm(dy_t_q, out.data_t.t(), reference.swizzle_mx_scales(dy_t_s),
+                      out.scale_inv_t)
+    assert wgrad.shape == (out_features, n)
+    plain = _forward(x, w, None, "mx")
+    with pytest.raises(RuntimeError, match="scale_a should have"):
+        scaled_mm(plain.data, weight_q.t(), plain.scale_inv,
+                  reference.swizzle_mx_scales(weight_s))
+
+
 def test_mx_exponent_is_exact_at_power_of_two_boundaries():
     for fp8_dtype in (E4M3, E5M2):
         top = reference.fp8_max(fp8_dtype)
@@ -369,6 +482,10 @@ def test_float8_norm_tensor_reads_as_its_dequantized_value():
     (lambda x, w: tilenorm.fp8.rms_norm(x, w, scaling="row", prenorm=True), ValueError,
      "residual"),
     (lambda x, w: tilenorm.fp8.rms_norm(x, w, scaling="row", eps=-1.0), ValueError, "eps"),
+    (lambda x, w: tilenorm.fp8.rms_norm(x, w, scaling="row", mx_layout="swizzled"),
+     ValueError, "MX scales"),
+    (lambda x, w: tilenorm.fp8.rms_norm(x, w, scaling="mx", mx_layout="blocked"),
+     ValueError, "mx_layout must"),
     (lambda x, w: tilenorm.fp8.rms_norm(x.to(E4M3).requires_grad_(), w, scaling="row",
                                         group_size=16, x_scale_inv=torch.ones(4, 16)),
      ValueError, "gradient"),
@@ -388,6 +505,149 @@ def test_empty_input_gives_empty_outputs():
 def test_explain_names_the_reference_path_on_cpu():
     text = str(tilenorm.fp8.explain(torch.randn(4, 256), torch.ones(256), scaling="tensor"))
     assert "reference path" in text and "cpu" in text
+
+
+# --- torch.compile (CPU: the reference path inside the custom ops) ---------------------------
+
+
+class Fp8GemmStandIn(torch.autograd.Function):
+    """An FP8 GEMM's shape of use: reads the FP8 data and scales, returns a bf16 gradient."""
+
+    @staticmethod
+    def forward(ctx, a):
+        return a.dequantize(torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(torch.bfloat16)
+
+
+def _fp8_step(x, w, b, r, dy, scaling, scale, x_scale_inv, group_size, mx_layout):
+    """A norm (with a fused residual where r is given) whose FP8 output a GEMM stand-in
+    reads, a loss of it (and of h), and every output the op made."""
+    kw = dict(scaling=scaling, scale=scale, transpose=True, x_scale_inv=x_scale_inv,
+              group_size=group_size, mx_layout=mx_layout)
+    if r is not None:
+        kw.update(residual=r, prenorm=True)
+    out = tilenorm.fp8.rms_norm(x, w, **kw) if b is None else \
+        tilenorm.fp8.layer_norm(x, w, b, **kw)
+    y, h = out if r is not None else (out, None)
+    loss = (Fp8GemmStandIn.apply(y) * dy).sum()
+    if h is not None:
+        loss = loss + h.float().sum()
+    return loss, y.fp8, y.scale_inv, y.amax, y.fp8_t, y.scale_inv_t, h
+
+
+def check_compiled_matches_eager(scaling: str, case: str, device: str, row_counts, cols):
+    """torch.compile(fullgraph=True, dynamic=True) of :func:`_fp8_step` against eager, for
+    row counts that change between calls: forward outputs and gradients bit-identical."""
+    g, seed = fresh_generator(device)
+    torch.compiler.reset()  # the other cases' graphs of _fp8_step count as recompiles
+    compiled = torch.compile(_fp8_step, fullgraph=True, dynamic=True)
+    for rows in row_counts:
+        x, w, b = _inputs(g, rows, cols, device=device, layer_norm=case == "layer_norm")
+        r = torch.randn(rows, cols, generator=g, device=device).to(torch.bfloat16) \
+            if "residual" in case else None
+        x_scale_inv = group_size = None
+        if case == "fp8 x":
+            x = x.to(E4M3)
+            group_size = 16
+            x_scale_inv = torch.rand(rows, cols // 16, generator=g, device=device) + 0.5
+        dy = torch.randn(rows, cols, generator=g, device=device)
+        scale = torch.tensor([20.0], device=device) if scaling == "delayed" else None
+        leaves = [t for t in (x, w, b, r) if t is not None and t.dtype not in (E4M3, E5M2)]
+        results = []
+        for fn in (_fp8_step, compiled):
+            for t in leaves:
+                t.requires_grad_().grad = None
+            out = fn(x, w, b, r, dy, scaling, scale, x_scale_inv, group_size,
+                     "swizzled" if "swizzled" in case else "row_major")
+            out[0].backward()
+            results.append((out, [t.grad for t in leaves]))
+        (eager, eager_grads), (got, got_grads) = results
+        for a, c in zip(eager[1:], got[1:], strict=True):
+            assert (a is None) == (c is None), (rows, seed)
+            if a is not None:
+                assert a.shape == c.shape and a.dtype == c.dtype and torch.equal(
+                    _bits(a), _bits(c)), (rows, seed)
+        for a, c in zip(eager_grads, got_grads, strict=True):
+            assert torch.equal(a, c), (rows, seed)
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("case", ["rms", "rms residual", "layer_norm", "fp8 x"])
+def test_compiled_fullgraph_matches_eager(scaling, case):
+    """The custom ops in the graph and the Float8NormTensor built around them, on the
+    reference path inside the ops."""
+    check_compiled_matches_eager(scaling, case, "cpu", (40, 72), 256)
+
+
+def test_compiled_fullgraph_with_swizzled_mx_scales_matches_eager():
+    check_compiled_matches_eager("mx", "rms swizzled", "cpu", (40, 200), 320)
+
+
+def test_compiled_launch_level_ops_match_eager():
+    """rms_norm_forward / layer_norm_forward and the FP8-input backward in a compiled graph
+    return what eager returns (Float8NormOutput's views included)."""
+    g, _ = fresh_generator()
+    x = torch.randn(24, 512, generator=g).to(E4M3)
+    s = torch.rand(24, 512 // 32, generator=g) + 0.5
+    w, b = torch.rand(512, generator=g) + 0.5, torch.randn(512, generator=g)
+    dy = torch.randn(24, 512, generator=g).to(torch.bfloat16)
+
+    def launch_level(x, s, w, b, dy):
+        out = tilenorm.fp8.layer_norm_forward(x, w, b, scaling="block", transpose=True,
+                                              x_scale_inv=s, group_size=32)
+        grads = tilenorm.fp8.layer_norm_backward(dy, x, w, b, out.mean, out.rstd,
+                                                 x_scale_inv=s, group_size=32)
+        return out, grads
+
+    eager, eager_grads = launch_level(x, s, w, b, dy)
+    got, got_grads = torch.compile(launch_level, fullgraph=True)(x, s, w, b, dy)
+    def layout(t):  # a dimension of one element has any stride
+        return t.shape, [st for size, st in zip(t.shape, t.stride(), strict=True) if size > 1]
+
+    for a, c in zip(eager, got, strict=True):
+        if isinstance(a, torch.Tensor):
+            assert layout(a) == layout(c) and a.dtype == c.dtype
+            assert torch.equal(_bits(a), _bits(c))
+        else:
+            assert a == c
+    for a, c in zip(eager_grads, got_grads, strict=True):
+        assert torch.equal(a, c)
+
+
+def test_compiled_without_grad_returns_the_float8_norm_tensor():
+    g, _ = fresh_generator()
+    x, w, _ = _inputs(g, 33, 256)
+
+    @torch.compile(fullgraph=True)
+    def quantize(x, w):
+        with torch.no_grad():
+            return tilenorm.fp8.rms_norm(x, w, scaling="mx", transpose=True)
+
+    got, eager = quantize(x, w), tilenorm.fp8.rms_norm(x, w, scaling="mx", transpose=True)
+    assert isinstance(got, tilenorm.fp8.Float8NormTensor) and got.dtype == torch.bfloat16
+    for name in ("fp8", "scale_inv", "fp8_t", "scale_inv_t"):
+        assert torch.equal(_bits(getattr(got, name)), _bits(getattr(eager, name))), name
+    assert got.scale_inv.dtype == torch.float8_e8m0fnu
+
+
+def test_compiled_graph_holds_the_fp8_custom_ops():
+    """The ops reach the graph as tilenorm::fp8_norm_fwd and the bf16 norms' norm_bwd, with
+    no graph break (fullgraph) and nothing of the reference path traced into it."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    backend = AotEagerAndRecordGraphs()
+    x = torch.randn(8, 256).to(torch.bfloat16).requires_grad_()
+    w = torch.ones(256, requires_grad=True)
+    step = torch.compile(lambda x, w: Fp8GemmStandIn.apply(
+        tilenorm.fp8.rms_norm(x, w, scaling="row")).sum(), backend=backend, fullgraph=True)
+    step(x, w).backward()
+    forward = "\n".join(gm.code for gm in backend.fw_graphs)
+    backward = "\n".join(gm.code for gm in backend.bw_graphs)
+    assert "tilenorm.fp8_norm_fwd" in forward and "amax" not in forward
+    assert "tilenorm.norm_bwd" in backward
 
 
 # --- planner -------------------------------------------------------------------------------
@@ -427,6 +687,25 @@ def test_fp8_column_amax_plan_covers_every_column_once(cols):
     assert p.tile_cols & (p.tile_cols - 1) == 0 and p.tile_rows & (p.tile_rows - 1) == 0
 
 
+@pytest.mark.parametrize("rows,groups", [(1, 1), (300, 10), (4096, 128), (65536, 1024)])
+def test_fp8_mx_swizzle_plan_covers_every_tile_once(rows, groups):
+    """A program per 128 rows and ``tiles`` 128 x 4 tiles: every tile of the padded scales,
+    a power of two of them a program (the tile of bytes it loads)."""
+    p = plan_fp8_mx_swizzle(rows, groups, arch=(9, 0), dependent_launch=True)
+    column_tiles = -(-groups // 4)
+    assert p.grid[0] == -(-rows // 128)
+    assert p.grid[1] * p.tiles >= column_tiles > (p.grid[1] - 1) * p.tiles
+    assert p.tiles & (p.tiles - 1) == 0
+
+
+def test_fp8_mx_swizzle_plan_stays_within_the_grid():
+    """The copy's scales of M rows take M / 1024 programs along the grid's second
+    dimension: past CUDA's limit the op takes the reference path."""
+    plan_fp8_mx_swizzle(128, 65535 * 32, arch=(9, 0), dependent_launch=False)
+    with pytest.raises(UnsupportedShape, match="65535"):
+        plan_fp8_mx_swizzle(128, 65535 * 32 + 1, arch=(9, 0), dependent_launch=False)
+
+
 # --- kernels (GPU) -------------------------------------------------------------------------
 
 def _poison(t: torch.Tensor, pattern: int) -> None:
@@ -458,7 +737,8 @@ def run_kernels(op, x, w, b, scaling, fp8_dtype=E4M3, repeats=3, **kw):
     with tilenorm.experimental():
         p = fp8_ops._prepared(op, x, w, b, residual, eps, kw.pop("offset", 0.0), scaling,
                               fp8_dtype, scale, kw.pop("transpose", False), x_scale_inv,
-                              group_size, False, kw.pop("residual_dtype", None))
+                              group_size, False, kw.pop("residual_dtype", None),
+                              kw.pop("mx_layout", "row_major"))
     assert not kw, kw
     call = p.call
     assert call.decision.uses_kernel, str(call.decision)
@@ -584,6 +864,56 @@ def _same_up_to_fp32_rounding(out, plain, fp8_dtype, seed) -> None:
     moved = q != q0
     assert moved.float().mean() <= 1e-3, seed
     assert ((q - q0).abs()[moved] <= testing.fp8_step(q0[moved], fp8_dtype)).all(), seed
+
+
+@gpu
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("rows,cols", [(1000, 4096), (4097, 2048), (257, 128), (333, 5120),
+                                       (100, 4128), (64, 16384)])
+def test_swizzled_mx_scales_on_gpu(rows, cols, transpose):
+    """The swizzle kernel after the row (and transposing) kernels, on poisoned outputs,
+    reruns bit-identical: every byte of the 128 x 4 tiles, padding included, is the
+    reference re-layout of the row-major scales the same kernels write."""
+    g, seed = fresh_generator("cuda")
+    x, w, _ = _inputs(g, rows, cols, device="cuda")
+    out = run_kernels("rms_norm", x, w, None, "mx", transpose=transpose,
+                      mx_layout="swizzled")
+    plain = run_kernels("rms_norm", x, w, None, "mx", transpose=transpose, repeats=0)
+    assert torch.equal(_bits(out.data), _bits(plain.data)), seed
+    pairs = [(out.scale_inv, plain.scale_inv)]
+    if transpose:
+        pairs.append((out.scale_inv_t, plain.scale_inv_t))
+    for got, row_major in pairs:
+        expected = reference.swizzle_mx_scales(row_major.cpu())
+        assert got.shape == expected.shape and torch.equal(_bits(got.cpu()), _bits(expected))
+    check_against_float64(_row_major(out), _reference(x.cpu(), w.cpu(), None, "mx", E4M3,
+                                                      out), "mx", E4M3)
+
+
+def _scaled_mm_mx_supported() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (10, 0)
+
+
+@gpu
+@pytest.mark.skipif(not _scaled_mm_mx_supported(),
+                    reason="torch._scaled_mm with MX scales needs Blackwell (sm_100)")
+@pytest.mark.parametrize("m", [1024, 1000])
+def test_scaled_mm_takes_the_swizzled_mx_scales(m):
+    """Blackwell's MXFP8 GEMM reads q with the kernels' swizzled scales (M a multiple of
+    128 or not): its product is that of the dequantized operands, up to bf16 rounding (a
+    scale read from the wrong place is off by powers of two)."""
+    g, seed = fresh_generator("cuda")
+    k, n = 4096, 2048
+    x, w, _ = _inputs(g, m, k, device="cuda")
+    out = run_kernels("rms_norm", x, w, None, "mx", repeats=0, mx_layout="swizzled")
+    b_q, b_scale, _, _, _ = reference.fp8_quantize(
+        torch.randn(n, k, generator=g, device="cuda"), "mx", E4M3)
+    product = torch._scaled_mm(out.data, b_q.t(), scale_a=out.scale_inv,
+                               scale_b=reference.swizzle_mx_scales(b_scale),
+                               out_dtype=torch.bfloat16)
+    expected = (out.dequantize(torch.float64)
+                @ tilenorm.fp8.dequantize(b_q, b_scale, "mx", torch.float64).t())
+    assert rel_error(product, expected) <= 1e-2, seed
 
 
 @gpu
@@ -775,6 +1105,22 @@ def test_scaled_mm_of_the_transposed_copy_is_the_weight_gradient():
 
 
 @gpu
+@pytest.mark.parametrize("scaling", SCALINGS)
+@pytest.mark.parametrize("case", ["rms", "rms residual", "layer_norm", "fp8 x"])
+def test_compiled_fullgraph_on_gpu_matches_eager(scaling, case):
+    """The kernels inside the custom ops of a compiled graph: every output and gradient as
+    eager's, bit for bit."""
+    with tilenorm.experimental():
+        check_compiled_matches_eager(scaling, case, "cuda", (1000, 2053), 4096)
+
+
+@gpu
+def test_compiled_fullgraph_with_swizzled_mx_scales_on_gpu_matches_eager():
+    with tilenorm.experimental():
+        check_compiled_matches_eager("mx", "rms swizzled", "cuda", (1000, 2053), 4096)
+
+
+@gpu
 def test_explain_on_gpu_names_the_fp8_kernels():
     x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     with tilenorm.experimental():
@@ -783,8 +1129,9 @@ def test_explain_on_gpu_names_the_fp8_kernels():
         row = str(tilenorm.fp8.explain(x, torch.ones(4096, device="cuda"), scaling="row",
                                        transpose=True))
         mx = str(tilenorm.fp8.explain(x, torch.ones(4096, device="cuda"), scaling="mx",
-                                      transpose=True))
+                                      transpose=True, mx_layout="swizzled"))
     assert "norm_fwd_fp8_single, fp8_quantize_normed" in text and "quantize:" in text
     assert "norm_fwd_fp8_single, fp8_column_amax, fp8_quantize_transposed" in row
     assert "columns:" in row
-    assert "norm_fwd_fp8_single, fp8_quantize_transposed" in mx
+    assert ("norm_fwd_fp8_single, fp8_quantize_transposed, fp8_swizzle_mx_scales, "
+            "fp8_swizzle_mx_scales") in mx and "swizzle:" in mx

@@ -20,11 +20,13 @@ from tilenorm.planner import (
     BlockPlan,
     ColumnAmaxPlan,
     CuteBackwardPlan,
+    MxSwizzlePlan,
     Op,
     RowNormPlan,
     UnsupportedShape,
     plan_cute_backward,
     plan_fp8_column_amax,
+    plan_fp8_mx_swizzle,
     plan_fp8_quantize,
     plan_fp8_row,
     plan_row_norm,
@@ -227,6 +229,8 @@ class Fp8Problem:
     has_residual: bool
     max_offset: int
     allow_experimental: bool
+    #: "swizzled": MX scales re-laid into 128 x 4 tiles after the kernels that write them.
+    mx_layout: str = "row_major"
 
     @property
     def fp8_input(self) -> bool:
@@ -255,8 +259,9 @@ class Fp8Decision:
     """What runs for one FP8-output problem, and why (``str()`` it): the row kernel's plan
     (``forward``), the second pass's (``quantize``: per-tensor current scaling and
     transposed copies), the column-amax reduction's before the transposed copy of a per-row
-    scaling (``column_amax``), and for FP8 x the backward's (``backward``; bf16 x takes the
-    bf16 norms' backward, :func:`decide`). None of them on the reference path."""
+    scaling (``column_amax``), the MX scale swizzles' (``swizzle`` of q's scales,
+    ``swizzle_t`` of the copy's), and for FP8 x the backward's (``backward``; bf16 x takes
+    the bf16 norms' backward, :func:`decide`). None of them on the reference path."""
 
     op: str
     reason: str
@@ -265,6 +270,8 @@ class Fp8Decision:
     forward: RowNormPlan | None = None
     quantize: BlockPlan | None = None
     column_amax: ColumnAmaxPlan | None = None
+    swizzle: MxSwizzlePlan | None = None
+    swizzle_t: MxSwizzlePlan | None = None
     backward: RowNormPlan | None = None
     device: DeviceInfo | None = None
 
@@ -285,6 +292,8 @@ class Fp8Decision:
                 else ("fp8_quantize_transposed",)
         elif self.scaling == "delayed":
             names += ("fp8_amax_finish",)
+        names += ("fp8_swizzle_mx_scales",) * ((self.swizzle is not None)
+                                               + (self.swizzle_t is not None))
         if self.backward is not None:
             names += ("norm_bwd_fp8_input_single", REDUCE_KERNEL_NAME)
         return names
@@ -304,6 +313,9 @@ class Fp8Decision:
             lines.append(f"  columns:  {self.column_amax.describe()}")
         if self.quantize is not None:
             lines.append(f"  quantize: {self.quantize.describe()}")
+        for swizzle in (self.swizzle, self.swizzle_t):
+            if swizzle is not None:
+                lines.append(f"  swizzle:  {swizzle.describe()}")
         if self.backward is not None:
             lines.append(f"  backward: {self.backward.describe()}")
         else:
@@ -348,6 +360,13 @@ def decide_fp8(p: Fp8Problem) -> Fp8Decision:
             backward = plan_fp8_row(p.rows, p.cols, itemsize=itemsize,
                                     sm_count=info.sm_count, arch=info.arch,
                                     direction="backward", op=p.op, max_offset=p.max_offset)
+        swizzle = swizzle_t = None
+        if p.mx_layout == "swizzled":  # q's (M, N / 32) scales, then the copy's (N, M / 32)
+            swizzle = plan_fp8_mx_swizzle(p.rows, p.cols // 32, arch=info.arch,
+                                          dependent_launch=forward.dependent_launch)
+            if p.transpose:
+                swizzle_t = plan_fp8_mx_swizzle(p.cols, -(-p.rows // 32), arch=info.arch,
+                                                dependent_launch=forward.dependent_launch)
     except UnsupportedShape as e:
         return reference(str(e))
     quantize = column_amax = None
@@ -363,4 +382,4 @@ def decide_fp8(p: Fp8Problem) -> Fp8Decision:
               else "experimental kernels are enabled")
     return Fp8Decision(op=p.op, reason=reason, scaling=p.scaling, family=family,
                        forward=forward, quantize=quantize, column_amax=column_amax,
-                       backward=backward, device=info)
+                       swizzle=swizzle, swizzle_t=swizzle_t, backward=backward, device=info)

@@ -10,6 +10,7 @@ design.
 
 from tilenorm.pytorch.fp8 import (
     FP8_DTYPES,
+    MX_LAYOUTS,
     SCALINGS,
     Float8NormOutput,
     Float8NormTensor,
@@ -23,6 +24,6 @@ from tilenorm.pytorch.fp8 import (
     rms_norm_forward,
 )
 
-__all__ = ["FP8_DTYPES", "SCALINGS", "Float8NormOutput", "Float8NormTensor", "dequantize",
-           "explain", "layer_norm", "layer_norm_backward", "layer_norm_forward", "rms_norm",
-           "rms_norm_backward", "rms_norm_forward"]
+__all__ = ["FP8_DTYPES", "MX_LAYOUTS", "SCALINGS", "Float8NormOutput", "Float8NormTensor",
+           "dequantize", "explain", "layer_norm", "layer_norm_backward", "layer_norm_forward",
+           "rms_norm", "rms_norm_backward", "rms_norm_forward"]

@@ -26,6 +26,8 @@ Op = Literal["rms_norm", "layer_norm"]
 
 #: Largest element offset 32-bit indexing reaches; beyond it the kernels index with 64 bits.
 MAX_INT32_OFFSET = 2**31 - 1
+#: CUDA's limit on a grid's second dimension.
+MAX_GRID_Y = 65535
 
 
 def next_pow2(n: int) -> int:
@@ -410,3 +412,36 @@ def plan_fp8_column_amax(partials: int, cols: int, *, arch: tuple[int, int],
     return ColumnAmaxPlan(partials=partials, cols=cols, tile_rows=tile_rows,
                           tile_cols=tile_cols, grid=cdiv(cols, tile_cols),
                           dependent_launch=dependent_launch)
+
+
+@dataclass(frozen=True)
+class MxSwizzlePlan:
+    """The re-layout of (rows, groups) MX scales into 128 x 4 tiles: ``grid`` (row blocks of
+    128, chunks of ``tiles`` tiles along the groups)."""
+
+    rows: int
+    groups: int
+    tiles: int
+    grid: tuple[int, int]
+    dependent_launch: bool
+
+    def describe(self) -> str:
+        return (f"{self.rows}x{self.groups} MX scales to 128 x 4 tiles, grid "
+                f"{self.grid[0]}x{self.grid[1]} of {self.tiles} tiles")
+
+
+def plan_fp8_mx_swizzle(rows: int, groups: int, *, arch: tuple[int, int],
+                        dependent_launch: bool) -> MxSwizzlePlan:
+    """Rows of ``groups`` E8M0 scales into cuBLAS's 128 x 4 blocked layout, after the kernel
+    that wrote them (``dependent_launch`` as its). Row blocks go along the grid's first
+    dimension, which has room for any M; the chunks of a copy's scales (M / 1024 of them)
+    along the second, whose limit caps M of a swizzled copy near 2**26."""
+    column_tiles = cdiv(groups, 4)
+    tiles = min(fp8_settings_for(arch).mx_swizzle_tiles, next_pow2(column_tiles))
+    grid = (cdiv(rows, 128), cdiv(column_tiles, tiles))
+    if grid[1] > MAX_GRID_Y:
+        raise UnsupportedShape(f"{groups} MX scales a row take {grid[1]} programs of "
+                               f"{tiles} 128 x 4 tiles in the swizzle's grid; CUDA allows "
+                               f"{MAX_GRID_Y}")
+    return MxSwizzlePlan(rows=rows, groups=groups, tiles=tiles, grid=grid,
+                         dependent_launch=dependent_launch)

@@ -30,6 +30,8 @@ class Fp8Settings:
     #: (partial rows, cols) a program of the column-amax reduction takes at a time; its
     #: programs own ``cols`` columns each.
     column_amax_tile: tuple[int, int] = (32, 128)
+    #: 128 x 4 tiles of MX scales a program of the swizzle moves (128 x 32 bytes).
+    mx_swizzle_tiles: int = 8
 
 
 SM90_FP8 = Fp8Settings()

@@ -30,6 +30,8 @@ Operands are 2-D (rows, cols); weight and bias (1, cols); mean and rstd (rows,).
   scaling, whose scales run along the rows of y (the copy's contraction dimension): one per
   column, per 128 x 1 or per 32 x 1 block of y; over (TILE_R x TILE_C) blocks, re-reading h
   (or x) with the saved statistics.
+- :func:`fp8_swizzle_mx_scales`: MX scales from row-major to the 128 x 4 blocked layout
+  that Blackwell's block-scaled GEMMs read.
 - :func:`fp8_amax_finish`: one program folding the per-program amaxes of a one-pass delayed
   scaling into this call's amax.
 - :func:`norm_bwd_fp8_input_single`: the backward of an FP8-input norm, re-reading FP8 x and
@@ -362,6 +364,25 @@ def fp8_quantize_transposed(h, x_scale_inv, weight, bias, mean, rstd, column_ama
             _store(q_t_scale, (col_block, row_block), stored)
             quantized = _saturate(scaled, fp8_max).reshape((TILE_R, TILE_C))
         _store(q_t, (col_block, row_block), ct.transpose(quantized).astype(q_t.dtype))
+
+
+# --- MX scales in the layout of Blackwell's block-scaled GEMMs ---------------------------------
+
+
+def fp8_swizzle_mx_scales(scales, blocked, TILE_CB: ConstInt, DEPENDENT: ConstBool):
+    """The (R, C) row-major E8M0 bytes ``scales`` in cuBLAS's 1-D block-scaling-factor
+    layout (the 128 x 4 "swizzle" of MXFP8 on Blackwell): tiles of 128 rows x 4 columns,
+    row-major over the tile grid, each 512 contiguous bytes in which element (i, j) sits at
+    ``(i % 32) * 16 + (i // 32) * 4 + j``. ``blocked`` is that memory as a (cdiv(R, 128),
+    cdiv(C, 4), 32, 4, 4) array. Program (r, k) moves row block r's tiles k * TILE_CB
+    onwards; rows past R and columns past C are written as 0 (as torch's ``to_blocked``
+    pads), so every byte of ``blocked`` is written once."""
+    start_after_predecessor(DEPENDENT)
+    row_block, chunk = ct.bid(0), ct.bid(1)
+    s = _load2(scales, (row_block, chunk), (128, 4 * TILE_CB))
+    # Row 32 a + b and column 4 c + j of the tiles go to (c, b, a, j).
+    tiles = ct.permute(s.reshape((4, 32, TILE_CB, 4)), (2, 1, 0, 3))
+    _store(blocked, (row_block, chunk, 0, 0, 0), tiles.reshape((1, TILE_CB, 32, 4, 4)))
 
 
 # --- backward of FP8 input -------------------------------------------------------------------

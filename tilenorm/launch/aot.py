@@ -13,7 +13,7 @@ accept on one single-pass, one split and one wide-row (chunked forward, column-s
 backward) configuration. The FP8-output kernels (:func:`fp8_jobs`) likewise: every tile
 configuration of the row kernel, every scaling, FP8 format and feature on two of them, the
 second-pass kernels (per-tensor, and the transposed copies with scales along M), the
-column-amax reduction and the FP8-input backward.
+column-amax reduction, the MX scale swizzle and the FP8-input backward.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from tilenorm.planner import (
     max_fp8_cols,
     max_single_pass_cols,
     plan_fp8_column_amax,
+    plan_fp8_mx_swizzle,
     plan_fp8_quantize,
     plan_fp8_row,
     plan_row_norm,
@@ -390,6 +391,14 @@ def fp8_column_amax_job(partials: int, cols: int, dependent: bool) -> ExportJob:
                 cutile_fp8.bind_fp8_column_amax(plan), layouts)
 
 
+def fp8_mx_swizzle_job(rows: int, groups: int, dependent: bool) -> ExportJob:
+    plan = plan_fp8_mx_swizzle(rows, groups, arch=(9, 0), dependent_launch=dependent)
+    blocked = (-(-rows // 128), -(-groups // 4), 32, 4, 4)
+    layouts = {"scales": _dense("uint8", (rows, groups)), "blocked": _dense("uint8", blocked)}
+    return _job(f"fp8 mx swizzle {rows}x{groups}{' dependent' if dependent else ''}",
+                cutile_fp8.bind_fp8_mx_swizzle(plan), layouts)
+
+
 def fp8_backward_job(plan: RowNormPlan, v: Fp8Variant) -> ExportJob:
     f = v.features
     rows, cols = plan.rows, plan.cols
@@ -443,8 +452,9 @@ def fp8_jobs() -> Iterator[ExportJob]:
     the narrowest and widest tiles its blocks allow, each feature on 4096-column and the
     widest tiles; the second pass for both per-tensor scalings with and without the
     transpose; the transposed copies of the per-row, per-block and MX scalings and the
-    column-amax reduction before the per-row one; the amax fold; the FP8-input backward on
-    every tile configuration and each feature."""
+    column-amax reduction before the per-row one; the MX scale swizzle at every width of
+    its tiles; the amax fold; the FP8-input backward on every tile configuration and each
+    feature."""
     for plan in fp8_plans("forward"):
         yield fp8_row_job(plan, Fp8Variant("rms", FP8_RMS))
         yield fp8_row_job(plan, Fp8Variant("rms", FP8_RMS, column_amax=True))
@@ -473,6 +483,10 @@ def fp8_jobs() -> Iterator[ExportJob]:
         for dependent in (False, True):
             yield fp8_column_amax_job(264, cols, dependent)
     yield fp8_column_amax_job(1, 4096, False)
+    # 1, 2, 4 and 8 tiles a program (the copy of 300 rows has 10 groups).
+    for rows, groups in ((65536, 4), (65536, 8), (4096, 10), (65536, 128)):
+        for dependent in (False, True):
+            yield fp8_mx_swizzle_job(rows, groups, dependent)
     for partials in (1, 264):
         for dependent in (False, True):
             bound = cutile_fp8.bind_fp8_amax_finish(partials, dependent)

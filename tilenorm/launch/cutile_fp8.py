@@ -15,12 +15,13 @@ from tilenorm.kernels.cutile_row_norm_fp8 import (
     fp8_column_amax,
     fp8_quantize_normed,
     fp8_quantize_transposed,
+    fp8_swizzle_mx_scales,
     norm_bwd_fp8_input_single,
     norm_fwd_fp8_single,
 )
 from tilenorm.launch import cutile
 from tilenorm.launch.cutile import BoundKernel
-from tilenorm.planner import BlockPlan, ColumnAmaxPlan, RowNormPlan, next_pow2
+from tilenorm.planner import BlockPlan, ColumnAmaxPlan, MxSwizzlePlan, RowNormPlan, next_pow2
 
 # Each kernel's array parameters, in order: what the 64-bit variants and the launchers read.
 cutile.ARRAYS.update({
@@ -33,6 +34,7 @@ cutile.ARRAYS.update({
     fp8_column_amax: ("column_amax_partial", "column_amax"),
     fp8_quantize_transposed: ("h", "x_scale_inv", "weight", "bias", "mean", "rstd",
                               "column_amax", "q_t", "q_t_scale"),
+    fp8_swizzle_mx_scales: ("scales", "blocked"),
     norm_bwd_fp8_input_single: ("dy", "x", "x_scale_inv", "weight", "mean", "rstd", "dx",
                                 "partial_w", "partial_b"),
 })
@@ -134,6 +136,16 @@ def bind_fp8_quantize_transposed(plan: BlockPlan, features: Fp8NormFeatures, sca
                  plan.dependent_launch)
     return _bound(fp8_quantize_transposed, plan.grid, plan.occupancy, plan.index_bits, None,
                   constants, plan.dependent_launch)
+
+
+def bind_fp8_mx_swizzle(plan: MxSwizzlePlan) -> BoundKernel:
+    """MX scales into the 128 x 4 blocked layout; runtime arguments ``(scales, blocked)``:
+    (rows, groups) uint8 and the (cdiv(rows, 128), cdiv(groups, 4), 32, 4, 4) uint8 view of
+    the blocked scales."""
+    return BoundKernel(cutile.compiled(fp8_swizzle_mx_scales, 1, 32, None),
+                       fp8_swizzle_mx_scales, cutile.ARRAYS[fp8_swizzle_mx_scales],
+                       (*plan.grid, 1), (plan.tiles, plan.dependent_launch),
+                       plan.dependent_launch, 32)
 
 
 def bind_fp8_amax_finish(partials: int, dependent_launch: bool) -> BoundKernel:

@@ -6,7 +6,8 @@
     checks.py       argument validation
     calls.py        per-layout prepared calls: outputs, pointers, launches
     autograd.py     the eager autograd Function
-    custom_ops.py   tilenorm::norm_fwd / norm_bwd for torch.compile and torch.export
+    custom_ops.py   tilenorm::norm_fwd / norm_bwd (and the FP8 ops' fp8_norm_fwd /
+                    fp8_norm_input_bwd) for torch.compile and torch.export
     reference.py    the torch reference path (CPU, float64, shapes no kernel covers)
 """
 

@@ -10,6 +10,10 @@ Eager calls do not come here: the dispatcher costs ~8 us a call.
 
 Tracing either op installs :mod:`tilenorm.pytorch.graph_passes` in inductor's config (once):
 its post-grad pass hands ``norm_bwd`` a gradient's parts unsummed, for the kernel to add.
+
+The FP8-output ops (:mod:`tilenorm.pytorch.fp8`) are ``tilenorm::fp8_norm_fwd`` and, for FP8
+x, ``tilenorm::fp8_norm_input_bwd``, with fake implementations; their autograd is the
+module's own Function around them (see there), whose backward of bf16 x is ``norm_bwd``.
 """
 
 from __future__ import annotations
@@ -141,3 +145,93 @@ def _backward(ctx, dy, dh, _dmean, _drstd):
 
 
 norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --- FP8 output (tilenorm.fp8) -------------------------------------------------------------
+#
+# The FP8 ops return plain tensors, laid out contiguous (the fake implementations' promise;
+# tilenorm.pytorch.fp8 takes the views the ops return) and MX scales as their bytes (uint8:
+# inductor's C++ kernels have no E8M0 type, and a view made in the graph is no kernel);
+# absent ones are empty. Their autograd is tilenorm.pytorch.fp8's Function around them,
+# which builds the Float8NormTensor: a gradient registered on this op's FP8 output would
+# reach it cast to FP8, the reason the subclass exists.
+
+
+def _fp8_scale_shape(scaling: str, mx_layout: str, rows, cols) -> tuple:
+    """The scales of ``rows`` rows of ``cols`` as the op returns them: contiguous, the
+    block scales transposed ((cols / 128, rows); the module takes the (rows, cols / 128)
+    view with strides (1, rows)), swizzled MX scales padded to 128 x 4 tiles."""
+    if scaling in ("tensor", "delayed"):
+        return ()
+    if scaling == "row":
+        return (rows, 1)
+    if scaling == "block":
+        return (-(-cols // 128), rows)
+    groups = -(-cols // 32)
+    if mx_layout == "swizzled":
+        return (-(-rows // 128) * 128, -(-groups // 4) * 4)
+    return (rows, groups)
+
+
+@torch.library.custom_op("tilenorm::fp8_norm_fwd", mutates_args=())
+def fp8_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                 residual: torch.Tensor | None, x_scale_inv: torch.Tensor | None,
+                 scale: torch.Tensor | None, eps: float, offset: float, layer_norm: bool,
+                 scaling: str, fp8_dtype: torch.dtype, transpose: bool, group_size: int,
+                 residual_dtype: torch.dtype | None, mx_layout: str
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(data, scale_inv, amax, data_t, scale_inv_t, h, mean, rstd) of
+    :func:`tilenorm.fp8.rms_norm_forward` (``layer_norm``: of ``layer_norm_forward``); eps
+    and offset checked here, where they are numbers. ``group_size`` 0: x is not FP8."""
+    from tilenorm.pytorch import fp8  # here: tilenorm.pytorch.fp8 imports this package
+
+    return fp8.forward_op_outputs(x, weight, bias, residual, x_scale_inv, scale, eps,
+                                  offset, layer_norm, scaling, fp8_dtype, transpose,
+                                  group_size, residual_dtype, mx_layout)
+
+
+@fp8_norm_fwd.register_fake
+def _(x, weight, bias, residual, x_scale_inv, scale, eps, offset, layer_norm, scaling,
+      fp8_dtype, transpose, group_size, residual_dtype, mx_layout):
+    cols = x.shape[-1]
+    rows = x.numel() // cols if cols else 0
+    dev = x.device
+    scale_dtype = torch.uint8 if scaling == "mx" else torch.float32
+    per_tensor = scaling in ("tensor", "delayed")
+
+    def empty(shape, dtype):
+        return torch.empty(shape, dtype=dtype, device=dev)
+
+    return (empty(x.shape, fp8_dtype),
+            empty(_fp8_scale_shape(scaling, mx_layout, rows, cols), scale_dtype),
+            empty(() if per_tensor else 0, torch.float32),
+            empty((cols, rows) if transpose else 0, fp8_dtype),
+            empty(_fp8_scale_shape(scaling, mx_layout, cols, rows) if transpose
+                  and not per_tensor else 0, scale_dtype),
+            empty(x.shape if residual is not None else 0,
+                  residual_dtype or (residual.dtype if residual is not None else x.dtype)),
+            empty(x.shape[:-1] if layer_norm else 0, torch.float32),
+            empty(x.shape[:-1], torch.float32))
+
+
+@torch.library.custom_op("tilenorm::fp8_norm_input_bwd", mutates_args=())
+def fp8_norm_input_bwd(dy: torch.Tensor, x: torch.Tensor, x_scale_inv: torch.Tensor,
+                       weight: torch.Tensor | None, bias: torch.Tensor | None,
+                       mean: torch.Tensor | None, rstd: torch.Tensor, offset: float,
+                       group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dweight, dbias) of a norm of FP8 x (LayerNorm where ``mean`` is given), re-reading
+    x and its multipliers; absent ones are empty."""
+    from tilenorm.pytorch import fp8  # here: tilenorm.pytorch.fp8 imports this package
+
+    return fp8.input_backward_op_outputs(dy, x, x_scale_inv, weight, bias, mean, rstd,
+                                         offset, group_size)
+
+
+@fp8_norm_input_bwd.register_fake
+def _(dy, x, x_scale_inv, weight, bias, mean, rstd, offset, group_size):
+    def like(p):
+        return dy.new_empty(0) if p is None else torch.empty(p.shape, dtype=p.dtype,
+                                                             device=p.device)
+
+    return torch.empty(x.shape, dtype=dy.dtype, device=dy.device), like(weight), like(bias)

@@ -31,8 +31,9 @@ scaling     scale_inv (what dequantizes: y ~ q * s)   layout
                                                       layout of ``torch._scaled_mm``'s
                                                       BlockWise1x128 and DeepGEMM
 "mx"        one per 1 x 32 block, E8M0 (power of 2)   (M, N / 32) ``torch.float8_e8m0fnu``,
-                                                      row-major (MXFP8; Blackwell's GEMMs take
-                                                      it after the 128 x 4 swizzle)
+                                                      row-major; with ``mx_layout="swizzled"``
+                                                      the 128 x 4 tiles Blackwell's MXFP8 GEMMs
+                                                      read (below)
 =========== ========================================= ============================================
 
 M is the product of x's leading dimensions; q keeps x's shape.
@@ -81,6 +82,25 @@ every run). ``fp8_quantize_transposed`` then re-reads x (or h) over 128 x 128 bl
 amaxes on chip, or the column's, and writes the copy and its scales. Rows past M count in
 no amax (a padding row normalizes to LayerNorm's bias). x is read twice, as for per-tensor
 current scaling. No atomics: reruns are bit-identical.
+
+MX scales for Blackwell
+-----------------------
+``mx_layout="swizzled"`` returns MX scales (q's, and the copy's) in the layout that
+Blackwell's block-scaled GEMMs read: cuBLAS's "1-D block scaling factors layout" (the cuBLAS
+documentation's section on block scaling), which ``torch._scaled_mm`` and
+``torch.nn.functional.scaled_mm`` take for MXFP8 on sm_100 (``SwizzleType.SWIZZLE_32_4_4``;
+torch 2.13's meta checks ask for ``round_up(rows, 128) * round_up(K / 32, 4)`` E8M0 scales,
+contiguous) and TE's MXFP8 tensors hold with ``with_gemm_swizzled_scales``
+(``nvte_swizzle_scaling_factors``). The (R, C) scales (R rows of the operand, C = K / 32
+groups: (M, N / 32) for q, (N, M / 32) for the copy) are zero-padded to (round_up(R, 128),
+round_up(C, 4)) and cut into 128 x 4 tiles, stored one after another row-major over the
+tiles, 512 bytes each; within a tile, element (i, j) sits at byte ``(i % 32) * 16 +
+(i // 32) * 4 + j``. The result has that padded shape (TE's; torch's ``to_blocked`` in
+``torch/testing/_internal/common_quantized.py`` returns the same bytes flat). The kernels
+write the row-major scales as before and ``fp8_swizzle_mx_scales`` re-lays them, padding
+included (one more launch per scale tensor, reading and writing 1 / 32 byte an element);
+the reference path is ``reference.swizzle_mx_scales``. :func:`dequantize` (and the tensor's
+``dequantize``) reads either layout.
 
 Scale conventions
 -----------------
@@ -144,12 +164,32 @@ COAT-style fused Function calls the launch-level pair instead. FP8 x itself take
 through autograd (torch would cast it to FP8; the op raises if it requires one): the weight's
 and the residual's gradients flow, and dx of FP8 x comes from the launch-level backward.
 
+torch.compile
+-------------
+A compiled graph holds the ops as the ``torch.library`` custom ops ``tilenorm::fp8_norm_fwd``
+and, for FP8 x, ``tilenorm::fp8_norm_input_bwd`` (``tilenorm/pytorch/custom_ops.py``: fake
+implementations; inside, the same prepared calls as eager, kernels or reference path), with
+no graph break (``fullgraph=True``, dynamic shapes). The ops return plain contiguous tensors
+(data, scale_inv, amax, data_t, scale_inv_t, h, mean, rstd; block scales as their
+transpose, MX scales as bytes, since inductor's C++ kernels have no E8M0 type); the traced
+code around them takes the views this module returns and builds the
+:class:`Float8NormTensor`, a traceable wrapper subclass (``__tensor_flatten__``). Autograd
+is a Function the graph traces whole (``Fp8NormOpFunction``): forward the custom op,
+backward ``tilenorm::norm_bwd`` (the bf16 norms' op) over h, or ``fp8_norm_input_bwd``. It
+is not registered on the custom op, because the gradient of the op's FP8 output would reach
+it cast to FP8 (the engine casts a gradient to its output's dtype), the reason the subclass
+exists. A compiled function may return the tensor, but not to a caller who backpropagates a
+plain gradient into it: AOTAutograd expects that gradient to be a Float8NormTensor (torch
+2.13 lets a subclass declare no plain tangent). Inside a compiled model the tensor flows to
+its consumer, as in eager mode.
+
 Limits
 ------
 Rows up to one tile (the forward's single-pass width: 32768 elements of 2-byte x for RMSNorm,
 16384 for LayerNorm; the FP8-input backward's, half that); wider rows take the reference path,
-and :func:`explain` names the limit. Operands are read contiguous (others are copied). MX
-scales are returned row-major, not in the 128 x 4 swizzle Blackwell's GEMMs read.
+and :func:`explain` names the limit. Operands are read contiguous (others are copied). The
+swizzle of a copy's MX scales launches M / 1024 programs along the grid's second dimension,
+whose CUDA limit (65535) sends M past about 2**26 rows to the reference path.
 """
 
 from __future__ import annotations
@@ -162,7 +202,7 @@ from torch.utils import _pytree
 
 from tilenorm import dispatch
 from tilenorm._experimental import experimental_enabled
-from tilenorm.arguments import LAYER_NORM, RMS_NORM
+from tilenorm.arguments import LAYER_NORM, RMS_NORM, dres_apart
 from tilenorm.dispatch import Fp8Decision, Fp8Problem
 from tilenorm.launch import cutile, cutile_fp8
 from tilenorm.launch.cutile_fp8 import Fp8NormFeatures
@@ -173,6 +213,8 @@ from tilenorm.pytorch.calls import DTYPE_NAMES, NormSpec
 
 Scaling = Literal["tensor", "delayed", "row", "block", "mx"]
 SCALINGS = ("tensor", "delayed", "row", "block", "mx")
+MxLayout = Literal["row_major", "swizzled"]
+MX_LAYOUTS = reference.MX_LAYOUTS
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: The largest group of FP8 x's elements one multiplier may cover: the second pass's
 #: 128-column blocks hold whole groups.
@@ -185,7 +227,8 @@ class Float8NormOutput(NamedTuple):
     ``amax`` (per-tensor scalings, shape (); else None), the (N, M) copy ``data_t`` and its
     scales ``scale_inv_t`` (with ``transpose=True``), the residual sum ``h`` (with a
     residual; else None), and the statistics ``mean`` (LayerNorm) and ``rstd`` (fp32, x's
-    shape without N) that the backward takes."""
+    shape without N) that the backward takes; ``mx_layout`` says how MX scales are laid
+    out."""
 
     data: torch.Tensor
     scale_inv: torch.Tensor
@@ -196,21 +239,26 @@ class Float8NormOutput(NamedTuple):
     mean: torch.Tensor | None
     rstd: torch.Tensor
     scaling: str
+    mx_layout: str = "row_major"
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``data * scale_inv`` in ``dtype``, x's shape."""
-        return dequantize(self.data, self.scale_inv, self.scaling, dtype)
+        return dequantize(self.data, self.scale_inv, self.scaling, dtype, self.mx_layout)
 
     def dequantize_t(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``data_t * scale_inv_t`` in ``dtype``, (N, M)."""
-        return dequantize(self.data_t, self.scale_inv_t, self.scaling, dtype)
+        return dequantize(self.data_t, self.scale_inv_t, self.scaling, dtype, self.mx_layout)
 
 
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, scaling: str,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """FP8 ``data`` (..., N) times its scales (the layout of ``scaling``), in ``dtype``. A
-    transposed copy (N, M) takes its own scales the same way: they run along its rows."""
+               dtype: torch.dtype = torch.float32, mx_layout: MxLayout = "row_major"
+               ) -> torch.Tensor:
+    """FP8 ``data`` (..., N) times its scales (the layout of ``scaling`` and, for "mx",
+    ``mx_layout``), in ``dtype``. A transposed copy (N, M) takes its own scales the same
+    way: they run along its rows."""
     q = data.reshape(-1, data.shape[-1]).float()
+    if scaling == "mx" and mx_layout == "swizzled":
+        scale_inv = reference.unswizzle_mx_scales(scale_inv, q.shape[0], -(-q.shape[1] // 32))
     if scaling == "mx":
         s = torch.pow(2.0, scale_inv.view(torch.uint8).float() - 127)
     else:
@@ -228,33 +276,58 @@ class Float8NormTensor(torch.Tensor):
     of nominal dtype (x's, or bf16 for FP8 x) and x's shape, so that the gradient reaching it
     is in that dtype. ``fp8`` is q, ``scale_inv`` its scales (see the module docstring),
     ``amax`` this call's (per-tensor scalings), ``fp8_t`` the (N, M) copy and
-    ``scale_inv_t`` its scales. An FP8 GEMM reads those; every other use of the tensor sees
-    its dequantized value."""
+    ``scale_inv_t`` its scales, ``mx_layout`` how MX scales are laid out. An FP8 GEMM reads
+    those; every other use of the tensor sees its dequantized value.
+
+    A traceable wrapper subclass (``__tensor_flatten__``): ``torch.compile`` builds it
+    inside a graph. Inside, it flows to its consumers; a compiled function that returns it
+    to a caller who backpropagates a plain gradient into it fails, as AOTAutograd expects
+    that gradient to be of the output's subclass (torch 2.13 lets a subclass declare no
+    plain tangent): return what its consumer made of it instead."""
 
     fp8: torch.Tensor
     scale_inv: torch.Tensor
     amax: torch.Tensor | None
     fp8_t: torch.Tensor | None
+    #: ``scale_inv`` itself for the per-tensor scalings.
     scale_inv_t: torch.Tensor | None
     scaling: str
+    mx_layout: str
 
     @staticmethod
     def __new__(cls, fp8: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor | None,
                 fp8_t: torch.Tensor | None, scale_inv_t: torch.Tensor | None, scaling: str,
-                dtype: torch.dtype):
+                dtype: torch.dtype, mx_layout: MxLayout = "row_major"):
         t = torch.Tensor._make_wrapper_subclass(cls, fp8.shape, dtype=dtype,
                                                 device=fp8.device)
         t.fp8, t.scale_inv, t.amax, t.scaling = fp8, scale_inv, amax, scaling
-        t.fp8_t, t.scale_inv_t = fp8_t, scale_inv_t
+        t.fp8_t, t.scale_inv_t, t.mx_layout = fp8_t, scale_inv_t, mx_layout
         return t
+
+    def __init__(self, *args, **kwargs):
+        """Everything is set in ``__new__``; Dynamo traces a construction through both."""
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``fp8 * scale_inv`` as a plain tensor, in the nominal dtype by default."""
-        return dequantize(self.fp8, self.scale_inv, self.scaling, dtype or self.dtype)
+        return dequantize(self.fp8, self.scale_inv, self.scaling, dtype or self.dtype,
+                          self.mx_layout)
 
     def __repr__(self) -> str:
         return (f"Float8NormTensor(scaling={self.scaling!r}, fp8={self.fp8.dtype}, "
                 f"nominal dtype={self.dtype}, shape={tuple(self.shape)})")
+
+    def __tensor_flatten__(self) -> tuple[list[str], tuple]:
+        names = ("fp8", "scale_inv", "amax", "fp8_t", "scale_inv_t")
+        return ([n for n in names if getattr(self, n) is not None],
+                (self.scaling, self.dtype, self.mx_layout))
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: tuple, outer_size, outer_stride
+                             ) -> Float8NormTensor:
+        scaling, dtype, mx_layout = meta
+        return Float8NormTensor(inner["fp8"], inner["scale_inv"], inner.get("amax"),
+                                inner.get("fp8_t"), inner.get("scale_inv_t"), scaling, dtype,
+                                mx_layout)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -264,7 +337,7 @@ class Float8NormTensor(torch.Tensor):
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
             t = args[0]
             return cls(t.fp8, t.scale_inv, t.amax, t.fp8_t, t.scale_inv_t, t.scaling,
-                       t.dtype)
+                       t.dtype, t.mx_layout)
 
         def plain(a):
             return a.dequantize() if isinstance(a, Float8NormTensor) else a
@@ -277,7 +350,7 @@ class Float8NormTensor(torch.Tensor):
 
 
 def _check(op: str, x, weight, bias, residual, scaling, fp8_dtype, scale, transpose,
-           x_scale_inv, group_size, prenorm, residual_dtype) -> int:
+           x_scale_inv, group_size, prenorm, residual_dtype, mx_layout="row_major") -> int:
     """Every check of an FP8 call's arguments but eps and offset; x's group size (0: x is
     not FP8)."""
     if not isinstance(x, torch.Tensor):
@@ -309,6 +382,11 @@ def _check(op: str, x, weight, bias, residual, scaling, fp8_dtype, scale, transp
     if fp8_dtype not in FP8_DTYPES:
         raise TypeError(f"{op}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, "
                         f"got {fp8_dtype}")
+    if mx_layout not in MX_LAYOUTS:
+        raise ValueError(f"{op}: mx_layout must be one of {', '.join(map(repr, MX_LAYOUTS))}, "
+                         f"got {mx_layout!r}")
+    if mx_layout != "row_major" and scaling != "mx":
+        raise ValueError(f"{op}: mx_layout lays out MX scales; scaling={scaling!r} has none")
     if scaling == "delayed":
         if not (isinstance(scale, torch.Tensor) and scale.numel() == 1
                 and scale.dtype == torch.float32 and scale.device == x.device):
@@ -348,15 +426,19 @@ def _check(op: str, x, weight, bias, residual, scaling, fp8_dtype, scale, transp
 
 
 class _Launcher:
-    """A bound kernel ready to launch from the pointers of named tensors."""
+    """A bound kernel ready to launch from the pointers of named tensors: its arrays'
+    layouts by the kernel's names, and the tensors' names where they differ
+    (``operands``)."""
 
     def __init__(self, bound: cutile.BoundKernel, layouts: dict[str, ArrayLayout],
-                 device: torch.device, arch: tuple[int, int]):
+                 device: torch.device, arch: tuple[int, int],
+                 operands: dict[str, str] | None = None):
         launch: DriverLaunch | None = calls.driver_launch(bound, layouts, device, arch)
         if launch is None:
             raise ValueError(f"{bound.name}: an operand overlaps itself")
         self.name, self.launch = bound.name, launch.launch
-        self.names = [name for name in bound.arrays if name in layouts]
+        operands = operands or {}
+        self.names = [operands.get(name, name) for name in bound.arrays if name in layouts]
         self.scalars = [name for name, _ in launch.recipe.scalars]
 
     def __call__(self, stream: int, tensors: dict[str, torch.Tensor],
@@ -390,10 +472,15 @@ class Fp8Spec:
     transpose: bool
     group: int
     has_offset: bool
+    mx_layout: str = "row_major"
 
     @property
     def layer_norm(self) -> bool:
         return self.op == LAYER_NORM
+
+    @property
+    def swizzled(self) -> bool:
+        return self.mx_layout == "swizzled"
 
 
 @dataclass
@@ -448,6 +535,12 @@ class Fp8ForwardCall:
         elif s.transpose and s.scaling == "mx":
             out["q_t_scale"] = torch.empty((cols, -(-rows // 32)), dtype=torch.uint8,
                                            device=dev)
+        if s.swizzled:  # q_scale and q_t_scale stay row-major, as the swizzle reads them
+            out["q_scale_blocked"] = torch.empty(_blocked_shape(rows, cols // 32),
+                                                 dtype=torch.uint8, device=dev)
+            if s.transpose:
+                out["q_t_scale_blocked"] = torch.empty(_blocked_shape(cols, -(-rows // 32)),
+                                                       dtype=torch.uint8, device=dev)
         return out
 
     def run(self, x, weight, bias, residual, x_scale_inv, scale, eps: float, offset: float
@@ -459,10 +552,10 @@ class Fp8ForwardCall:
                     x, weight, bias, eps, scaling=s.scaling, fp8_dtype=s.fp8_dtype,
                     scale=scale, transpose=s.transpose, layer_norm=s.layer_norm,
                     offset=offset, residual=residual, residual_dtype=self.h_dtype,
-                    x_scale_inv=x_scale_inv, group_size=s.group)
+                    x_scale_inv=x_scale_inv, group_size=s.group, mx_layout=s.mx_layout)
             return Float8NormOutput(q, scale_inv, amax, q_t, scale_inv_t,
                                     h if residual is not None else None, mean, rstd,
-                                    s.scaling)
+                                    s.scaling, s.mx_layout)
         out = self.outputs()
         self.launch(out, x, weight, bias, residual, x_scale_inv, scale, eps, offset)
         return self.result(out)
@@ -486,8 +579,9 @@ class Fp8ForwardCall:
     def result(self, out: dict[str, torch.Tensor]) -> Float8NormOutput:
         """The launch's outputs as the op returns them."""
         stat = self.out_shape[:-1]
-        scale_inv = out.get("scale_inv", out.get("q_scale"))
-        scale_inv_t = out.get("q_t_scale", scale_inv) if self.spec.transpose else None
+        suffix = "_blocked" if self.spec.swizzled else ""
+        scale_inv = out.get("scale_inv", out.get("q_scale" + suffix))
+        scale_inv_t = out.get("q_t_scale" + suffix, scale_inv) if self.spec.transpose else None
         if self.spec.scaling == "mx":
             scale_inv = scale_inv.view(torch.float8_e8m0fnu)
             if scale_inv_t is not None:
@@ -495,7 +589,8 @@ class Fp8ForwardCall:
         return Float8NormOutput(out["q"], scale_inv, out.get("amax"), out.get("q_t"),
                                 scale_inv_t, out.get("residual_out"),
                                 out["mean"].view(stat) if "mean" in out else None,
-                                out["rstd"].view(stat), self.spec.scaling)
+                                out["rstd"].view(stat), self.spec.scaling,
+                                self.spec.mx_layout)
 
 
 def _problem(spec: Fp8Spec, x, weight, bias, residual, rows: int, cols: int) -> Fp8Problem:
@@ -504,8 +599,20 @@ def _problem(spec: Fp8Spec, x, weight, bias, residual, rows: int, cols: int) -> 
     return Fp8Problem(op=spec.op, device_type=x.device.type, device_index=x.device.index,
                       dtypes=dtypes, rows=rows, cols=cols, scaling=spec.scaling,
                       transpose=spec.transpose, has_residual=residual is not None,
-                      max_offset=max(x.numel() - 1, 0),
+                      mx_layout=spec.mx_layout, max_offset=max(x.numel() - 1, 0),
                       allow_experimental=experimental_enabled())
+
+
+def _blocked_shape(rows: int, groups: int) -> tuple[int, int]:
+    """The padded shape of (rows, groups) MX scales in 128 x 4 tiles."""
+    return -(-rows // 128) * 128, -(-groups // 4) * 4
+
+
+def _blocked_layout(rows: int, groups: int) -> ArrayLayout:
+    """(rows, groups) MX scales in 128 x 4 tiles as the swizzle writes them: (row blocks,
+    column blocks, 32, 4, 4) bytes."""
+    shape = (-(-rows // 128), -(-groups // 4), 32, 4, 4)
+    return ArrayLayout("uint8", shape, contiguous_strides(shape))
 
 
 def _layouts(spec: Fp8Spec, x, weight, bias, residual, h_dtype, rows, cols, partials
@@ -592,6 +699,14 @@ def build_forward(spec: Fp8Spec, x, weight, bias, residual, residual_dtype,
                                                         plan.dependent_launch), layouts))
     call.launchers = [_Launcher(b, {k: v for k, v in kernel_layouts.items() if k in b.arrays},
                                 x.device, arch) for b, kernel_layouts in kernels]
+    # The swizzle re-lays the row-major scales the kernels above wrote: q's, then q_t's.
+    for swizzle, scales in ((decision.swizzle, "q_scale"), (decision.swizzle_t, "q_t_scale")):
+        if swizzle is not None:
+            swizzle_layouts = {"scales": layouts[scales],
+                               "blocked": _blocked_layout(swizzle.rows, swizzle.groups)}
+            call.launchers.append(_Launcher(
+                cutile_fp8.bind_fp8_mx_swizzle(swizzle), swizzle_layouts, x.device, arch,
+                {"scales": scales, "blocked": scales + "_blocked"}))
     return call
 
 
@@ -701,22 +816,23 @@ class _Prepared:
 
 
 def _prepared(op, x, weight, bias, residual, eps, offset, scaling, fp8_dtype, scale,
-              transpose, x_scale_inv, group_size, prenorm, residual_dtype) -> _Prepared:
+              transpose, x_scale_inv, group_size, prenorm, residual_dtype,
+              mx_layout) -> _Prepared:
     """The prepared call for these arguments: looked up by their layout, or checked and
     prepared the first time."""
     try:
         key = ("fp8", op, calls.layouts(x, weight, bias, residual, x_scale_inv, scale), eps,
                offset, scaling, fp8_dtype, transpose, group_size, prenorm, residual_dtype,
-               x.requires_grad, experimental_enabled())
+               mx_layout, x.requires_grad, experimental_enabled())
         found = calls.lookup(key)
     except (AttributeError, TypeError):  # not tensors
         found = key = None
     if found is None:
         group = _check(op, x, weight, bias, residual, scaling, fp8_dtype, scale, transpose,
-                       x_scale_inv, group_size, prenorm, residual_dtype)
+                       x_scale_inv, group_size, prenorm, residual_dtype, mx_layout)
         eps = checks.check_eps(op, eps)
         offset = checks.check_offset(op, offset, weight)
-        spec = Fp8Spec(op, scaling, fp8_dtype, transpose, group, offset != 0)
+        spec = Fp8Spec(op, scaling, fp8_dtype, transpose, group, offset != 0, mx_layout)
         nominal = torch.bfloat16 if group else x.dtype
         found = _Prepared(build_forward(spec, x, weight, bias, residual, residual_dtype,
                                         nominal), eps, offset)
@@ -745,7 +861,7 @@ class Fp8NormFunction(torch.autograd.Function):
         out = call.run(x, weight, bias, residual, x_scale_inv, scale, prepared.eps,
                        prepared.offset)
         y = Float8NormTensor(out.data, out.scale_inv, out.amax, out.data_t,
-                             out.scale_inv_t, out.scaling, call.nominal_dtype)
+                             out.scale_inv_t, out.scaling, call.nominal_dtype, out.mx_layout)
         h = x if residual is None else out.h
         ctx.save_for_backward(h, x_scale_inv, weight, bias, out.mean, out.rstd)
         ctx.call, ctx.offset, ctx.x_dtype = call, prepared.offset, x.dtype
@@ -773,9 +889,12 @@ class Fp8NormFunction(torch.autograd.Function):
 
 
 def _apply(op, x, weight, bias, eps, scaling, fp8_dtype, scale, transpose, offset, residual,
-           prenorm, residual_dtype, x_scale_inv, group_size):
+           prenorm, residual_dtype, x_scale_inv, group_size, mx_layout):
+    if torch.compiler.is_compiling():
+        return _traced(op, x, weight, bias, eps, scaling, fp8_dtype, scale, transpose, offset,
+                       residual, prenorm, residual_dtype, x_scale_inv, group_size, mx_layout)
     p = _prepared(op, x, weight, bias, residual, eps, offset, scaling, fp8_dtype, scale,
-                  transpose, x_scale_inv, group_size, prenorm, residual_dtype)
+                  transpose, x_scale_inv, group_size, prenorm, residual_dtype, mx_layout)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (x, weight, bias, residual)):
         out = Fp8NormFunction.apply(p, x, weight, bias, residual, x_scale_inv, scale)
@@ -783,9 +902,161 @@ def _apply(op, x, weight, bias, eps, scaling, fp8_dtype, scale, transpose, offse
     else:
         r = p.call.run(x, weight, bias, residual, x_scale_inv, scale, p.eps, p.offset)
         y = Float8NormTensor(r.data, r.scale_inv, r.amax, r.data_t, r.scale_inv_t,
-                             r.scaling, p.call.nominal_dtype)
+                             r.scaling, p.call.nominal_dtype, r.mx_layout)
         h = r.h
     return (y, h) if prenorm else y
+
+
+# --- torch.compile -------------------------------------------------------------------------
+#
+# A compiled graph holds the tilenorm::fp8_norm_fwd and fp8_norm_input_bwd custom ops
+# (tilenorm.pytorch.custom_ops), which return plain contiguous tensors; the views the ops
+# return (the block scales' strides, the per-tensor copy's shared scale) and the
+# Float8NormTensor are made in the traced code around them. Their autograd is a Function the
+# graph traces whole: a gradient registered on the custom op would reach its FP8 output
+# cast to FP8, the reason the subclass exists.
+
+
+def forward_op_outputs(x, weight, bias, residual, x_scale_inv, scale, eps: float,
+                       offset: float, layer_norm: bool, scaling: str, fp8_dtype: torch.dtype,
+                       transpose: bool, group_size: int, residual_dtype: torch.dtype | None,
+                       mx_layout: str) -> tuple[torch.Tensor, ...]:
+    """tilenorm::fp8_norm_fwd: (data, scale_inv, amax, data_t, scale_inv_t, h, mean, rstd)
+    of the prepared call, contiguous (block scales as their (N / 128, M) transpose, MX
+    scales as their bytes), absent ones empty (and the per-tensor copy's scale, which is
+    scale_inv)."""
+    op = LAYER_NORM if layer_norm else RMS_NORM
+    p = _prepared(op, x, weight, bias, residual, eps, offset, scaling, fp8_dtype, scale,
+                  transpose, x_scale_inv, group_size or None, False, residual_dtype, mx_layout)
+    out = p.call.run(x, weight, bias, residual, x_scale_inv, scale, p.eps, p.offset)
+    scale_dtype = torch.uint8 if scaling == "mx" else torch.float32
+    scale_inv = out.scale_inv.t() if scaling == "block" else out.scale_inv
+    scale_inv_t = None if scaling in ("tensor", "delayed") else out.scale_inv_t
+    if scale_inv_t is not None and scaling == "block":
+        scale_inv_t = scale_inv_t.t()
+
+    def stored(t, dtype):
+        if t is None:
+            return torch.empty(0, dtype=dtype, device=x.device)
+        return t.view(dtype).contiguous() if t.dtype == torch.float8_e8m0fnu else \
+            t.contiguous()
+
+    return (stored(out.data, fp8_dtype), stored(scale_inv, scale_dtype),
+            stored(out.amax, torch.float32), stored(out.data_t, fp8_dtype),
+            stored(scale_inv_t, scale_dtype), stored(out.h, x.dtype),
+            stored(out.mean, torch.float32), stored(out.rstd, torch.float32))
+
+
+def _output_of_op(outputs: tuple[torch.Tensor, ...], scaling: str, transpose: bool,
+                  layer_norm: bool, has_residual: bool, mx_layout: str) -> Float8NormOutput:
+    """tilenorm::fp8_norm_fwd's outputs as the eager op returns them."""
+    data, scale_inv, amax, data_t, scale_inv_t, h, mean, rstd = outputs
+    per_tensor = scaling in ("tensor", "delayed")
+    if scaling == "block":
+        scale_inv, scale_inv_t = scale_inv.t(), scale_inv_t.t()
+    elif scaling == "mx":
+        scale_inv = scale_inv.view(torch.float8_e8m0fnu)
+        scale_inv_t = scale_inv_t.view(torch.float8_e8m0fnu)
+    if not transpose:
+        data_t = scale_inv_t = None
+    elif per_tensor:
+        scale_inv_t = scale_inv
+    return Float8NormOutput(data, scale_inv, amax if per_tensor else None, data_t,
+                            scale_inv_t, h if has_residual else None,
+                            mean if layer_norm else None, rstd, scaling, mx_layout)
+
+
+def _forward_op(x, weight, bias, residual, x_scale_inv, scale, eps, offset, layer_norm,
+                scaling, fp8_dtype, transpose, group, residual_dtype, mx_layout
+                ) -> Float8NormOutput:
+    outputs = torch.ops.tilenorm.fp8_norm_fwd(x, weight, bias, residual, x_scale_inv, scale,
+                                              eps, offset, layer_norm, scaling, fp8_dtype,
+                                              transpose, group, residual_dtype, mx_layout)
+    return _output_of_op(outputs, scaling, transpose, layer_norm, residual is not None,
+                         mx_layout)
+
+
+def input_backward_op_outputs(dy, x, x_scale_inv, weight, bias, mean, rstd, offset: float,
+                              group_size: int) -> tuple[torch.Tensor, ...]:
+    """tilenorm::fp8_norm_input_bwd: (dx, dweight, dbias) of a norm of FP8 x (LayerNorm
+    where ``mean`` is given), contiguous, absent ones empty."""
+    op = LAYER_NORM if mean is not None else RMS_NORM
+    offset = checks.check_offset(op, offset, weight)
+    call = build_input_backward(op, dy, x, weight, bias, group_size)
+    dx, dweight, dbias = call.run(dy, x, x_scale_inv, weight, bias, mean, rstd, offset)
+    empty = dx.new_empty(0)
+    return (dx.contiguous(), empty if dweight is None else dweight.contiguous(),
+            empty if bias is None else dbias.contiguous())
+
+
+class Fp8NormOpFunction(torch.autograd.Function):
+    """The autograd of :func:`rms_norm` / :func:`layer_norm` in a compiled graph: forward
+    the tilenorm::fp8_norm_fwd custom op and the :class:`Float8NormTensor` of its outputs;
+    backward tilenorm::norm_bwd over h (the bf16 norms' op), or for FP8 x
+    tilenorm::fp8_norm_input_bwd. The gradient arrives in the tensor's nominal dtype."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, residual, x_scale_inv, scale, eps, offset, layer_norm,
+                scaling, fp8_dtype, transpose, group, residual_dtype, mx_layout):
+        out = _forward_op(x, weight, bias, residual, x_scale_inv, scale, eps, offset,
+                          layer_norm, scaling, fp8_dtype, transpose, group, residual_dtype,
+                          mx_layout)
+        nominal = torch.bfloat16 if group else x.dtype
+        y = Float8NormTensor(out.data, out.scale_inv, out.amax, out.data_t, out.scale_inv_t,
+                             scaling, nominal, mx_layout)
+        ctx.save_for_backward(x if residual is None else out.h, x_scale_inv, weight, bias,
+                              out.mean, out.rstd)
+        ctx.offset, ctx.group, ctx.nominal_dtype = offset, group, nominal
+        ctx.residual_dtype = None if residual is None else residual.dtype
+        return y if residual is None else (y, out.h)
+
+    @staticmethod
+    def backward(ctx, dy, dh=None):
+        h, x_scale_inv, weight, bias, mean, rstd = ctx.saved_tensors
+        has_residual = ctx.residual_dtype is not None
+        dx = dres = None  # FP8 x takes no gradient
+        if ctx.group and not has_residual:
+            _, dweight, dbias = torch.ops.tilenorm.fp8_norm_input_bwd(
+                dy, h, x_scale_inv, weight, bias, mean, rstd, ctx.offset, ctx.group)
+        else:
+            grad_x, dres, dweight, dbias = torch.ops.tilenorm.norm_bwd(
+                dy, dh if has_residual else None, h, weight, bias, mean, rstd, ctx.offset, 1,
+                False, ctx.nominal_dtype, ctx.residual_dtype)
+            if not dres_apart(ctx.nominal_dtype, ctx.residual_dtype):
+                dres = grad_x
+            dx = None if ctx.group else grad_x
+        return (dx, None if weight is None else dweight, None if bias is None else dbias,
+                dres if has_residual else None) + (None,) * 11
+
+
+def _traced(op, x, weight, bias, eps, scaling, fp8_dtype, scale, transpose, offset, residual,
+            prenorm, residual_dtype, x_scale_inv, group_size, mx_layout):
+    """:func:`_apply` under ``torch.compile``: the checks that hold for symbolic shapes here,
+    the numeric ones on eps and offset inside the custom op."""
+    group = _check(op, x, weight, bias, residual, scaling, fp8_dtype, scale, transpose,
+                   x_scale_inv, group_size, prenorm, residual_dtype, mx_layout)
+    args = (x, weight, bias, residual, x_scale_inv, scale, eps, offset, op == LAYER_NORM,
+            scaling, fp8_dtype, transpose, group, residual_dtype, mx_layout)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (x, weight, bias, residual)):
+        out = Fp8NormOpFunction.apply(*args)
+        y, h = (out, None) if residual is None else out
+    else:
+        r = _forward_op(*args)
+        y = Float8NormTensor(r.data, r.scale_inv, r.amax, r.data_t, r.scale_inv_t, scaling,
+                             torch.bfloat16 if group else x.dtype, mx_layout)
+        h = r.h
+    return (y, h) if prenorm else y
+
+
+def _traced_forward(op, x, weight, bias, eps, scaling, fp8_dtype, scale, transpose, offset,
+                    residual, residual_dtype, x_scale_inv, group_size, mx_layout
+                    ) -> Float8NormOutput:
+    group = _check(op, x, weight, bias, residual, scaling, fp8_dtype, scale, transpose,
+                   x_scale_inv, group_size, False, residual_dtype, mx_layout)
+    return _forward_op(x, weight, bias, residual, x_scale_inv, scale, eps, offset,
+                       op == LAYER_NORM, scaling, fp8_dtype, transpose, group, residual_dtype,
+                       mx_layout)
 
 
 _OPS_DOC = """
@@ -805,6 +1076,9 @@ _OPS_DOC = """
             residual's) and normalized as stored.
         x_scale_inv, group_size: FP8 x's float32 multipliers, (M, N / group_size), one per
             ``group_size`` (a power of two up to 128) consecutive elements of a row.
+        mx_layout: "row_major" (default) or "swizzled": MX scales (and the copy's) in the
+            128 x 4 blocked layout that Blackwell's MXFP8 GEMMs read, padded to
+            (round_up(rows, 128), round_up(groups, 4)) (see the module docstring).
 """
 
 
@@ -813,14 +1087,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
              scale: torch.Tensor | None = None, transpose: bool = False, offset: float = 0.0,
              residual: torch.Tensor | None = None, prenorm: bool = False,
              residual_dtype: torch.dtype | None = None,
-             x_scale_inv: torch.Tensor | None = None, group_size: int | None = None
+             x_scale_inv: torch.Tensor | None = None, group_size: int | None = None,
+             mx_layout: MxLayout = "row_major"
              ) -> Float8NormTensor | tuple[Float8NormTensor, torch.Tensor]:
     """RMSNorm over the last dimension with its output quantized to FP8: a
     :class:`Float8NormTensor` (``(it, h)`` with ``prenorm=True``), differentiable in x (not
     FP8 x), weight and residual; the gradient arrives in the tensor's nominal dtype.
     """
     return _apply(RMS_NORM, x, weight, None, eps, scaling, fp8_dtype, scale, transpose,
-                  offset, residual, prenorm, residual_dtype, x_scale_inv, group_size)
+                  offset, residual, prenorm, residual_dtype, x_scale_inv, group_size,
+                  mx_layout)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None,
@@ -828,13 +1104,14 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None,
                fp8_dtype: torch.dtype = torch.float8_e4m3fn, scale: torch.Tensor | None = None,
                transpose: bool = False, residual: torch.Tensor | None = None,
                prenorm: bool = False, residual_dtype: torch.dtype | None = None,
-               x_scale_inv: torch.Tensor | None = None, group_size: int | None = None
+               x_scale_inv: torch.Tensor | None = None, group_size: int | None = None,
+               mx_layout: MxLayout = "row_major"
                ) -> Float8NormTensor | tuple[Float8NormTensor, torch.Tensor]:
     """LayerNorm over the last dimension with its output quantized to FP8; as
     :func:`rms_norm`.
     """
     return _apply(LAYER_NORM, x, weight, bias, eps, scaling, fp8_dtype, scale, transpose, 0.0,
-                  residual, prenorm, residual_dtype, x_scale_inv, group_size)
+                  residual, prenorm, residual_dtype, x_scale_inv, group_size, mx_layout)
 
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6,
@@ -842,13 +1119,18 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor | None = None, eps: f
                      scale: torch.Tensor | None = None, transpose: bool = False,
                      offset: float = 0.0, residual: torch.Tensor | None = None,
                      residual_dtype: torch.dtype | None = None,
-                     x_scale_inv: torch.Tensor | None = None, group_size: int | None = None
-                     ) -> Float8NormOutput:
+                     x_scale_inv: torch.Tensor | None = None, group_size: int | None = None,
+                     mx_layout: MxLayout = "row_major") -> Float8NormOutput:
     """The FP8-output RMSNorm without autograd, for a Function that keeps its own graph (a
     COAT-style fused norm and GEMM): a :class:`Float8NormOutput`.
     """
+    if torch.compiler.is_compiling():
+        return _traced_forward(RMS_NORM, x, weight, None, eps, scaling, fp8_dtype, scale,
+                               transpose, offset, residual, residual_dtype, x_scale_inv,
+                               group_size, mx_layout)
     p = _prepared(RMS_NORM, x, weight, None, residual, eps, offset, scaling, fp8_dtype,
-                  scale, transpose, x_scale_inv, group_size, False, residual_dtype)
+                  scale, transpose, x_scale_inv, group_size, False, residual_dtype,
+                  mx_layout)
     return p.call.run(x, weight, None, residual, x_scale_inv, scale, p.eps, p.offset)
 
 
@@ -859,11 +1141,16 @@ def layer_norm_forward(x: torch.Tensor, weight: torch.Tensor | None = None,
                        residual: torch.Tensor | None = None,
                        residual_dtype: torch.dtype | None = None,
                        x_scale_inv: torch.Tensor | None = None,
-                       group_size: int | None = None) -> Float8NormOutput:
+                       group_size: int | None = None,
+                       mx_layout: MxLayout = "row_major") -> Float8NormOutput:
     """The FP8-output LayerNorm without autograd: a :class:`Float8NormOutput`.
     """
+    if torch.compiler.is_compiling():
+        return _traced_forward(LAYER_NORM, x, weight, bias, eps, scaling, fp8_dtype, scale,
+                               transpose, 0.0, residual, residual_dtype, x_scale_inv,
+                               group_size, mx_layout)
     p = _prepared(LAYER_NORM, x, weight, bias, residual, eps, 0.0, scaling, fp8_dtype, scale,
-                  transpose, x_scale_inv, group_size, False, residual_dtype)
+                  transpose, x_scale_inv, group_size, False, residual_dtype, mx_layout)
     return p.call.run(x, weight, bias, residual, x_scale_inv, scale, p.eps, p.offset)
 
 
@@ -887,6 +1174,11 @@ def _input_backward(op, dy, x, weight, bias, mean, rstd, x_scale_inv, group_size
                 and t.is_contiguous() and t.device == x.device):
             raise ValueError(f"{op}: {name} must be the forward's: contiguous float32 of "
                              f"shape {tuple(stat)} on {x.device}")
+    if torch.compiler.is_compiling():  # offset is checked inside the op
+        dx, dweight, dbias = torch.ops.tilenorm.fp8_norm_input_bwd(
+            dy, x, x_scale_inv, weight, bias, mean if op == LAYER_NORM else None, rstd,
+            offset, group_size)
+        return (dx, None if weight is None else dweight, None if bias is None else dbias)
     offset = checks.check_offset(op, offset, weight)
     call = build_input_backward(op, dy, x, weight, bias, group_size)
     return call.run(dy, x, x_scale_inv, weight, bias, mean, rstd, offset)
@@ -917,10 +1209,11 @@ def explain(x: torch.Tensor, weight: torch.Tensor | None = None,
             residual: torch.Tensor | None = None, *, scaling: Scaling,
             bias: torch.Tensor | None = None, layer_norm: bool = False,
             fp8_dtype: torch.dtype = torch.float8_e4m3fn, transpose: bool = False,
-            x_scale_inv: torch.Tensor | None = None, group_size: int | None = None
-            ) -> Fp8Decision:
+            x_scale_inv: torch.Tensor | None = None, group_size: int | None = None,
+            mx_layout: MxLayout = "row_major") -> Fp8Decision:
     """What the FP8 op decides to run for these operands, and why (``str()`` it)."""
     op = LAYER_NORM if layer_norm else RMS_NORM
     scale = torch.ones(1, device=x.device) if scaling == "delayed" else None
     return _prepared(op, x, weight, bias, residual, 1e-6, 0.0, scaling, fp8_dtype, scale,
-                     transpose, x_scale_inv, group_size, False, None).call.decision
+                     transpose, x_scale_inv, group_size, False, None,
+                     mx_layout).call.decision

@@ -138,6 +138,9 @@ def norm_backward(dy: torch.Tensor, dres_in: torch.Tensor | None, h: torch.Tenso
 
 #: Columns per scale of the block scalings: DeepSeek-V3's 1 x 128 and MXFP8's 1 x 32.
 FP8_BLOCK_COLS = {"block": 128, "mx": 32}
+#: How MX scales are laid out: (rows, groups) row-major, or "swizzled" into the 128 x 4
+#: tiles of Blackwell's block-scaled GEMMs (:func:`swizzle_mx_scales`).
+MX_LAYOUTS = ("row_major", "swizzled")
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
@@ -235,6 +238,33 @@ def fp8_quantize(y: torch.Tensor, scaling: str, fp8_dtype: torch.dtype,
     return q, scale_inv, amax, None, None
 
 
+def swizzle_mx_scales(scales: torch.Tensor) -> torch.Tensor:
+    """(R, C) E8M0 scales (R rows of a GEMM operand, C groups of 32 along K) in cuBLAS's 1-D
+    block scaling factor layout, what ``torch._scaled_mm`` / ``scaled_mm`` take for MXFP8 on
+    Blackwell (``SwizzleType.SWIZZLE_32_4_4``), as TE's and torch's ``to_blocked`` lay them
+    out: (R, C) zero-padded to (round_up(R, 128), round_up(C, 4)), cut into 128 x 4 tiles
+    stored one after another row-major over the tiles, 512 bytes each, in which element
+    (i, j) of a tile sits at ``(i % 32) * 16 + (i // 32) * 4 + j``. Returned in that padded
+    (round_up(R, 128), round_up(C, 4)) shape, contiguous (TE's; torch's ``to_blocked``
+    returns the same bytes flat)."""
+    rows, cols = scales.shape
+    row_blocks, col_blocks = -(-rows // 128), -(-cols // 4)
+    padded = torch.zeros(row_blocks * 128, col_blocks * 4, dtype=torch.uint8,
+                         device=scales.device)
+    padded[:rows, :cols] = scales.view(torch.uint8)
+    # Row 128 r + 32 a + b, column 4 c + j goes to tile (r, c), place (b, a, j).
+    tiles = padded.reshape(row_blocks, 4, 32, col_blocks, 4).permute(0, 3, 2, 1, 4)
+    return tiles.reshape(row_blocks * 128, col_blocks * 4).view(scales.dtype)
+
+
+def unswizzle_mx_scales(blocked: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The (rows, cols) scales that :func:`swizzle_mx_scales` laid out as ``blocked``."""
+    row_blocks, col_blocks = -(-rows // 128), -(-cols // 4)
+    tiles = blocked.view(torch.uint8).reshape(row_blocks, col_blocks, 32, 4, 4)
+    padded = tiles.permute(0, 3, 2, 1, 4).reshape(row_blocks * 128, col_blocks * 4)
+    return padded[:rows, :cols].view(blocked.dtype)
+
+
 def dequantize_groups(x: torch.Tensor, x_scale_inv: torch.Tensor, group_size: int
                       ) -> torch.Tensor:
     """fp32 values of FP8 x (..., N) with one multiplier per ``group_size`` elements of a row
@@ -250,11 +280,13 @@ def norm_fp8_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.T
                      layer_norm: bool = False, offset: float = 0.0,
                      residual: torch.Tensor | None = None,
                      residual_dtype: torch.dtype | None = None,
-                     x_scale_inv: torch.Tensor | None = None, group_size: int = 0) -> tuple:
+                     x_scale_inv: torch.Tensor | None = None, group_size: int = 0,
+                     mx_layout: str = "row_major") -> tuple:
     """(q, scale_inv, amax, q_t, scale_inv_t, h, mean, rstd) of a norm over the last
     dimension with FP8 output, computed as the kernels compute it (fp32). FP8 x comes with
     ``x_scale_inv`` and ``group_size``; h is the dequantized x (fp32) without a residual,
-    else the sum stored in ``residual_dtype``."""
+    else the sum stored in ``residual_dtype``; MX scales ``mx_layout`` "swizzled" are
+    :func:`swizzle_mx_scales`'s."""
     with torch.no_grad():
         xv = dequantize_groups(x, x_scale_inv, group_size) if group_size else x
         n = x.shape[-1]
@@ -262,6 +294,9 @@ def norm_fp8_forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.T
                                     residual_dtype, torch.float32, 1)
         q, scale_inv, amax, q_t, scale_inv_t = fp8_quantize(y.reshape(-1, n), scaling,
                                                             fp8_dtype, scale, transpose)
+        if mx_layout == "swizzled":
+            scale_inv = swizzle_mx_scales(scale_inv)
+            scale_inv_t = None if scale_inv_t is None else swizzle_mx_scales(scale_inv_t)
     stat = x.shape[:-1]
     return (q.reshape(x.shape), scale_inv, amax, q_t, scale_inv_t, h,
             None if mean is None else mean.reshape(stat), rstd.reshape(stat))
