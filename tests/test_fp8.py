@@ -416,6 +416,18 @@ def test_fused_residual_stores_h_and_quantizes_its_norm(residual_dtype):
     check_against_float64(out, ref, "block", E4M3)
 
 
+class Fp8GemmStandIn(torch.autograd.Function):
+    """An FP8 GEMM's shape of use: reads the FP8 data and scales, returns a bf16 gradient."""
+
+    @staticmethod
+    def forward(ctx, a):
+        return a.dequantize(torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(torch.bfloat16)
+
+
 def test_autograd_gradient_arrives_in_the_nominal_dtype():
     """The FP8 output is a Float8NormTensor of x's dtype: a consumer's bf16 gradient reaches
     the norm's backward as is (quantization passes it through)."""
@@ -430,16 +442,7 @@ def test_autograd_gradient_arrives_in_the_nominal_dtype():
     assert isinstance(y, tilenorm.fp8.Float8NormTensor) and y.dtype == torch.bfloat16
     assert y.fp8.dtype == E4M3 and y.scale_inv.shape == (8, 1)
 
-    class Consumer(torch.autograd.Function):  # an FP8 GEMM's shape of use
-        @staticmethod
-        def forward(ctx, a):
-            return a.dequantize(torch.float32)
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad.to(torch.bfloat16)
-
-    (Consumer.apply(y) * dy.float()).sum().backward()
+    (Fp8GemmStandIn.apply(y) * dy.float()).sum().backward()
     ref = testing.float64_norm(x, w, residual=r, dy=dy)
     assert rel_error(x.grad, ref.dx) <= GRAD_TOL, seed
     assert rel_error(r.grad, ref.dresidual) <= GRAD_TOL, seed
@@ -508,18 +511,6 @@ def test_explain_names_the_reference_path_on_cpu():
 
 
 # --- torch.compile (CPU: the reference path inside the custom ops) ---------------------------
-
-
-class Fp8GemmStandIn(torch.autograd.Function):
-    """An FP8 GEMM's shape of use: reads the FP8 data and scales, returns a bf16 gradient."""
-
-    @staticmethod
-    def forward(ctx, a):
-        return a.dequantize(torch.float32)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.to(torch.bfloat16)
 
 
 def _fp8_step(x, w, b, r, dy, scaling, scale, x_scale_inv, group_size, mx_layout):
