@@ -15,12 +15,7 @@ record=${1:?the record so far (a path that need not exist yet)}
 budget=${2:-480}
 shift $(( $# < 2 ? $# : 2 ))
 export PYTHONUNBUFFERED=1 CUDA_TILE_CACHE_DIR=/tmp/cutile-cache TILENORM_COMMIT=$COMMIT
-if ! python3 -c "import tilenorm, quack, liger_kernel" 2>/dev/null; then
-  PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/wheelhouse python3 -m pip install -q -e . \
-    > "$OUT/pip.log" 2>&1 || { tail -20 "$OUT/pip.log"; exit 1; }
-  python3 -m pip install -q --no-deps --no-index --find-links /tmp/wheelhouse quack-kernels \
-    liger-kernel tilegym torch-c-dlpack-ext nvidia-cutlass-dsl >> "$OUT/pip.log" 2>&1
-fi
+bash .ci/gpu-install || exit 1
 # Timing the reference path instead of the kernels would be a wasted call: say so first.
 python3 -m tilenorm validation status
 [ -f "$record" ] && cp "$record" "$OUT/training.json"
