@@ -18,11 +18,18 @@ provider's q is checked first (against float64 for tilenorm, against tilenorm's 
 output for the others). Targets (issue 19): per-row and per-block >= 90% of copy, per-tensor
 current >= 85% of its own bound, transposed >= 80% of copy, >= 1.3x the unfused path.
 Cases ``row+t``, ``block+t`` and ``mx+t`` write the copy with scales along M.
+
+``--variants`` compares launch settings instead of providers: a JSON list of objects, each
+of :class:`tilenorm.settings_fp8.Fp8Settings` fields and, for the row kernels,
+:class:`tilenorm.settings.RowNormSettings` fields (added to ``row_overrides``), e.g.
+``'[{}, {"tile_elements": {"forward": 16384, "backward": 4096}}]'``; only the fused kernels
+run, each variant's plan beside its numbers.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import traceback
@@ -34,8 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tilenorm  # noqa: E402
 from bench import common  # noqa: E402
-from tilenorm import testing  # noqa: E402
-from tilenorm.pytorch import reference  # noqa: E402
+from bench.tune_norm import variant_settings  # noqa: E402
+from tilenorm import settings_fp8, testing  # noqa: E402
+from tilenorm.pytorch import calls, reference  # noqa: E402
 
 EPS = 1e-6
 #: Hidden sizes 2048 to 16384 with x of 256 MB in bf16.
@@ -128,7 +136,20 @@ def dequantized(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     return q.float() * s
 
 
-def run_case(m: int, n: int, case: str, modes: list[str], record: dict) -> None:
+def fp8_variant(variant: dict) -> settings_fp8.Fp8Settings:
+    """SM90's FP8 settings with ``variant``'s fields replaced; RowNormSettings fields join
+    ``row_overrides``."""
+    base = settings_fp8.SM90_FP8
+    own = {f.name for f in dataclasses.fields(base)}
+    row = {k: v for k, v in variant.items() if k not in own}
+    rows = variant_settings(row)  # checks the names and converts lists as the settings hold
+    changes = {k: tuple(v) for k, v in variant.items() if k in own}
+    return dataclasses.replace(base, **changes, row_overrides={
+        **base.row_overrides, **{k: getattr(rows, k) for k in row}})
+
+
+def run_case(m: int, n: int, case: str, modes: list[str], record: dict,
+             variants: list[dict] | None = None) -> None:
     scaling, transpose = CASES[case]
     g = torch.Generator(device="cuda").manual_seed(m * 7 + n)
     x = torch.randn(m, n, generator=g, device="cuda").to(torch.bfloat16)
@@ -150,42 +171,61 @@ def run_case(m: int, n: int, case: str, modes: list[str], record: dict) -> None:
     def compiled_call():
         return compiled(x, w, scaling, scale, transpose)
 
+    row = {"op": f"rms_norm_fp8_{case}", "dtype": "bfloat16", "M": m, "N": n,
+           "bytes": one, "design_bytes": design}
+    if variants is not None:
+        for i, variant in enumerate(variants):
+            settings = fp8_variant(variant)
+            calls.clear()  # prepared calls hold the plans of the settings they were made with
+            with settings_fp8.measuring(settings):
+                decision = tilenorm.fp8.explain(x, w, scaling=scaling, transpose=transpose)
+                measure(f"tilenorm fused v{i}", fused, fused(), decision,
+                        {**row, "variant": variant, "plan": str(decision)}, modes, record,
+                        x, w, scaling)
+            calls.clear()
+        return
     fused_out = fused()
     decision = tilenorm.fp8.explain(x, w, scaling=scaling, transpose=transpose)
     providers = {"tilenorm fused": fused, "tilenorm + torch": unfused,
                  "torch.compile": compiled_call}
-    row = {"op": f"rms_norm_fp8_{case}", "dtype": "bfloat16", "M": m, "N": n,
-           "bytes": one, "design_bytes": design}
     for name, fn in providers.items():
-        try:
-            out = fn()
-            if name == "tilenorm fused":
-                err = check_fused(out, x, w, scaling)
-                if not err <= 1:
-                    raise AssertionError(f"q off the float64 reference by {err:.2f} rounding "
-                                         f"bounds")
-                if not decision.uses_kernel:
-                    raise AssertionError(f"not the kernels: {decision}")
-            else:
-                err = testing.rel_error(dequantized(out[0], out[1]),
-                                        dequantized(fused_out.data, fused_out.scale_inv))
-                if not err <= 0.05:
-                    raise AssertionError(f"dequantized output off tilenorm's by {err:.3f}")
-            rows = common.timed_rows(common.Prepared(fn, None, lambda: ()), one, 0, modes,
-                                     {**row, "provider": name, "fwd_err": err,
-                                      "bwd_err": None})
-            for r in rows:
-                r["own_bound_pct"] = 100 * design / (r["fwd_ms"] * 1e-3) / 1e9 / \
-                    record["copy_gbps"]
-            record["rows"] += rows
-        except Exception as e:  # a provider's failure is recorded, the sweep goes on
-            traceback.print_exc()
-            record["failures"].append(f"{row['op']} {m}x{n} {name}: {e}")
+        measure(name, fn, fused_out, decision, row, modes, record, x, w, scaling)
     record["rows"].append({**row, "provider": "fused FP8 peer", "mode": "graph",
                            "fwd_gbps": None, "bwd_gbps": None, "fwd_ms": None,
                            "bwd_ms": None, "fwd_err": None, "bwd_err": None,
                            "note": "none installed (Transformer Engine is not in the "
                                    "wheelhouse)"})
+
+
+def measure(name: str, fn, fused_out, decision, row: dict, modes: list[str], record: dict,
+            x: torch.Tensor, w: torch.Tensor, scaling: str) -> None:
+    """Checks ``fn``'s output (provider ``name``; "tilenorm fused..." against float64, the
+    others against ``fused_out``) and times it into ``record``; a failure is recorded."""
+    one, design = row["bytes"], row["design_bytes"]
+    try:
+        out = fn()
+        if name.startswith("tilenorm fused"):
+            err = check_fused(out, x, w, scaling)
+            if not err <= 1:
+                raise AssertionError(f"q off the float64 reference by {err:.2f} rounding "
+                                     f"bounds")
+            if not decision.uses_kernel:
+                raise AssertionError(f"not the kernels: {decision}")
+        else:
+            err = testing.rel_error(dequantized(out[0], out[1]),
+                                    dequantized(fused_out.data, fused_out.scale_inv))
+            if not err <= 0.05:
+                raise AssertionError(f"dequantized output off tilenorm's by {err:.3f}")
+        rows = common.timed_rows(common.Prepared(fn, None, lambda: ()), one, 0, modes,
+                                 {**row, "provider": name, "fwd_err": err,
+                                  "bwd_err": None})
+        for r in rows:
+            r["own_bound_pct"] = 100 * design / (r["fwd_ms"] * 1e-3) / 1e9 / \
+                record["copy_gbps"]
+        record["rows"] += rows
+    except Exception as e:  # a provider's failure is recorded, the sweep goes on
+        traceback.print_exc()
+        record["failures"].append(f"{row['op']} {row['M']}x{row['N']} {name}: {e}")
 
 
 def print_summary(record: dict) -> None:
@@ -213,18 +253,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default=DEFAULT_SHAPES)
     parser.add_argument("--scalings", default=DEFAULT_CASES,
                         help=f"comma-separated cases of {', '.join(CASES)}")
+    parser.add_argument("--variants", type=json.loads,
+                        help="JSON list of settings variants to compare (fused kernels only)")
     common.add_run_args(parser)
     args = parser.parse_args(argv)
     record = common.new_record(args)
+    if args.variants is not None:
+        record["variants"] = args.variants
     modes = args.modes.split(",")
     for m, n in common.parse_shapes(args.shapes):
         for case in args.scalings.split(","):
             print(f"{case} {m}x{n}", flush=True)
-            run_case(m, n, case, modes, record)
+            run_case(m, n, case, modes, record, args.variants)
             torch.cuda.empty_cache()  # the next shape's inputs take the memory back
     print_summary(record)
     path = args.out or common.RESULTS_DIR / (
-        f"{common.device_slug()}-{record['date']}-fp8-{record['commit']}.json")
+        f"{common.device_slug()}-{record['date']}-fp8"
+        f"{'-variants' if args.variants is not None else ''}-{record['commit']}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {path}")

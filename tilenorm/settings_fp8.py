@@ -1,22 +1,32 @@
 """Launch settings of the FP8-output norm kernels (:mod:`tilenorm.kernels.cutile_row_norm_fp8`).
 
-Not measured yet: the row kernels take the bf16 norms' settings (:mod:`tilenorm.settings`)
-without split tiles (the FP8 kernels hold a row as one power-of-two tile), and the
-per-tensor scalings' second pass starts from the tile below. A GPU run tunes them; like
-``settings.py`` they are part of what a validation record of the FP8 family pins.
+The row kernels take the bf16 norms' settings (:mod:`tilenorm.settings`) with the fields of
+``row_overrides`` replaced: no split tiles (the FP8 kernels hold a row as one power-of-two
+tile). The per-tensor scalings' second pass starts from the tile below. ``bench_fp8.py
+--variants`` measures other values; like ``settings.py`` these are part of what a validation
+record of the FP8 family pins.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from tilenorm.settings import RowNormSettings, settings_for
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Fp8Settings:
+    """One architecture's settings; compared and hashed by identity, like
+    :class:`RowNormSettings`."""
+
+    #: :class:`RowNormSettings` fields the FP8 row kernels (forward and FP8 input's
+    #: backward) take instead of the bf16 norms'.
+    row_overrides: dict = field(default_factory=lambda: {
+        "min_split_tile_cols": {"forward": {}, "backward": {}}})
     #: (rows, cols) of the second pass's blocks: 128 columns of 64 rows, 8192 fp32 values of
     #: y, whose transpose stores 64-byte runs of 8-bit values.
     quantize_tile: tuple[int, int] = (64, 128)
@@ -35,15 +45,32 @@ class Fp8Settings:
 
 
 SM90_FP8 = Fp8Settings()
+_measuring: Fp8Settings | None = None
 
 
 def fp8_settings_for(arch: tuple[int, int]) -> Fp8Settings:
-    """Hopper's for every architecture until another one is measured."""
-    return SM90_FP8
+    """Hopper's for every architecture until another one is measured; inside
+    :func:`measuring`, the settings under measurement."""
+    return _measuring if _measuring is not None else SM90_FP8
+
+
+@contextlib.contextmanager
+def measuring(settings: Fp8Settings) -> Iterator[None]:
+    """Plans made inside take ``settings`` on every architecture: for benchmarks that
+    compare settings through the ops (``bench/bench_fp8.py --variants``)."""
+    global _measuring
+    previous, _measuring = _measuring, settings
+    try:
+        yield
+    finally:
+        _measuring = previous
 
 
 @functools.cache
+def _row_settings(fp8: Fp8Settings, base: RowNormSettings) -> RowNormSettings:
+    return dataclasses.replace(base, **fp8.row_overrides)
+
+
 def row_settings_for(arch: tuple[int, int]) -> RowNormSettings:
-    """The bf16 norms' settings for ``arch`` with no split tiles."""
-    base = settings_for(arch)
-    return dataclasses.replace(base, min_split_tile_cols={"forward": {}, "backward": {}})
+    """The bf16 norms' settings for ``arch`` with the FP8 settings' ``row_overrides``."""
+    return _row_settings(fp8_settings_for(arch), settings_for(arch))
