@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tilenorm  # noqa: E402
 from bench import common  # noqa: E402
 from bench.tune_norm import variant_settings  # noqa: E402
-from tilenorm import settings_fp8, testing  # noqa: E402
+from tilenorm import dispatch, settings_fp8, testing  # noqa: E402
 from tilenorm.pytorch import calls, reference  # noqa: E402
 
 EPS = 1e-6
@@ -148,6 +148,12 @@ def fp8_variant(variant: dict) -> settings_fp8.Fp8Settings:
         **base.row_overrides, **{k: getattr(rows, k) for k in row}})
 
 
+def forget_plans() -> None:
+    """Drops the decisions and prepared calls made with the settings of before."""
+    dispatch.decide_fp8.cache_clear()
+    calls.clear()
+
+
 def run_case(m: int, n: int, case: str, modes: list[str], record: dict,
              variants: list[dict] | None = None) -> None:
     scaling, transpose = CASES[case]
@@ -176,13 +182,14 @@ def run_case(m: int, n: int, case: str, modes: list[str], record: dict,
     if variants is not None:
         for i, variant in enumerate(variants):
             settings = fp8_variant(variant)
-            calls.clear()  # prepared calls hold the plans of the settings they were made with
+            forget_plans()
             with settings_fp8.measuring(settings):
                 decision = tilenorm.fp8.explain(x, w, scaling=scaling, transpose=transpose)
+                print(f"v{i}: {decision.forward.describe()}", flush=True)
                 measure(f"tilenorm fused v{i}", fused, fused(), decision,
                         {**row, "variant": variant, "plan": str(decision)}, modes, record,
                         x, w, scaling)
-            calls.clear()
+            forget_plans()
         return
     fused_out = fused()
     decision = tilenorm.fp8.explain(x, w, scaling=scaling, transpose=transpose)

@@ -82,7 +82,8 @@ def float64_norm(x: torch.Tensor, weight: torch.Tensor | None = None,
 
 class RelError:
     """Relative error ``||out - ref|| / ||scale||`` (``scale`` defaults to ``ref``),
-    accumulated over blocks; absolute where the scale is 0 (an exact result of 0)."""
+    accumulated over blocks; absolute where the scale is 0 (an exact result of 0). ``out``
+    is compared on ``ref``'s device (a GPU result against a CPU float64 reference)."""
 
     def __init__(self) -> None:
         self.diff = 0.0
@@ -90,7 +91,7 @@ class RelError:
 
     def add(self, out: torch.Tensor, ref: torch.Tensor,
             scale: torch.Tensor | None = None) -> RelError:
-        self.diff += (out.double() - ref.double()).square().sum().item()
+        self.diff += (out.double().to(ref.device) - ref.double()).square().sum().item()
         self.scale += (ref if scale is None else scale).double().square().sum().item()
         return self
 
