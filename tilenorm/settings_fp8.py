@@ -15,7 +15,7 @@ import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from tilenorm.settings import RowNormSettings, settings_for
+from tilenorm.settings import SM90, RowNormSettings, settings_for
 
 
 @dataclass(frozen=True, eq=False)
@@ -26,7 +26,15 @@ class Fp8Settings:
     #: :class:`RowNormSettings` fields the FP8 row kernels (forward and FP8 input's
     #: backward) take instead of the bf16 norms'.
     row_overrides: dict = field(default_factory=lambda: {
-        "min_split_tile_cols": {"forward": {}, "backward": {}}})
+        "min_split_tile_cols": {"forward": {}, "backward": {}},
+        # A row a tile, four programs an SM of 4 warps at 4096: the row's second reduction
+        # (its scale) wants more rows in flight than the bf16 forward's 2 x 4096 tiles (#55).
+        "tile_elements": {"forward": 4096, "backward": 4096},
+        "single_pass_hints": {**SM90.single_pass_hints, "forward": {
+            "rms_norm": ((2048, 4, None, False), (4096, 4, 4, True), (6144, 4, 4, True),
+                         (8192, 2, None, True), (32768, 1, 8, True)),
+            "layer_norm": ((2048, 4, None, False), (4096, 4, 4, True), (8192, 2, None, True),
+                           (32768, 1, 8, True))}}})
     #: (rows, cols) of the second pass's blocks: 128 columns of 64 rows, 8192 fp32 values of
     #: y, whose transpose stores 64-byte runs of 8-bit values.
     quantize_tile: tuple[int, int] = (64, 128)
