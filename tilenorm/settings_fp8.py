@@ -27,13 +27,14 @@ class Fp8Settings:
     #: backward) take instead of the bf16 norms'.
     row_overrides: dict = field(default_factory=lambda: {
         "min_split_tile_cols": {"forward": {}, "backward": {}},
-        # A row a tile, four programs an SM of 4 warps at 4096: the row's second reduction
-        # (its scale) wants more rows in flight than the bf16 forward's 2 x 4096 tiles (#55).
-        "tile_elements": {"forward": 4096, "backward": 4096},
+        # A row a tile, four programs an SM of 4 warps at 2048 and 4096: the row's second
+        # reduction (its scale) wants more rows in flight than the bf16 forward's 4 x 2048
+        # and 2 x 4096 tiles (#55).
+        "tile_elements": {"forward": 2048, "backward": 4096},
         "single_pass_hints": {**SM90.single_pass_hints, "forward": {
-            "rms_norm": ((2048, 4, None, False), (4096, 4, 4, True), (6144, 4, 4, True),
+            "rms_norm": ((4096, 4, 4, True), (6144, 4, 4, True),
                          (8192, 2, None, True), (32768, 1, 8, True)),
-            "layer_norm": ((2048, 4, None, False), (4096, 4, 4, True), (8192, 2, None, True),
+            "layer_norm": ((4096, 4, 4, True), (8192, 2, None, True),
                            (32768, 1, 8, True))}}})
     #: (rows, cols) of the second pass's blocks: 128 columns of 64 rows, 8192 fp32 values of
     #: y, whose transpose stores 64-byte runs of 8-bit values.
