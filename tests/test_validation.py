@@ -65,6 +65,22 @@ def test_stale_summary_is_not_recorded(sandbox, tmp_path):
     assert validation.record(path) == []
 
 
+def test_record_of_named_families_leaves_the_others(sandbox, tmp_path, monkeypatch):
+    src, family = sandbox
+    (src / "cutile" / "j.py").write_text("kernel v1\n")
+    other = validation.KernelFamily("cutile/j", "cuTile", ("cutile/j.py",))
+    monkeypatch.setattr(validation, "FAMILIES", (family, other))
+    path = summary(tmp_path, family)
+    data = json.loads(path.read_text())
+    data["source_sha256"][other.name] = other.digest()
+    path.write_text(json.dumps(data))
+    assert validation.record(path, ["cutile/j"]) == ["cutile/j"]
+    validation._records.cache_clear()
+    assert validation.is_stable(other) and not validation.is_stable(family)
+    with pytest.raises(SystemExit, match="no kernel family"):
+        validation.record(path, ["cutile/nope"])
+
+
 def test_shipped_record_names_known_families():
     data = json.loads(validation.RECORD_FILE.read_text())
     assert set(data["kernels"]) <= {f.name for f in validation.FAMILIES}

@@ -126,15 +126,22 @@ def summarize(junits: list[Path], commit: str, out: Path, markers: str | None = 
     return summary
 
 
-def record(summary_path: Path) -> list[str]:
-    """Mark the families of a fully passing GPU run stable, if their sources still match."""
+def record(summary_path: Path, families: list[str] | None = None) -> list[str]:
+    """Mark the families of a fully passing GPU run stable, if their sources still match;
+    only those named in ``families`` where given (a run of one family's tests validates
+    that family, not the others whose sources it also digested)."""
     summary = json.loads(summary_path.read_text())
+    unknown = set(families or ()) - {f.name for f in FAMILIES}
+    if unknown:
+        raise SystemExit(f"not recording: no kernel family named {sorted(unknown)}")
     tests = summary["tests"]
     if tests["failures"] or tests["errors"] or tests["passed"] == 0:
         raise SystemExit(f"not recording: the GPU run did not pass cleanly ({tests})")
     data = json.loads(RECORD_FILE.read_text()) if RECORD_FILE.exists() else {"kernels": {}}
     recorded = []
     for family in FAMILIES:
+        if families is not None and family.name not in families:
+            continue
         tested = summary["source_sha256"].get(family.name)
         if tested is None:
             print(f"skip {family.name}: its kernels could not run on the GPU host")
@@ -168,12 +175,15 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--markers", help="the pytest -m expression the run selected")
     r = sub.add_parser("record", help="record a passing GPU run in validation.json")
     r.add_argument("summary", type=Path)
+    r.add_argument("--family", action="append", dest="families",
+                   help="record only this family (repeat for several; default: every "
+                        "family the run digested)")
     sub.add_parser("status", help="print each kernel family's status")
     args = parser.parse_args(argv)
     if args.command == "summarize":
         print(json.dumps(summarize(args.junit, args.commit, args.out, args.markers), indent=2))
     elif args.command == "record":
-        print("recorded:", ", ".join(record(args.summary)) or "nothing")
+        print("recorded:", ", ".join(record(args.summary, args.families)) or "nothing")
     else:
         for family in FAMILIES:
             rec = validation_record(family)
