@@ -147,3 +147,88 @@ MAX_COMPILED = 256
 def compiled_backward(key: BackwardKey):
     """``key``'s kernel for this process's GPU, compiled once."""
     return compile_backward(key)
+
+
+def _fp8_dtypes():
+    import cutlass
+
+    return {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2}
+
+
+#: The largest finite value of each FP8 format, the top of its scale.
+FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
+
+@dataclass(frozen=True)
+class Fp8ForwardKey:
+    """What selects a compiled variant of the FP8-output forward
+    (:mod:`tilenorm.kernels.cute_row_norm_fp8`); dtypes by name. The row count is one of
+    them, as in :class:`BackwardKey`."""
+
+    rows: int
+    dtype: str
+    weight_dtype: str | None
+    fp8_dtype: str
+    scaling: str
+    has_offset: bool
+    cols: int
+    threads: int
+    stages: int
+    ctas_per_sm: int
+
+
+def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None):
+    """Compile ``key``'s kernel (``arch`` as in :func:`compile_backward`). The result is
+    called as ``fn(x, weight, scale, q, q_scale, rstd, amax_partial, eps, offset, grid)`` with
+    DLPack arrays (None for the absent ones) on the current stream: ``q`` (rows, cols)
+    uint8 (the FP8 bytes), ``q_scale`` (rows, 1)
+    fp32 for "row", (rows, cols / 128) fp32 with strides (1, rows) for "block", (rows,
+    cols / 32) uint8 for "mx"; ``amax_partial`` (grid,) fp32 for "amax" and "delayed"."""
+    if not available():
+        raise RuntimeError("the CuTe DSL kernels need nvidia-cutlass-dsl-libs-cu13 and "
+                           "apache-tvm-ffi")
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from tilenorm.kernels.cute_row_norm_fp8 import BLOCK_COLS, RowNormFp8Forward
+
+    dtypes = _dtypes()
+    dtype = dtypes[key.dtype]
+    weight_dtype = None if key.weight_dtype is None else dtypes[key.weight_dtype]
+    fp8 = _fp8_dtypes()[key.fp8_dtype]
+    kernel = RowNormFp8Forward(dtype, weight_dtype, fp8, FP8_MAX[key.fp8_dtype], key.cols,
+                               key.threads, key.stages, key.ctas_per_sm, key.scaling,
+                               key.has_offset)
+
+    def fake(dt, shape, stride, align):
+        return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=align)
+
+    rows, cols, slots = key.rows, key.cols, cute.sym_int()
+    x = fake(dtype, (rows, cols), (cols, 1), 16)
+    weight = None if weight_dtype is None else fake(weight_dtype, (cols,), (1,), 16)
+    scale = fake(Float32, (1,), (1,), 4) if key.scaling == "delayed" else None
+    # q as its bytes (uint8): DLPack has no FP8 types everywhere.
+    q = None if key.scaling == "amax" else fake(cutlass.Uint8, (rows, cols), (cols, 1), 16)
+    if key.scaling == "row":
+        q_scale = fake(Float32, (rows, 1), (1, 1), 4)
+    elif key.scaling == "block":
+        blocks = cols // BLOCK_COLS["block"]
+        q_scale = fake(Float32, (rows, blocks), (1, rows), 4)
+    elif key.scaling == "mx":
+        blocks = cols // BLOCK_COLS["mx"]
+        q_scale = fake(cutlass.Uint8, (rows, blocks), (blocks, 1), 1)
+    else:
+        q_scale = None
+    rstd = fake(Float32, (rows,), (1,), 4)
+    amax = fake(Float32, (slots,), (1,), 4) if key.scaling in ("amax", "delayed") else None
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
+    return cute.compile(kernel, x, weight, scale, q, q_scale, rstd, amax, Float32(1e-6),
+                        Float32(0.0), Int32(1), stream, options=options)
+
+
+@functools.lru_cache(maxsize=MAX_COMPILED)
+def compiled_fp8_forward(key: Fp8ForwardKey):
+    """``key``'s kernel for this process's GPU, compiled once."""
+    return compile_fp8_forward(key)

@@ -1,0 +1,198 @@
+"""Probe (GPU): the CuTe DSL FP8-output RMSNorm forward (tilenorm/kernels/cute_row_norm_fp8.py)
+launched directly, beside the cuTile FP8 kernels through ``tilenorm.fp8`` on the same inputs
+(issue 19, bench/NOTES.md #56).
+
+For each shape: every launch configuration of ``--configs`` with row scaling, then the best
+one with every other scaling. Each launch is checked first: q against float64 at its own
+scales (``tilenorm.testing.fp8_rounding_excess`` <= 1), rstd, the amax partials, scales
+never NaN where x is finite, two runs bit-identical, outputs poisoned before each; then timed
+under CUDA-graph replay. GB/s are of the one-pass bytes (``bench_fp8.bytes_moved``) beside
+the copy bandwidth of the same run.
+
+    TILENORM_EXPERIMENTAL=1 python bench/experiments/cute_fp8_probe.py --out probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import tilenorm  # noqa: E402
+from bench import bench_fp8, common  # noqa: E402
+from tilenorm import testing  # noqa: E402
+from tilenorm.device import device_info  # noqa: E402
+from tilenorm.launch import cute  # noqa: E402
+from tilenorm.pytorch import reference  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+EPS = 1e-6
+#: (threads, stages, CTAs per SM) per width.
+CONFIGS = {
+    2048: [(256, 2, 2), (256, 4, 2), (256, 4, 3), (128, 4, 4), (256, 8, 2)],
+    4096: [(256, 2, 2), (256, 4, 2), (256, 4, 3), (512, 4, 1), (128, 4, 4)],
+    8192: [(256, 2, 2), (256, 4, 2), (512, 2, 2), (512, 4, 1), (1024, 2, 1)],
+    16384: [(512, 2, 2), (512, 4, 1), (1024, 2, 1), (256, 2, 2), (1024, 4, 1)],
+}
+SCALINGS = ("row", "block", "mx", "delayed", "amax")
+
+
+def outputs(m: int, n: int, scaling: str, grid: int) -> dict[str, torch.Tensor | None]:
+    """Poisoned outputs: NaN floats, 0xFF bytes (NaN in E4M3 and E8M0)."""
+    dev = "cuda"
+    q = None if scaling == "amax" else torch.full((m, n), 0xFF, dtype=torch.uint8, device=dev)
+    if scaling == "row":
+        q_scale = torch.full((m, 1), float("nan"), device=dev)
+    elif scaling == "block":
+        q_scale = torch.full((n // 128, m), float("nan"), device=dev).t()
+    elif scaling == "mx":
+        q_scale = torch.full((m, n // 32), 0xFF, dtype=torch.uint8, device=dev)
+    else:
+        q_scale = None
+    amax = (torch.full((grid,), float("nan"), device=dev)
+            if scaling in ("amax", "delayed") else None)
+    return {"q": q, "q_scale": q_scale, "rstd": torch.full((m,), float("nan"), device=dev),
+            "amax": amax}
+
+
+def check(out: dict, x: torch.Tensor, w: torch.Tensor, scaling: str, scale: torch.Tensor
+          ) -> float:
+    """The largest rounding excess over the first 2048 rows (<= 1 passes), after the checks
+    that every output was written."""
+    rows = slice(0, min(x.shape[0], 2048))
+    ref = testing.float64_norm(x[rows], w, eps=EPS)
+    rstd_err = testing.rel_error(out["rstd"][rows], ref.rstd)
+    assert out["rstd"].isfinite().all(), "rstd left unwritten"
+    assert rstd_err < 1e-5, f"rstd off by {rstd_err:.1e}"
+    y_amax = ref.y.abs().max().item()
+    if scaling in ("amax", "delayed"):
+        assert out["amax"].isfinite().all(), "amax partials left unwritten"
+        got = out["amax"].max().item()
+        want = float(torch.tensor(y_amax, dtype=torch.float64))
+        assert abs(got - want) <= 1e-5 * want or x.shape[0] > 2048, f"amax {got} vs {want}"
+    if scaling == "amax":
+        return 0.0
+    q = out["q"][rows]
+    assert not (q == 0xFF).all(dim=1).any(), "a row of q left unwritten"
+    q = q.view(FP8)
+    if scaling == "delayed":
+        scale_inv = (1 / scale).reshape(())
+    else:
+        scale_inv = out["q_scale"][rows]
+        if scaling == "mx":
+            assert not (scale_inv == 0xFF).any(), "MX scales left unwritten"
+        else:
+            assert scale_inv.isfinite().all(), "scales left unwritten"
+    return testing.fp8_rounding_excess(q, scale_inv, scaling, ref.y, FP8)
+
+
+def run(key: cute.Fp8ForwardKey, x, w, scale, grid):
+    fn = cute.compiled_fp8_forward(key)
+    out = outputs(*x.shape, key.scaling, grid)
+
+    def launch():
+        fn(x, w, scale if key.scaling == "delayed" else None, out["q"], out["q_scale"],
+           out["rstd"], out["amax"], EPS, 0.0, grid)
+    return launch, out
+
+
+def measure(m: int, n: int, scaling: str, config, info, record: dict, x, w, scale) -> dict:
+    threads, stages, ctas = config
+    grid = min(m, info.sm_count * ctas)
+    key = cute.Fp8ForwardKey(m, "bfloat16", "bfloat16", "float8_e4m3fn", scaling, False, n,
+                             threads, stages, ctas)
+    t0 = time.time()
+    launch, out = run(key, x, w, scale, grid)
+    compile_s = time.time() - t0
+    launch()
+    torch.cuda.synchronize()
+    err = check(out, x, w, scaling, scale)
+    first = {k: None if v is None else v.clone() for k, v in out.items()}
+    for v in out.values():  # poison again: the rerun must write everything, identically
+        if v is not None:
+            v.view(torch.uint8).fill_(0xFF)
+    launch()
+    torch.cuda.synchronize()
+    for k, v in out.items():
+        if v is not None and not torch.equal(v.view(torch.uint8), first[k].view(torch.uint8)):
+            raise AssertionError(f"{k} differs between two runs")
+    ms = common.graph_ms(launch)
+    one = bench_fp8.bytes_moved(m, n, 2, scaling, False)[0] if scaling != "amax" else (
+        m * n * 2 + 4 * m)  # pass 1 alone moves x and rstd
+    row = {"M": m, "N": n, "scaling": scaling, "config": list(config), "grid": grid,
+           "err": err, "ms": ms, "gbps": one / (ms * 1e-3) / 1e9, "compile_s": compile_s}
+    row["pct_copy"] = 100 * row["gbps"] / record["copy_gbps"]
+    print(f"cute  {scaling:>7} {m}x{n} {config}: {row['gbps']:.0f} GB/s "
+          f"({row['pct_copy']:.1f}%), err {err:.2f}, compile {compile_s:.1f} s", flush=True)
+    record["rows"].append(row)
+    return row
+
+
+def cutile_row(m, n, scaling, record, x, w, scale) -> None:
+    """The cuTile kernels through the op, same inputs, one-pass bytes of the same scaling."""
+    kw = {"scale": scale} if scaling == "delayed" else {}
+    s = "tensor" if scaling == "amax" else scaling
+    ms = common.graph_ms(lambda: tilenorm.fp8.rms_norm_forward(x, w, EPS, scaling=s, **kw))
+    one, _ = bench_fp8.bytes_moved(m, n, 2, s, False)
+    gbps = one / (ms * 1e-3) / 1e9
+    record["rows"].append({"M": m, "N": n, "scaling": s, "config": "cuTile op", "ms": ms,
+                           "gbps": gbps, "pct_copy": 100 * gbps / record["copy_gbps"]})
+    print(f"cuTile {s:>7} {m}x{n}: {gbps:.0f} GB/s ({100 * gbps / record['copy_gbps']:.1f}%)",
+          flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default=bench_fp8.DEFAULT_SHAPES)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    tilenorm.set_experimental(True)
+    info = device_info(torch.cuda.current_device())
+    copy = common.copy_gbps()
+    record = {"device": torch.cuda.get_device_name(), "commit": common.git_commit(),
+              "copy_gbps": copy, "rows": [], "failures": []}
+    print(f"{record['device']}: copy {copy:.0f} GB/s", flush=True)
+    for m, n in common.parse_shapes(args.shapes):
+        g = torch.Generator(device="cuda").manual_seed(m + n)
+        x = torch.randn(m, n, generator=g, device="cuda").to(torch.bfloat16)
+        w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(torch.bfloat16)
+        scale = torch.tensor([reference.fp8_max(FP8) / 6.0], device="cuda")
+        best = None
+        for config in CONFIGS[n]:
+            try:
+                row = measure(m, n, "row", config, info, record, x, w, scale)
+                if best is None or row["gbps"] > best["gbps"]:
+                    best = row
+            except Exception as e:
+                traceback.print_exc(limit=3)
+                record["failures"].append(f"row {m}x{n} {config}: {type(e).__name__}: {e}")
+        cutile_row(m, n, "row", record, x, w, scale)
+        for scaling in SCALINGS[1:]:
+            if best is None:
+                break
+            try:
+                measure(m, n, scaling, tuple(best["config"]), info, record, x, w, scale)
+                cutile_row(m, n, scaling, record, x, w, scale)
+            except Exception as e:
+                traceback.print_exc(limit=3)
+                record["failures"].append(f"{scaling} {m}x{n}: {type(e).__name__}: {e}")
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+        del x
+        torch.cuda.empty_cache()
+    print("\nsummary (GB/s, % of copy)")
+    for r in record["rows"]:
+        print(f"{r['scaling']:>7} {r['M']:>6}x{r['N']:<6} {str(r['config']):>16} "
+              f"{r['gbps']:6.0f} {r['pct_copy']:5.1f}%")
+    for f in record["failures"]:
+        print("FAILED", f)
+
+
+if __name__ == "__main__":
+    main()

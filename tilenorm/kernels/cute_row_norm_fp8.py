@@ -1,0 +1,292 @@
+"""RMSNorm forward with FP8 output in the CuTe DSL, with the next rows' loads in flight while
+a row is reduced and quantized.
+
+The cuTile FP8 row kernel (tilenorm/kernels/cutile_row_norm_fp8.py) loads a row, reduces it,
+quantizes it, and only then loads the next: a cuTile persistent loop cannot carry a loaded
+tile (bench/NOTES.md #8, #22). On an H200 that holds it to ~73% of copy bandwidth at 4096
+columns, whichever launch hints (#56). Here, as in the CuTe backward
+(cute_row_norm_backward.py), each thread keeps ``stages`` rows of its 16-byte vectors in
+registers: the loads of row ``r + (stages - 1) * grid`` are issued before row ``r`` is
+reduced.
+
+The math is the cuTile kernel's, fp32 throughout, with the weight applied before the
+row's scalar::
+
+    t = x * w (+ x * offset)        y = t * rstd        rstd = 1 / sqrt(mean(x^2) + eps)
+
+Rounding is monotonic and ``rstd > 0``, so the largest ``|y|`` of any set of elements is
+exactly ``max|t| * rstd`` rounded once: the row's sum of squares and its ``max|t|`` (or its
+blocks') go through one reduction together, and every scale is an exact function of the
+amax of the stored y, as in the cuTile kernel (``_scale_of``, ``_mx_exponent``). Every
+amax skips NaN (``fmax`` returns the number), so a NaN stays in its row or block;
+saturation keeps every finite value finite.
+
+Scalings (``scaling``): ``"row"`` (q and one fp32 ``scale_inv`` a row, (rows, 1)),
+``"block"`` (one per 128 columns, (rows, cols / 128) with strides (1, rows)), ``"mx"``
+(E8M0 bytes of 1 x 32 blocks, (rows, cols / 32) row-major), ``"delayed"`` (q with the given
+scale, and this program's amax), ``"amax"`` (no q: rstd and the program's amax, pass 1 of
+the per-tensor current scaling, whose pass 2 is cuTile's ``fp8_quantize_normed``).
+
+Layout: program ``p`` of ``grid`` takes rows ``p, p + grid, ...``; ``threads`` threads each
+hold ``reps`` 16-byte vectors of a row, ``threads`` vectors apart, so every load is
+coalesced and a 128-column block is 16 consecutive lanes (a 32-column MX block 4): block
+amaxes are lane butterflies, the row's go through shared memory in warp order (one barrier a
+row, slots by parity). Deterministic: fixed reduction trees, no atomics.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+#: Scalings the kernel takes; ``BLOCK_COLS`` the columns one scale of a block scaling covers.
+SCALINGS = ("amax", "delayed", "row", "block", "mx")
+BLOCK_COLS = {"block": 128, "mx": 32}
+#: The largest finite fp32: a scale that would overflow is clamped to it.
+FLOAT32_MAX = 3.4028234663852886e38
+#: Shared memory per SM on Hopper and Blackwell datacenter parts (228 KB).
+_SMEM_PER_SM = 233472
+
+
+class RowNormFp8Forward:
+    """The kernel for one (dtypes, width, scaling, launch config); ``__call__`` launches it on
+    ``grid`` programs."""
+
+    def __init__(self, dtype, weight_dtype, fp8_dtype, fp8_max: float, cols: int,
+                 threads: int, stages: int, ctas_per_sm: int, scaling: str,
+                 has_offset: bool):
+        if scaling not in SCALINGS:
+            raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+        self.dtype = dtype
+        self.weight_dtype = weight_dtype
+        self.fp8_dtype = fp8_dtype
+        self.fp8_max = fp8_max
+        self.cols = cols
+        self.threads = threads
+        self.vec = 128 // dtype.width
+        if cols % (self.vec * threads):
+            raise ValueError(f"{cols} columns are not whole {self.vec}-element vectors of "
+                             f"{threads} threads")
+        self.reps = cols // (self.vec * threads)
+        self.block_lanes = BLOCK_COLS.get(scaling, self.vec) // self.vec
+        if self.block_lanes < 1 or threads % max(self.block_lanes, 1):
+            raise ValueError(f"{scaling} blocks are not whole vectors of a thread group")
+        if stages < 2:
+            raise ValueError(f"stages must be >= 2, got {stages}")
+        self.stages = stages
+        self.ctas_per_sm = ctas_per_sm
+        self.scaling = scaling
+        self.has_weight = weight_dtype is not None
+        self.has_offset = has_offset
+        self.warps = threads // cute.arch.WARP_SIZE
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mW: cute.Tensor | None, mScale: cute.Tensor | None,
+                 mQ: cute.Tensor | None, mQScale: cute.Tensor | None, mRstd: cute.Tensor,
+                 mAmax: cute.Tensor | None, eps: Float32, offset: Float32, grid: Int32,
+                 stream):
+        self.kernel(mX, mW, mScale, mQ, mQScale, mRstd, mAmax, eps, offset).launch(
+            grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream,
+            max_number_threads=[self.threads, 1, 1], min_blocks_per_mp=self.ctas_per_sm,
+            # Given, so that the compile does not query a device (it also runs on CPUs).
+            preferred_smem_carveout=_SMEM_PER_SM)
+
+    @cute.jit
+    def _thread_view(self, row: cute.Tensor, tidx: Int32) -> cute.Tensor:
+        """This thread's (vec, reps) elements of a row: one 16-byte vector per rep, the reps
+        ``threads`` vectors apart."""
+        vectors = cute.zipped_divide(row, (self.vec,))
+        blocks = cute.logical_divide(vectors, (None, self.threads))
+        return blocks[(None, (tidx, None))]
+
+    @cute.jit
+    def _scale_of(self, amax: Float32) -> Float32:
+        """``fp8_max / amax`` (IEEE division); 1 where amax is 0 or not finite, clamped to
+        the largest fp32 where it would overflow: cutile_row_norm_fp8.py's ``_scale_of``."""
+        scale = Float32(1.0)
+        if amax > Float32(0.0) and amax <= Float32(FLOAT32_MAX):
+            scale = cutlass.min(Float32(self.fp8_max) / amax, Float32(FLOAT32_MAX))
+        return scale
+
+    @cute.jit
+    def _mx_exponent(self, amax: Float32, bits: cute.Tensor) -> Int32:
+        """The smallest k with ``amax <= fp8_max * 2^k``, from the bits of both (exact: no
+        division, no logarithm), clamped to E8M0's [-127, 127]; 0 for amax = 0:
+        cutile_row_norm_fp8.py's ``_mx_exponent``."""
+        bits[0] = amax
+        bits[1] = Float32(self.fp8_max)
+        ints = cute.recast_tensor(bits, Int32)
+        a_bits = ints[0]
+        m_bits = ints[1]
+        k = ((a_bits >> 23) & 0xFF) - ((m_bits >> 23) & 0xFF)
+        if (a_bits & 0x7FFFFF) > (m_bits & 0x7FFFFF):
+            k = k + 1
+        k = cutlass.min(cutlass.max(k, Int32(-127)), Int32(127))
+        if not amax > Float32(0.0):
+            k = Int32(0)
+        return k
+
+    @cute.jit
+    def _power_of_two(self, k: Int32, bits: cute.Tensor) -> Float32:
+        """2^k as fp32 for k in [-126, 127]: the exponent field's bits."""
+        ints = cute.recast_tensor(bits, Int32)
+        ints[0] = (k + 127) << 23
+        return bits[0]
+
+    @cute.jit
+    def _quantize(self, t: cute.Tensor, q: cute.Tensor, rstd: Float32, scale: Float32, i: int):
+        """q[i] = saturate(t[i] * rstd * scale) in FP8; NaN passes through."""
+        v = t[i] * rstd * scale
+        if v > Float32(self.fp8_max):
+            v = Float32(self.fp8_max)
+        if v < Float32(-self.fp8_max):
+            v = Float32(-self.fp8_max)
+        q[i] = v
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor | None, mScale: cute.Tensor | None,
+               mQ: cute.Tensor | None, mQScale: cute.Tensor | None, mRstd: cute.Tensor,
+               mAmax: cute.Tensor | None, eps: Float32, offset: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        program, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        rows = mX.shape[0]
+        last = rows - 1
+        inv_n = Float32(1.0 / self.cols)
+        per_thread = self.vec * self.reps
+        row_amax = const_expr(self.scaling in ("amax", "delayed", "row"))
+
+        smem = cutlass.memory.SmemAllocator()
+        # (warp, sum of squares | max|t|, parity): two consecutive rows use different slots,
+        # so one barrier a row orders every write before its reads and every read before
+        # the slot's next write.
+        sums = smem.allocate_tensor(Float32, cute.make_layout((self.warps, 2, 2)), 16)
+
+        shape = (self.vec, self.reps)
+        w = cute.make_rmem_tensor(shape, Float32)
+        if const_expr(self.has_weight):
+            w_in = cute.make_rmem_tensor(shape, self.weight_dtype)
+            cute.autovec_copy(self._thread_view(mW, tidx), w_in)
+            w.store(w_in.load().to(Float32))
+        t = cute.make_rmem_tensor(shape, Float32)
+        y = cute.make_rmem_tensor(shape, Float32)
+        q = cute.make_rmem_tensor(shape, self.fp8_dtype)
+        # q leaves as its bytes: DLPack has no FP8 types everywhere (mQ is uint8).
+        q_bytes = cute.recast_tensor(q, cutlass.Uint8)
+        xs = [cute.make_rmem_tensor(shape, self.dtype) for _ in range(self.stages)]
+        bits = cute.make_rmem_tensor((2,), Float32)
+        # The program's amax over its rows (delayed, amax), in a register tensor: a value
+        # the next trip of the loop reads must be memory, not an SSA value of the body.
+        acc = cute.make_rmem_tensor((1,), Float32)
+        acc[0] = Float32(0.0)
+        given = Float32(1.0)
+        if const_expr(self.scaling == "delayed"):
+            given = mScale[0]
+
+        # Rows past the end are clamped to the last row: loaded, never used.
+        for s in cutlass.range_constexpr(self.stages - 1):
+            cute.autovec_copy(
+                self._thread_view(mX[cutlass.min(program + s * grid, last), None], tidx),
+                xs[s])
+
+        for base in cutlass.range(program, rows, self.stages * grid):
+            for s in cutlass.range_constexpr(self.stages):
+                ahead = (s + self.stages - 1) % self.stages
+                cute.autovec_copy(
+                    self._thread_view(
+                        mX[cutlass.min(base + (s + self.stages - 1) * grid, last), None],
+                        tidx),
+                    xs[ahead])
+                row = base + s * grid
+                if row < rows:
+                    x = xs[s].load().to(Float32)
+                    if const_expr(self.has_weight):
+                        tw = x * w.load()
+                        if const_expr(self.has_offset):
+                            tw = tw + x * offset
+                        t.store(tw)
+                    else:
+                        t.store(x)
+                    sq = (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                    part_sq = cute.arch.warp_reduction(sq, operator.add)
+                    part_max = Float32(0.0)
+                    if const_expr(row_amax):
+                        m = Float32(0.0)
+                        for i in cutlass.range_constexpr(per_thread):
+                            m = cute.arch.fmax(m, cute.math.absf(t[i]))
+                        part_max = cute.arch.warp_reduction(m, cute.arch.fmax)
+                    parity = s % 2
+                    if lane == 0:
+                        sums[warp, 0, parity] = part_sq
+                        sums[warp, 1, parity] = part_max
+                    cute.arch.barrier()
+                    total = Float32(0.0)
+                    tmax = Float32(0.0)
+                    for i in cutlass.range_constexpr(self.warps):
+                        total = total + sums[i, 0, parity]
+                        if const_expr(row_amax):
+                            tmax = cute.arch.fmax(tmax, sums[i, 1, parity])
+                    rstd = cute.math.rsqrt(total * inv_n + eps)
+                    if tidx == 0:
+                        mRstd[row] = rstd
+                    if const_expr(row_amax):
+                        amax = tmax * rstd  # exactly the largest |y| of the row
+                        if const_expr(self.scaling == "row"):
+                            scale = self._scale_of(amax)
+                            for i in cutlass.range_constexpr(per_thread):
+                                self._quantize(t, y, rstd, scale, i)
+                            q.store(y.load().to(self.fp8_dtype))
+                            cute.autovec_copy(q_bytes, self._thread_view(mQ[row, None], tidx))
+                            if tidx == 0:
+                                mQScale[row, 0] = Float32(1.0) / scale
+                        else:
+                            acc[0] = cute.arch.fmax(acc[0], amax)
+                            if const_expr(self.scaling == "delayed"):
+                                for i in cutlass.range_constexpr(per_thread):
+                                    self._quantize(t, y, rstd, given, i)
+                                q.store(y.load().to(self.fp8_dtype))
+                                cute.autovec_copy(q_bytes,
+                                                  self._thread_view(mQ[row, None], tidx))
+                    else:
+                        self._quantize_blocks(t, y, q, q_bytes, rstd, row, tidx, lane, bits,
+                                              mQ, mQScale)
+        # Two ifs: one decided when tracing, one at run time.
+        if const_expr(self.scaling in ("amax", "delayed")):  # noqa: SIM102
+            if tidx == 0:
+                mAmax[program] = acc[0]
+
+    @cute.jit
+    def _quantize_blocks(self, t, y, q, q_bytes, rstd, row, tidx, lane, bits, mQ, mQScale):
+        """Block and MX scales: a block is ``block_lanes`` consecutive lanes' vectors of one
+        rep; its amax a butterfly over those lanes; the first lane of a block stores its
+        scale."""
+        for r in cutlass.range_constexpr(self.reps):
+            m = Float32(0.0)
+            for e in cutlass.range_constexpr(self.vec):
+                m = cute.arch.fmax(m, cute.math.absf(t[e, r]))
+            m = cute.arch.warp_reduction(m, cute.arch.fmax, threads_in_group=self.block_lanes)
+            amax = m * rstd
+            block = (tidx + r * self.threads) // self.block_lanes
+            if const_expr(self.scaling == "mx"):
+                k = self._mx_exponent(amax, bits)
+                scale = self._power_of_two(-k, bits)
+                if lane % self.block_lanes == 0:
+                    mQScale[row, block] = cutlass.Uint8(k + 127)
+            else:
+                scale = self._scale_of(amax)
+                if lane % self.block_lanes == 0:
+                    mQScale[row, block] = Float32(1.0) / scale
+            for e in cutlass.range_constexpr(self.vec):
+                v = t[e, r] * rstd * scale
+                if v > Float32(self.fp8_max):
+                    v = Float32(self.fp8_max)
+                if v < Float32(-self.fp8_max):
+                    v = Float32(-self.fp8_max)
+                y[e, r] = v
+        q.store(y.load().to(self.fp8_dtype))
+        cute.autovec_copy(q_bytes, self._thread_view(mQ[row, None], tidx))
