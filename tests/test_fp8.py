@@ -12,8 +12,11 @@ import torch
 
 import tilenorm
 from tilenorm import testing
+from tilenorm.launch import cute
 from tilenorm.planner import (
+    MAX_INT32_OFFSET,
     UnsupportedShape,
+    plan_cute_fp8_forward,
     plan_fp8_column_amax,
     plan_fp8_mx_swizzle,
     plan_fp8_quantize,
@@ -658,6 +661,32 @@ def test_fp8_row_plans_are_single_pass_and_persistent_where_asked():
         plan_fp8_row(64, 16385, itemsize=1, sm_count=132, arch=(9, 0), direction="backward")
 
 
+def test_cute_fp8_forward_plans_only_the_measured_widths():
+    from tilenorm.settings_fp8 import SM90_FP8
+
+    assert SM90_FP8.cute_forward, "the table the GPU tests below exercise"
+    for cols, (threads, stages, ctas) in SM90_FP8.cute_forward.items():
+        assert cols % (8 * threads) == 0 and threads % 16 == 0, "whole 16-byte vectors"
+        for rows in (1, 100, 132 * ctas, 65536):
+            p = plan_cute_fp8_forward(rows, cols, itemsize=2, sm_count=132, arch=(9, 0))
+            assert p.grid == min(rows, 132 * ctas) and (p.threads, p.stages) == (threads,
+                                                                                stages)
+            covered = sorted(r for g in range(p.grid) for r in p.program_rows(g))
+            assert covered == list(range(rows)), "every row once"
+        assert plan_cute_fp8_forward(64, cols, itemsize=4, sm_count=132, arch=(9, 0)) is None
+        assert plan_cute_fp8_forward(64, cols, itemsize=2, sm_count=132, arch=(9, 0),
+                                     max_offset=MAX_INT32_OFFSET + 1) is None
+    assert plan_cute_fp8_forward(64, 5120, itemsize=2, sm_count=132, arch=(9, 0)) is None
+
+
+@pytest.mark.aot
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+def test_every_cute_fp8_variant_builds_for_hopper_and_blackwell():
+    for key in cute.aot_fp8_keys(all_dtypes=True):
+        for arch in cute.AOT_ARCHS:
+            assert callable(cute.compile_fp8_forward(key, arch)), (key, arch)
+
+
 @pytest.mark.parametrize("column_blocks", [False, True])
 def test_fp8_quantize_plan_covers_every_block_once(column_blocks):
     p = plan_fp8_quantize(1000, 4100, sm_count=132, arch=(9, 0), dependent_launch=False,
@@ -1113,16 +1142,39 @@ def test_compiled_fullgraph_with_swizzled_mx_scales_on_gpu_matches_eager():
 
 @gpu
 def test_explain_on_gpu_names_the_fp8_kernels():
-    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    # 5120 columns: no CuTe DSL row kernel (the next test has those)
+    x = torch.randn(4096, 5120, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(5120, device="cuda")
     with tilenorm.experimental():
-        text = str(tilenorm.fp8.explain(x, torch.ones(4096, device="cuda"), scaling="tensor",
-                                        transpose=True))
-        row = str(tilenorm.fp8.explain(x, torch.ones(4096, device="cuda"), scaling="row",
-                                       transpose=True))
-        mx = str(tilenorm.fp8.explain(x, torch.ones(4096, device="cuda"), scaling="mx",
-                                      transpose=True, mx_layout="swizzled"))
+        text = str(tilenorm.fp8.explain(x, w, scaling="tensor", transpose=True))
+        row = str(tilenorm.fp8.explain(x, w, scaling="row", transpose=True))
+        mx = str(tilenorm.fp8.explain(x, w, scaling="mx", transpose=True,
+                                      mx_layout="swizzled"))
     assert "norm_fwd_fp8_single, fp8_quantize_normed" in text and "quantize:" in text
     assert "norm_fwd_fp8_single, fp8_column_amax, fp8_quantize_transposed" in row
     assert "columns:" in row
     assert ("norm_fwd_fp8_single, fp8_quantize_transposed, fp8_swizzle_mx_scales, "
             "fp8_swizzle_mx_scales") in mx and "swizzle:" in mx
+
+
+@gpu
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+@pytest.mark.parametrize("cols", [2048, 4096, 8192, 16384])
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_cute_row_kernel_runs_and_matches_float64(scaling, cols):
+    """The widths of the FP8 settings' ``cute_forward`` table take the CuTe DSL row kernel
+    (and a row-scaled transposed copy cuTile's, which keeps column amaxes); rows not a
+    multiple of the grid, poisoned outputs, reruns bit-identical (``run_kernels``)."""
+    from tilenorm.dispatch import CUTE_FP8_FORWARD_NAME
+
+    g, seed = fresh_generator("cuda")
+    x, w, _ = _inputs(g, 1037, cols, device="cuda")
+    with tilenorm.experimental():
+        decision = tilenorm.fp8.explain(x, w, scaling=scaling)
+        copied = tilenorm.fp8.explain(x, w, scaling=scaling, transpose=True)
+    assert decision.cute_forward is not None and CUTE_FP8_FORWARD_NAME in decision.kernels
+    assert (copied.cute_forward is None) == (scaling == "row"), str(copied)
+    out = run_kernels("rms_norm", x, w, None, scaling)
+    ref = _reference(x.cpu(), w.cpu(), None, scaling, E4M3, out)
+    check_against_float64(out, ref, scaling, E4M3)
+    assert rel_error(out.rstd.cpu(), ref.norm.rstd) <= 1e-5, seed

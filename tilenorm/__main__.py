@@ -243,15 +243,16 @@ def build_cute_ahead_of_time(all_dtypes: bool) -> bool:
         print("  CuTe DSL kernels: not built (nvidia-cutlass-dsl-libs-cu13 or apache-tvm-ffi "
               "missing)")
         return True
-    keys = cute.aot_keys(all_dtypes)
-    print(f"  {len(keys) * len(cute.AOT_ARCHS)} CuTe DSL kernel builds for "
+    builds = ([(key, cute.compile_backward) for key in cute.aot_keys(all_dtypes)]
+              + [(key, cute.compile_fp8_forward) for key in cute.aot_fp8_keys(all_dtypes)])
+    print(f"  {len(builds) * len(cute.AOT_ARCHS)} CuTe DSL kernel builds for "
           f"{', '.join(cute.AOT_ARCHS)}", flush=True)
     ok, start = True, time.perf_counter()
-    progress = _Progress(len(keys) * len(cute.AOT_ARCHS))
-    for key in keys:
+    progress = _Progress(len(builds) * len(cute.AOT_ARCHS))
+    for key, compile_kernel in builds:
         for arch in cute.AOT_ARCHS:
             try:
-                cute.compile_backward(key, arch)
+                compile_kernel(key, arch)
             except Exception as e:
                 ok = False
                 print(f"  FAILED {key} {arch}: {type(e).__name__}: {e}", flush=True)

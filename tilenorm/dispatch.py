@@ -20,18 +20,26 @@ from tilenorm.planner import (
     BlockPlan,
     ColumnAmaxPlan,
     CuteBackwardPlan,
+    CuteFp8ForwardPlan,
     MxSwizzlePlan,
     Op,
     RowNormPlan,
     UnsupportedShape,
     plan_cute_backward,
+    plan_cute_fp8_forward,
     plan_fp8_column_amax,
     plan_fp8_mx_swizzle,
     plan_fp8_quantize,
     plan_fp8_row,
     plan_row_norm,
 )
-from tilenorm.validation import CUTE_NORM, CUTILE_NORM, CUTILE_NORM_FP8, KernelFamily
+from tilenorm.validation import (
+    CUTE_NORM,
+    CUTE_NORM_FP8,
+    CUTILE_NORM,
+    CUTILE_NORM_FP8,
+    KernelFamily,
+)
 
 #: Element types the kernels take.
 KERNEL_DTYPES = ("bfloat16", "float16", "float32")
@@ -274,6 +282,8 @@ class Fp8Decision:
     swizzle_t: MxSwizzlePlan | None = None
     backward: RowNormPlan | None = None
     device: DeviceInfo | None = None
+    #: The CuTe DSL row kernel's plan where it runs instead of cuTile's ``forward``.
+    cute_forward: CuteFp8ForwardPlan | None = None
 
     @property
     def uses_kernel(self) -> bool:
@@ -284,7 +294,7 @@ class Fp8Decision:
         """Every kernel the forward (and an FP8-input backward) may launch, in order."""
         if not self.uses_kernel:
             return ()
-        names = ("norm_fwd_fp8_single",)
+        names = (CUTE_FP8_FORWARD_NAME if self.cute_forward else "norm_fwd_fp8_single",)
         if self.column_amax is not None:
             names += ("fp8_column_amax",)
         if self.quantize is not None:
@@ -306,9 +316,11 @@ class Fp8Decision:
             f"({self.family.name}) on {self.device.name} ({self.device.sm}, "
             f"{self.device.sm_count} SMs)",
             f"  status:   {self.family.name} {_family_status(self.family)}",
-            f"  kernels:  {', '.join(self.kernels)}",
-            f"  forward:  {self.forward.describe()}",
         ]
+        if self.cute_forward is not None:
+            lines.append(f"            {CUTE_NORM_FP8.name} {_family_status(CUTE_NORM_FP8)}")
+        lines += [f"  kernels:  {', '.join(self.kernels)}",
+                  f"  forward:  {(self.cute_forward or self.forward).describe()}"]
         if self.column_amax is not None:
             lines.append(f"  columns:  {self.column_amax.describe()}")
         if self.quantize is not None:
@@ -378,8 +390,31 @@ def decide_fp8(p: Fp8Problem) -> Fp8Decision:
     if p.scales_along_rows and p.scaling == "row":
         column_amax = plan_fp8_column_amax(forward.grid, p.cols, arch=info.arch,
                                            dependent_launch=forward.dependent_launch)
+    cute_forward = None if column_amax is not None else _cute_fp8_forward(p, info)
     reason = ("validated kernels cover this case" if stable
               else "experimental kernels are enabled")
+    if cute_forward is not None:
+        reason += ("; the CuTe DSL row kernel keeps the next rows' loads in flight "
+                   "(bench/NOTES.md #56)")
     return Fp8Decision(op=p.op, reason=reason, scaling=p.scaling, family=family,
                        forward=forward, quantize=quantize, column_amax=column_amax,
-                       swizzle=swizzle, swizzle_t=swizzle_t, backward=backward, device=info)
+                       swizzle=swizzle, swizzle_t=swizzle_t, backward=backward, device=info,
+                       cute_forward=cute_forward)
+
+
+#: What ``Fp8Decision.kernels`` calls the CuTe DSL FP8-output row kernel.
+CUTE_FP8_FORWARD_NAME = "RowNormFp8Forward (CuTe DSL)"
+
+
+def _cute_fp8_forward(p: Fp8Problem, info: DeviceInfo) -> CuteFp8ForwardPlan | None:
+    """The CuTe DSL row kernel where the planner has one for the width and the kernel covers
+    the features (RMSNorm of 2-byte x, no residual, 2- or 4-byte parameters), and it may
+    run (installed; validated or allowed)."""
+    if not (validation.is_stable(CUTE_NORM_FP8) or p.allow_experimental):
+        return None
+    if (p.op != "rms_norm" or p.has_residual or p.dtypes[0] not in ("bfloat16", "float16")
+            or any(d not in KERNEL_DTYPES for d in p.dtypes[1:]) or not cute.available()):
+        return None
+    return plan_cute_fp8_forward(p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]],
+                                 sm_count=info.sm_count, arch=info.arch,
+                                 max_offset=p.max_offset)

@@ -311,6 +311,45 @@ def plan_cute_backward(rows: int, cols: int, *, itemsize: int, sm_count: int,
 # --- FP8 output (tilenorm.kernels.cutile_row_norm_fp8) -------------------------------------
 
 
+@dataclass(frozen=True)
+class CuteFp8ForwardPlan:
+    """The CuTe DSL FP8-output row kernel's launch over ``rows`` rows of ``cols``: ``grid``
+    programs of ``threads`` threads, ``ctas_per_sm`` resident per SM; program ``p`` takes rows
+    ``p, p + grid, ...`` with ``stages`` rows in registers, and writes amax partial ``p``."""
+
+    rows: int
+    cols: int
+    threads: int
+    stages: int
+    ctas_per_sm: int
+    grid: int
+
+    def program_rows(self, program: int) -> range:
+        return range(program, self.rows, self.grid)
+
+    def describe(self) -> str:
+        return (f"CuTe DSL, {self.threads} threads a row, {self.stages} rows in registers, "
+                f"persistent grid {self.grid} ({self.ctas_per_sm} per SM)")
+
+
+def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
+                          arch: tuple[int, int], max_offset: int | None = None
+                          ) -> CuteFp8ForwardPlan | None:
+    """The CuTe DSL FP8-output row kernel for ``rows`` rows of ``cols`` 2-byte elements, or
+    None where cuTile's runs: widths not in the FP8 settings' ``cute_forward`` table, other
+    element sizes, and offsets past 32 bits (the kernel indexes with 32)."""
+    entry = fp8_settings_for(arch).cute_forward.get(cols)
+    if max_offset is None:
+        max_offset = rows * cols - 1
+    if entry is None or itemsize != 2 or rows < 1 or max_offset > MAX_INT32_OFFSET:
+        return None
+    if sm_count < 1:
+        raise ValueError(f"sm_count must be positive, got {sm_count}")
+    threads, stages, ctas_per_sm = entry
+    return CuteFp8ForwardPlan(rows=rows, cols=cols, threads=threads, stages=stages,
+                              ctas_per_sm=ctas_per_sm, grid=min(rows, sm_count * ctas_per_sm))
+
+
 def max_fp8_cols(direction: Direction, op: Op, itemsize: int, arch: tuple[int, int]) -> int:
     """The widest row the FP8 kernels take: one single-pass tile (for FP8 x, a bf16 tile's
     width: the kernels hold the row in fp32 alike)."""

@@ -51,6 +51,13 @@ class Fp8Settings:
     column_amax_tile: tuple[int, int] = (32, 128)
     #: 128 x 4 tiles of MX scales a program of the swizzle moves (128 x 32 bytes).
     mx_swizzle_tiles: int = 8
+    #: The CuTe DSL row kernel (tilenorm/kernels/cute_row_norm_fp8.py), which keeps the next
+    #: rows' loads in flight, per row width: (threads, stages, CTAs per SM). It runs instead
+    #: of cuTile's for RMSNorm of 2-byte x without a residual, every scaling but a per-row
+    #: scaling's transposed copy (whose column amaxes the cuTile kernel keeps): H200, row
+    #: scaling 65-73% -> 85-94% of copy (#56). Widths absent were not measured.
+    cute_forward: dict = field(default_factory=lambda: {
+        2048: (128, 4, 6), 4096: (128, 4, 4), 8192: (256, 4, 2), 16384: (512, 4, 1)})
 
 
 SM90_FP8 = Fp8Settings()

@@ -66,7 +66,11 @@ CUTILE_NORM_FP8 = KernelFamily(
     "cutile/norm-fp8", "cuTile",
     ("kernels/cutile_row_norm_fp8.py", "kernels/cutile_column_sums.py", "settings.py",
      "settings_fp8.py"))
-FAMILIES = (CUTILE_NORM, CUTE_NORM, CUTILE_NORM_FP8)
+#: The CuTe DSL FP8-output row kernel; its settings live in settings_fp8.py.
+CUTE_NORM_FP8 = KernelFamily(
+    "cute/norm-fp8", "CuTe DSL", ("kernels/cute_row_norm_fp8.py", "settings_fp8.py"),
+    _cute_installed)
+FAMILIES = (CUTILE_NORM, CUTE_NORM, CUTILE_NORM_FP8, CUTE_NORM_FP8)
 
 
 @functools.cache

@@ -228,6 +228,28 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None):
                         Float32(0.0), Int32(1), stream, options=options)
 
 
+def aot_fp8_keys(all_dtypes: bool = False) -> list[Fp8ForwardKey]:
+    """The FP8-output row kernel's variants: every width of the FP8 settings' table with
+    every scaling and weight dtype (or none), E4M3, in bf16; and the rest of the features
+    (E5M2, the Gemma offset; fp16 x with ``all_dtypes``) at each width's row scaling."""
+    from tilenorm.kernels.cute_row_norm_fp8 import SCALINGS
+    from tilenorm.settings_fp8 import SM90_FP8
+
+    keys = []
+    for cols, config in SM90_FP8.cute_forward.items():
+        keys += [Fp8ForwardKey(AOT_ROWS, "bfloat16", weight, "float8_e4m3fn", scaling, False,
+                               cols, *config)
+                 for scaling in SCALINGS for weight in (None, "bfloat16", "float32")]
+        keys += [Fp8ForwardKey(AOT_ROWS, "bfloat16", "bfloat16", "float8_e5m2", "row", False,
+                               cols, *config),
+                 Fp8ForwardKey(AOT_ROWS, "bfloat16", "float32", "float8_e4m3fn", "block", True,
+                               cols, *config)]
+        if all_dtypes:
+            keys.append(Fp8ForwardKey(AOT_ROWS, "float16", "float16", "float8_e4m3fn", "mx",
+                                      False, cols, *config))
+    return keys
+
+
 @functools.lru_cache(maxsize=MAX_COMPILED)
 def compiled_fp8_forward(key: Fp8ForwardKey):
     """``key``'s kernel for this process's GPU, compiled once."""

@@ -204,10 +204,11 @@ from tilenorm import dispatch
 from tilenorm._experimental import experimental_enabled
 from tilenorm.arguments import LAYER_NORM, RMS_NORM, dres_apart
 from tilenorm.dispatch import Fp8Decision, Fp8Problem
-from tilenorm.launch import cutile, cutile_fp8
+from tilenorm.launch import cute, cutile, cutile_fp8
 from tilenorm.launch.cutile_fp8 import Fp8NormFeatures
 from tilenorm.launch.driver import ArrayLayout, DriverLaunch
 from tilenorm.layout import contiguous_strides
+from tilenorm.planner import CuteFp8ForwardPlan
 from tilenorm.pytorch import calls, checks, reference
 from tilenorm.pytorch.calls import DTYPE_NAMES, NormSpec
 
@@ -450,6 +451,29 @@ class _Launcher:
             raise RuntimeError(f"{self.name}: operands not 16-byte aligned")
 
 
+class _CuteLauncher:
+    """The CuTe DSL FP8-output row kernel, compiled for one layout, launched like a
+    :class:`_Launcher` (TVM-FFI launches on the current stream)."""
+
+    def __init__(self, plan: CuteFp8ForwardPlan, spec: Fp8Spec, scaling: str, x, weight):
+        self.plan, self.scaling = plan, scaling
+        self.fn = cute.compiled_fp8_forward(cute.Fp8ForwardKey(
+            plan.rows, DTYPE_NAMES[x.dtype],
+            None if weight is None else DTYPE_NAMES[weight.dtype],
+            DTYPE_NAMES[spec.fp8_dtype], self.scaling, spec.has_offset, plan.cols,
+            plan.threads, plan.stages, plan.ctas_per_sm))
+
+    def __call__(self, stream: int, tensors: dict[str, torch.Tensor],
+                 scalars: dict[str, float]):
+        rows, cols = self.plan.rows, self.plan.cols
+        weight = tensors.get("weight")
+        q = tensors["q"].view(rows, cols).view(torch.uint8) if self.scaling != "amax" else None
+        self.fn(tensors["x"].view(rows, cols), None if weight is None else weight.view(cols),
+                tensors.get("scale") if self.scaling == "delayed" else None, q,
+                tensors.get("q_scale"), tensors["rstd"], tensors.get("amax_partial"),
+                scalars["eps"], scalars["offset"], self.plan.grid)
+
+
 def _dense(dtype: torch.dtype, shape: tuple[int, ...]) -> ArrayLayout:
     return ArrayLayout(DTYPE_NAMES[dtype], tuple(shape), contiguous_strides(tuple(shape)))
 
@@ -674,7 +698,8 @@ def build_forward(spec: Fp8Spec, x, weight, bias, residual, residual_dtype,
     fp8_max = cutile_fp8.FP8_MAX[DTYPE_NAMES[spec.fp8_dtype]]
     per_tensor = spec.scaling in ("tensor", "delayed")
     column_amax = decision.column_amax is not None
-    call.partials = plan.grid if per_tensor or column_amax else 0
+    cute_plan = decision.cute_forward
+    call.partials = (cute_plan or plan).grid if per_tensor or column_amax else 0
     layouts = _layouts(spec, x, weight, bias, residual, h_dtype, rows, cols, call.partials)
     # The second pass reads h: x as loaded (FP8 x with its multipliers), or the stored
     # residual sum.
@@ -683,8 +708,9 @@ def build_forward(spec: Fp8Spec, x, weight, bias, residual, residual_dtype,
         second.pop("x_scale_inv", None)
     two_passes = decision.quantize is not None
     row_scaling = "amax" if two_passes and per_tensor else spec.scaling
-    kernels = [(cutile_fp8.bind_fp8_forward(plan, features, row_scaling, fp8_max,
-                                            column_amax), layouts)]
+    # The row kernel: CuTe DSL's where the decision has it (its launcher comes first below).
+    kernels = [] if cute_plan is not None else [(cutile_fp8.bind_fp8_forward(
+        plan, features, row_scaling, fp8_max, column_amax), layouts)]
     if column_amax:
         kernels.append((cutile_fp8.bind_fp8_column_amax(decision.column_amax), layouts))
     if two_passes and per_tensor:
@@ -697,8 +723,10 @@ def build_forward(spec: Fp8Spec, x, weight, bias, residual, residual_dtype,
     elif spec.scaling == "delayed":
         kernels.append((cutile_fp8.bind_fp8_amax_finish(call.partials,
                                                         plan.dependent_launch), layouts))
-    call.launchers = [_Launcher(b, {k: v for k, v in kernel_layouts.items() if k in b.arrays},
-                                x.device, arch) for b, kernel_layouts in kernels]
+    call.launchers = ([_CuteLauncher(cute_plan, spec, row_scaling, x, weight)] if cute_plan
+                      else [])
+    call.launchers += [_Launcher(b, {k: v for k, v in kernel_layouts.items() if k in b.arrays},
+                                 x.device, arch) for b, kernel_layouts in kernels]
     # The swizzle re-lays the row-major scales the kernels above wrote: q's, then q_t's.
     for swizzle, scales in ((decision.swizzle, "q_scale"), (decision.swizzle_t, "q_t_scale")):
         if swizzle is not None:
