@@ -44,12 +44,15 @@ CONFIGS = {
 SCALINGS = ("row", "block", "mx", "delayed", "amax")
 
 
-def outputs(m: int, n: int, scaling: str, grid: int) -> dict[str, torch.Tensor | None]:
+def outputs(m: int, n: int, scaling: str, grid: int, row_major_blocks: bool = False
+            ) -> dict[str, torch.Tensor | None]:
     """Poisoned outputs: NaN floats, 0xFF bytes (NaN in E4M3 and E8M0)."""
     dev = "cuda"
     q = None if scaling == "amax" else torch.full((m, n), 0xFF, dtype=torch.uint8, device=dev)
     if scaling == "row":
         q_scale = torch.full((m, 1), float("nan"), device=dev)
+    elif scaling == "block" and row_major_blocks:
+        q_scale = torch.full((m, n // 128), float("nan"), device=dev)
     elif scaling == "block":
         q_scale = torch.full((n // 128, m), float("nan"), device=dev).t()
     elif scaling == "mx":
@@ -94,9 +97,10 @@ def check(out: dict, x: torch.Tensor, w: torch.Tensor, scaling: str, scale: torc
     return testing.fp8_rounding_excess(q, scale_inv, scaling, ref.y, FP8)
 
 
-def run(key: cute.Fp8ForwardKey, x, w, scale, grid):
-    fn = cute.compiled_fp8_forward(key)
-    out = outputs(*x.shape, key.scaling, grid)
+def run(key: cute.Fp8ForwardKey, x, w, scale, grid, row_major_blocks: bool = False):
+    fn = (cute.compile_fp8_forward(key, row_major_block_scales=True) if row_major_blocks
+          else cute.compiled_fp8_forward(key))
+    out = outputs(*x.shape, key.scaling, grid, row_major_blocks)
 
     def launch():
         fn(x, w, scale if key.scaling == "delayed" else None, out["q"], out["q_scale"],
@@ -104,13 +108,14 @@ def run(key: cute.Fp8ForwardKey, x, w, scale, grid):
     return launch, out
 
 
-def measure(m: int, n: int, scaling: str, config, info, record: dict, x, w, scale) -> dict:
+def measure(m: int, n: int, scaling: str, config, info, record: dict, x, w, scale,
+            row_major_blocks: bool = False) -> dict:
     threads, stages, ctas = config
     grid = min(m, info.sm_count * ctas)
     key = cute.Fp8ForwardKey(m, "bfloat16", "bfloat16", "float8_e4m3fn", scaling, False, n,
                              threads, stages, ctas)
     t0 = time.time()
-    launch, out = run(key, x, w, scale, grid)
+    launch, out = run(key, x, w, scale, grid, row_major_blocks)
     compile_s = time.time() - t0
     launch()
     torch.cuda.synchronize()
@@ -130,6 +135,8 @@ def measure(m: int, n: int, scaling: str, config, info, record: dict, x, w, scal
     ms = common.graph_ms(launch)
     one = bench_fp8.bytes_moved(m, n, 2, scaling, False)[0] if scaling != "amax" else (
         m * n * 2 + 4 * m)  # pass 1 alone moves x and rstd
+    if row_major_blocks:
+        scaling = "block, row-major scales"
     row = {"M": m, "N": n, "scaling": scaling, "config": list(config), "grid": grid,
            "err": err, "ms": ms, "gbps": one / (ms * 1e-3) / 1e9, "compile_s": compile_s}
     row["pct_copy"] = 100 * row["gbps"] / record["copy_gbps"]
@@ -160,6 +167,8 @@ def main() -> None:
                         help='JSON {"cols": [[threads, stages, ctas], ...]} replacing CONFIGS')
     parser.add_argument("--scalings", default=",".join(SCALINGS[1:]),
                         help="the scalings run with each shape's best row configuration")
+    parser.add_argument("--row-major-blocks", action="store_true",
+                        help="also time block scaling with row-major scales (NOTES #57)")
     args = parser.parse_args()
     configs = {int(k): [tuple(c) for c in v] for k, v in (args.configs or {}).items()}
     configs = {**CONFIGS, **configs}
@@ -189,6 +198,9 @@ def main() -> None:
                 break
             try:
                 measure(m, n, scaling, tuple(best["config"]), info, record, x, w, scale)
+                if scaling == "block" and args.row_major_blocks:
+                    measure(m, n, scaling, tuple(best["config"]), info, record, x, w, scale,
+                            row_major_blocks=True)
                 cutile_row(m, n, scaling, record, x, w, scale)
             except Exception as e:
                 traceback.print_exc(limit=3)

@@ -177,13 +177,17 @@ class Fp8ForwardKey:
     ctas_per_sm: int
 
 
-def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None):
+def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
+                        row_major_block_scales: bool = False):
     """Compile ``key``'s kernel (``arch`` as in :func:`compile_backward`). The result is
     called as ``fn(x, weight, scale, q, q_scale, rstd, amax_partial, eps, offset, grid)`` with
     DLPack arrays (None for the absent ones) on the current stream: ``q`` (rows, cols)
     uint8 (the FP8 bytes), ``q_scale`` (rows, 1)
     fp32 for "row", (rows, cols / 128) fp32 with strides (1, rows) for "block", (rows,
-    cols / 32) uint8 for "mx"; ``amax_partial`` (grid,) fp32 for "amax" and "delayed"."""
+    cols / 32) uint8 for "mx"; ``amax_partial`` (grid,) fp32 for "amax" and "delayed".
+    ``row_major_block_scales`` lays "block" scales out (rows, cols / 128) row-major instead:
+    a measurement of what the GEMM layout's column-major stores cost (bench/NOTES.md #57),
+    not a layout the ops return."""
     if not available():
         raise RuntimeError("the CuTe DSL kernels need nvidia-cutlass-dsl-libs-cu13 and "
                            "apache-tvm-ffi")
@@ -214,7 +218,8 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None):
         q_scale = fake(Float32, (rows, 1), (1, 1), 4)
     elif key.scaling == "block":
         blocks = cols // BLOCK_COLS["block"]
-        q_scale = fake(Float32, (rows, blocks), (1, rows), 4)
+        q_scale = fake(Float32, (rows, blocks),
+                       (blocks, 1) if row_major_block_scales else (1, rows), 4)
     elif key.scaling == "mx":
         blocks = cols // BLOCK_COLS["mx"]
         q_scale = fake(cutlass.Uint8, (rows, blocks), (blocks, 1), 1)
