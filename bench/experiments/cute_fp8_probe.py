@@ -1,6 +1,7 @@
 """Probe (GPU): the CuTe DSL FP8-output RMSNorm forward (tilenorm/kernels/cute_row_norm_fp8.py)
-launched directly, beside the cuTile FP8 kernels through ``tilenorm.fp8`` on the same inputs
-(issue 19, bench/NOTES.md #56).
+launched directly, beside the op (``tilenorm.fp8``, the kernels it decides on) on the same
+inputs (issue 19, bench/NOTES.md #56, #57). Records before 988bfe4 name the op's rows
+"cuTile op": then the op ran the cuTile kernels.
 
 For each shape: every launch configuration of ``--configs`` with row scaling, then the best
 one with every other scaling. Each launch is checked first: q against float64 at its own
@@ -146,16 +147,17 @@ def measure(m: int, n: int, scaling: str, config, info, record: dict, x, w, scal
     return row
 
 
-def cutile_row(m, n, scaling, record, x, w, scale) -> None:
-    """The cuTile kernels through the op, same inputs, one-pass bytes of the same scaling."""
+def op_row(m, n, scaling, record, x, w, scale) -> None:
+    """The op (``tilenorm.fp8``, whichever kernels it decides on), same inputs, one-pass bytes
+    of the same scaling."""
     kw = {"scale": scale} if scaling == "delayed" else {}
     s = "tensor" if scaling == "amax" else scaling
     ms = common.graph_ms(lambda: tilenorm.fp8.rms_norm_forward(x, w, EPS, scaling=s, **kw))
     one, _ = bench_fp8.bytes_moved(m, n, 2, s, False)
     gbps = one / (ms * 1e-3) / 1e9
-    record["rows"].append({"M": m, "N": n, "scaling": s, "config": "cuTile op", "ms": ms,
+    record["rows"].append({"M": m, "N": n, "scaling": s, "config": "op", "ms": ms,
                            "gbps": gbps, "pct_copy": 100 * gbps / record["copy_gbps"]})
-    print(f"cuTile {s:>7} {m}x{n}: {gbps:.0f} GB/s ({100 * gbps / record['copy_gbps']:.1f}%)",
+    print(f"op    {s:>7} {m}x{n}: {gbps:.0f} GB/s ({100 * gbps / record['copy_gbps']:.1f}%)",
           flush=True)
 
 
@@ -192,7 +194,7 @@ def main() -> None:
             except Exception as e:
                 traceback.print_exc(limit=3)
                 record["failures"].append(f"row {m}x{n} {config}: {type(e).__name__}: {e}")
-        cutile_row(m, n, "row", record, x, w, scale)
+        op_row(m, n, "row", record, x, w, scale)
         for scaling in args.scalings.split(","):
             if best is None:
                 break
@@ -201,7 +203,7 @@ def main() -> None:
                 if scaling == "block" and args.row_major_blocks:
                     measure(m, n, scaling, tuple(best["config"]), info, record, x, w, scale,
                             row_major_blocks=True)
-                cutile_row(m, n, scaling, record, x, w, scale)
+                op_row(m, n, scaling, record, x, w, scale)
             except Exception as e:
                 traceback.print_exc(limit=3)
                 record["failures"].append(f"{scaling} {m}x{n}: {type(e).__name__}: {e}")
