@@ -260,11 +260,10 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
 
 
 @dataclass(frozen=True)
-class CuteBackwardPlan:
-    """The CuTe DSL backward's launch over ``rows`` rows of ``cols`` columns: ``grid``
+class CuteRowPlan:
+    """A CuTe DSL row kernel's launch over ``rows`` rows of ``cols`` columns: ``grid``
     programs of ``threads`` threads, ``ctas_per_sm`` resident per SM; program ``p`` takes rows
-    ``p, p + grid, ...`` with ``stages`` rows in registers, and writes partial-buffer row
-    ``p`` (``partial_rows == grid``)."""
+    ``p, p + grid, ...`` with ``stages`` rows in registers."""
 
     rows: int
     cols: int
@@ -273,17 +272,35 @@ class CuteBackwardPlan:
     ctas_per_sm: int
     grid: int
 
-    @property
-    def partial_rows(self) -> int:
-        return self.grid
+    @classmethod
+    def of(cls, rows: int, cols: int, entry: tuple[int, int, int], sm_count: int):
+        """The plan of a settings table's (threads, stages, CTAs per SM) ``entry``."""
+        if sm_count < 1:
+            raise ValueError(f"sm_count must be positive, got {sm_count}")
+        threads, stages, ctas_per_sm = entry
+        return cls(rows=rows, cols=cols, threads=threads, stages=stages,
+                   ctas_per_sm=ctas_per_sm, grid=min(rows, sm_count * ctas_per_sm))
 
     def program_rows(self, program: int) -> range:
         return range(program, self.rows, self.grid)
 
-    def describe(self) -> str:
+    def _launch(self) -> str:
         return (f"{self.threads} threads a row, {self.stages} rows in registers, persistent "
-                f"grid {self.grid} ({self.ctas_per_sm} per SM), partial buffer "
-                f"{self.grid}x{self.cols} fp32 per gradient")
+                f"grid {self.grid} ({self.ctas_per_sm} per SM)")
+
+
+@dataclass(frozen=True)
+class CuteBackwardPlan(CuteRowPlan):
+    """The CuTe DSL backward's launch; program ``p`` writes partial-buffer row ``p``
+    (``partial_rows == grid``)."""
+
+    @property
+    def partial_rows(self) -> int:
+        return self.grid
+
+    def describe(self) -> str:
+        return (f"{self._launch()}, partial buffer {self.grid}x{self.cols} fp32 per "
+                f"gradient")
 
 
 def plan_cute_backward(rows: int, cols: int, *, itemsize: int, sm_count: int,
@@ -301,35 +318,19 @@ def plan_cute_backward(rows: int, cols: int, *, itemsize: int, sm_count: int,
     if (entry is None or heads != 1 or itemsize not in s.cute_backward_itemsizes or rows < 1
             or max_offset > MAX_INT32_OFFSET):
         return None
-    if sm_count < 1:
-        raise ValueError(f"sm_count must be positive, got {sm_count}")
-    threads, stages, ctas_per_sm = entry
-    return CuteBackwardPlan(rows=rows, cols=cols, threads=threads, stages=stages,
-                            ctas_per_sm=ctas_per_sm, grid=min(rows, sm_count * ctas_per_sm))
+    return CuteBackwardPlan.of(rows, cols, entry, sm_count)
 
 
 # --- FP8 output (tilenorm.kernels.cutile_row_norm_fp8) -------------------------------------
 
 
 @dataclass(frozen=True)
-class CuteFp8ForwardPlan:
-    """The CuTe DSL FP8-output row kernel's launch over ``rows`` rows of ``cols``: ``grid``
-    programs of ``threads`` threads, ``ctas_per_sm`` resident per SM; program ``p`` takes rows
-    ``p, p + grid, ...`` with ``stages`` rows in registers, and writes amax partial ``p``."""
-
-    rows: int
-    cols: int
-    threads: int
-    stages: int
-    ctas_per_sm: int
-    grid: int
-
-    def program_rows(self, program: int) -> range:
-        return range(program, self.rows, self.grid)
+class CuteFp8ForwardPlan(CuteRowPlan):
+    """The CuTe DSL FP8-output row kernel's launch; program ``p`` writes amax partial ``p``
+    (per-tensor scalings)."""
 
     def describe(self) -> str:
-        return (f"CuTe DSL, {self.threads} threads a row, {self.stages} rows in registers, "
-                f"persistent grid {self.grid} ({self.ctas_per_sm} per SM)")
+        return f"CuTe DSL, {self._launch()}"
 
 
 def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
@@ -343,11 +344,7 @@ def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
         max_offset = rows * cols - 1
     if entry is None or itemsize != 2 or rows < 1 or max_offset > MAX_INT32_OFFSET:
         return None
-    if sm_count < 1:
-        raise ValueError(f"sm_count must be positive, got {sm_count}")
-    threads, stages, ctas_per_sm = entry
-    return CuteFp8ForwardPlan(rows=rows, cols=cols, threads=threads, stages=stages,
-                              ctas_per_sm=ctas_per_sm, grid=min(rows, sm_count * ctas_per_sm))
+    return CuteFp8ForwardPlan.of(rows, cols, entry, sm_count)
 
 
 def max_fp8_cols(direction: Direction, op: Op, itemsize: int, arch: tuple[int, int]) -> int:

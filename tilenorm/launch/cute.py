@@ -56,6 +56,29 @@ def _dtypes():
             "float32": cutlass.Float32}
 
 
+def _require_dsl() -> None:
+    if not available():
+        raise RuntimeError("the CuTe DSL kernels need nvidia-cutlass-dsl-libs-cu13 and "
+                           "apache-tvm-ffi")
+
+
+def _fake(dtype, shape, stride, align: int):
+    """A tensor the compile sees (no memory, no device): the kernel's operand layouts."""
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
+
+
+def _compile(kernel, arch: str | None, *operands):
+    """``cute.compile`` of ``kernel`` over ``operands`` and TVM-FFI's stream (the caller's
+    current one at a call), for ``arch`` without a GPU where given."""
+    import cutlass.cute as cute
+
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
+    return cute.compile(kernel, *operands, stream, options=options)
+
+
 @dataclass(frozen=True)
 class BackwardKey:
     """What selects a compiled variant of the kernel: dtypes by name ("bfloat16", ...). The
@@ -89,9 +112,7 @@ def compile_backward(key: BackwardKey, arch: str | None = None):
     """Compile ``key``'s kernel; ``arch`` (e.g. ``"sm_90a"``) compiles without a GPU, for
     that architecture. The result is called as ``fn(h, dy, weight, mean, rstd, dx, partial,
     grid)`` with DLPack arrays (None for the absent ones) on the current stream."""
-    if not available():
-        raise RuntimeError("the CuTe DSL kernels need nvidia-cutlass-dsl-libs-cu13 and "
-                           "apache-tvm-ffi")
+    _require_dsl()
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
@@ -103,23 +124,17 @@ def compile_backward(key: BackwardKey, arch: str | None = None):
     kernel = RowNormBackward(dtype, weight_dtype, key.cols, key.threads, key.stages,
                              key.ctas_per_sm, key.layer_norm, key.has_bias)
 
-    def fake(dt, shape, stride, align):
-        return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=align)
-
     rows, slots = key.rows, cute.sym_int()
     # Rows contiguous, so that a row's offset is a multiple of a compile-time stride: a
     # runtime 64-bit stride costs the registers that keep two CTAs resident (#38).
-    x, dy, dx = (fake(dtype, (rows, key.cols), (key.cols, 1), 16) for _ in range(3))
-    weight = None if weight_dtype is None else fake(weight_dtype, (key.cols,), (1,), 16)
-    mean = fake(Float32, (rows,), (1,), 4) if key.layer_norm else None
-    rstd = fake(Float32, (rows,), (1,), 4)
+    x, dy, dx = (_fake(dtype, (rows, key.cols), (key.cols, 1), 16) for _ in range(3))
+    weight = None if weight_dtype is None else _fake(weight_dtype, (key.cols,), (1,), 16)
+    mean = _fake(Float32, (rows,), (1,), 4) if key.layer_norm else None
+    rstd = _fake(Float32, (rows,), (1,), 4)
     groups = key.groups
-    partial = (fake(Float32, (slots, groups, key.cols), (groups * key.cols, key.cols, 1), 16)
+    partial = (_fake(Float32, (slots, groups, key.cols), (groups * key.cols, key.cols, 1), 16)
                if groups else None)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
-    return cute.compile(kernel, x, dy, weight, mean, rstd, dx, partial, Int32(1), stream,
-                        options=options)
+    return _compile(kernel, arch, x, dy, weight, mean, rstd, dx, partial, Int32(1))
 
 
 #: Architectures the ahead-of-time build targets: Hopper and Blackwell datacenter parts.
@@ -188,9 +203,7 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
     ``row_major_block_scales`` lays "block" scales out (rows, cols / 128) row-major instead:
     a measurement of what the GEMM layout's column-major stores cost (bench/NOTES.md #57),
     not a layout the ops return."""
-    if not available():
-        raise RuntimeError("the CuTe DSL kernels need nvidia-cutlass-dsl-libs-cu13 and "
-                           "apache-tvm-ffi")
+    _require_dsl()
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
@@ -205,32 +218,27 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
                                key.threads, key.stages, key.ctas_per_sm, key.scaling,
                                key.has_offset)
 
-    def fake(dt, shape, stride, align):
-        return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=align)
-
     rows, cols, slots = key.rows, key.cols, cute.sym_int()
-    x = fake(dtype, (rows, cols), (cols, 1), 16)
-    weight = None if weight_dtype is None else fake(weight_dtype, (cols,), (1,), 16)
-    scale = fake(Float32, (1,), (1,), 4) if key.scaling == "delayed" else None
+    x = _fake(dtype, (rows, cols), (cols, 1), 16)
+    weight = None if weight_dtype is None else _fake(weight_dtype, (cols,), (1,), 16)
+    scale = _fake(Float32, (1,), (1,), 4) if key.scaling == "delayed" else None
     # q as its bytes (uint8): DLPack has no FP8 types everywhere.
-    q = None if key.scaling == "amax" else fake(cutlass.Uint8, (rows, cols), (cols, 1), 16)
+    q = None if key.scaling == "amax" else _fake(cutlass.Uint8, (rows, cols), (cols, 1), 16)
     if key.scaling == "row":
-        q_scale = fake(Float32, (rows, 1), (1, 1), 4)
+        q_scale = _fake(Float32, (rows, 1), (1, 1), 4)
     elif key.scaling == "block":
         blocks = cols // BLOCK_COLS["block"]
-        q_scale = fake(Float32, (rows, blocks),
+        q_scale = _fake(Float32, (rows, blocks),
                        (blocks, 1) if row_major_block_scales else (1, rows), 4)
     elif key.scaling == "mx":
         blocks = cols // BLOCK_COLS["mx"]
-        q_scale = fake(cutlass.Uint8, (rows, blocks), (blocks, 1), 1)
+        q_scale = _fake(cutlass.Uint8, (rows, blocks), (blocks, 1), 1)
     else:
         q_scale = None
-    rstd = fake(Float32, (rows,), (1,), 4)
-    amax = fake(Float32, (slots,), (1,), 4) if key.scaling in ("amax", "delayed") else None
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
-    return cute.compile(kernel, x, weight, scale, q, q_scale, rstd, amax, Float32(1e-6),
-                        Float32(0.0), Int32(1), stream, options=options)
+    rstd = _fake(Float32, (rows,), (1,), 4)
+    amax = _fake(Float32, (slots,), (1,), 4) if key.scaling in ("amax", "delayed") else None
+    return _compile(kernel, arch, x, weight, scale, q, q_scale, rstd, amax, Float32(1e-6),
+                    Float32(0.0), Int32(1))
 
 
 def aot_fp8_keys(all_dtypes: bool = False) -> list[Fp8ForwardKey]:
