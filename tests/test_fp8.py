@@ -687,6 +687,18 @@ def test_every_cute_fp8_variant_builds_for_hopper_and_blackwell():
             assert callable(cute.compile_fp8_forward(key, arch)), (key, arch)
 
 
+@pytest.mark.aot
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+def test_cute_fp8_kernel_variants_under_measurement_build():
+    from bench.experiments.cute_fp8_variants import VARIANTS
+
+    for kernel_class in VARIANTS.values():
+        for cols, config in ((2048, (128, 4, 6)), (16384, (512, 4, 1))):
+            key = cute.Fp8ForwardKey(cute.AOT_ROWS, "bfloat16", "bfloat16", "float8_e4m3fn",
+                                     "block", False, cols, *config)
+            assert callable(cute.compile_fp8_forward(key, "sm_90a", kernel_class=kernel_class))
+
+
 @pytest.mark.parametrize("column_blocks", [False, True])
 def test_fp8_quantize_plan_covers_every_block_once(column_blocks):
     p = plan_fp8_quantize(1000, 4100, sm_count=132, arch=(9, 0), dependent_launch=False,

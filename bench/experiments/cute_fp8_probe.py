@@ -98,9 +98,11 @@ def check(out: dict, x: torch.Tensor, w: torch.Tensor, scaling: str, scale: torc
     return testing.fp8_rounding_excess(q, scale_inv, scaling, ref.y, FP8)
 
 
-def run(key: cute.Fp8ForwardKey, x, w, scale, grid, row_major_blocks: bool = False):
-    fn = (cute.compile_fp8_forward(key, row_major_block_scales=True) if row_major_blocks
-          else cute.compiled_fp8_forward(key))
+def run(key: cute.Fp8ForwardKey, x, w, scale, grid, row_major_blocks: bool = False,
+        kernel_class=None):
+    fn = (cute.compile_fp8_forward(key, row_major_block_scales=row_major_blocks,
+                                   kernel_class=kernel_class)
+          if row_major_blocks or kernel_class else cute.compiled_fp8_forward(key))
     out = outputs(*x.shape, key.scaling, grid, row_major_blocks)
 
     def launch():
@@ -110,13 +112,18 @@ def run(key: cute.Fp8ForwardKey, x, w, scale, grid, row_major_blocks: bool = Fal
 
 
 def measure(m: int, n: int, scaling: str, config, info, record: dict, x, w, scale,
-            row_major_blocks: bool = False) -> dict:
+            row_major_blocks: bool = False, variant: str | None = None) -> dict:
     threads, stages, ctas = config
     grid = min(m, info.sm_count * ctas)
     key = cute.Fp8ForwardKey(m, "bfloat16", "bfloat16", "float8_e4m3fn", scaling, False, n,
                              threads, stages, ctas)
     t0 = time.time()
-    launch, out = run(key, x, w, scale, grid, row_major_blocks)
+    kernel_class = None
+    if variant:
+        from bench.experiments.cute_fp8_variants import VARIANTS
+
+        kernel_class = VARIANTS[variant]
+    launch, out = run(key, x, w, scale, grid, row_major_blocks, kernel_class)
     compile_s = time.time() - t0
     launch()
     torch.cuda.synchronize()
@@ -138,6 +145,8 @@ def measure(m: int, n: int, scaling: str, config, info, record: dict, x, w, scal
         m * n * 2 + 4 * m)  # pass 1 alone moves x and rstd
     if row_major_blocks:
         scaling = "block, row-major scales"
+    if variant:
+        scaling = f"{scaling}, {variant}"
     row = {"M": m, "N": n, "scaling": scaling, "config": list(config), "grid": grid,
            "err": err, "ms": ms, "gbps": one / (ms * 1e-3) / 1e9, "compile_s": compile_s}
     row["pct_copy"] = 100 * row["gbps"] / record["copy_gbps"]
@@ -171,6 +180,8 @@ def main() -> None:
                         help="the scalings run with each shape's best row configuration")
     parser.add_argument("--row-major-blocks", action="store_true",
                         help="also time block scaling with row-major scales (NOTES #57)")
+    parser.add_argument("--variant", help="also time this kernel variant of "
+                                          "bench/experiments/cute_fp8_variants.py (NOTES #58)")
     args = parser.parse_args()
     configs = {int(k): [tuple(c) for c in v] for k, v in (args.configs or {}).items()}
     configs = {**CONFIGS, **configs}
@@ -203,6 +214,9 @@ def main() -> None:
                 if scaling == "block" and args.row_major_blocks:
                     measure(m, n, scaling, tuple(best["config"]), info, record, x, w, scale,
                             row_major_blocks=True)
+                if args.variant:
+                    measure(m, n, scaling, tuple(best["config"]), info, record, x, w, scale,
+                            variant=args.variant)
                 op_row(m, n, scaling, record, x, w, scale)
             except Exception as e:
                 traceback.print_exc(limit=3)

@@ -193,7 +193,7 @@ class Fp8ForwardKey:
 
 
 def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
-                        row_major_block_scales: bool = False):
+                        row_major_block_scales: bool = False, kernel_class=None):
     """Compile ``key``'s kernel (``arch`` as in :func:`compile_backward`). The result is
     called as ``fn(x, weight, scale, q, q_scale, rstd, amax_partial, eps, offset, grid)`` with
     DLPack arrays (None for the absent ones) on the current stream: ``q`` (rows, cols)
@@ -202,7 +202,8 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
     cols / 32) uint8 for "mx"; ``amax_partial`` (grid,) fp32 for "amax" and "delayed".
     ``row_major_block_scales`` lays "block" scales out (rows, cols / 128) row-major instead:
     a measurement of what the GEMM layout's column-major stores cost (bench/NOTES.md #57),
-    not a layout the ops return."""
+    not a layout the ops return; ``kernel_class`` a subclass of the kernel under
+    measurement (bench/experiments/cute_fp8_variants.py)."""
     _require_dsl()
     import cutlass
     import cutlass.cute as cute
@@ -214,9 +215,9 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
     dtype = dtypes[key.dtype]
     weight_dtype = None if key.weight_dtype is None else dtypes[key.weight_dtype]
     fp8 = _fp8_dtypes()[key.fp8_dtype]
-    kernel = RowNormFp8Forward(dtype, weight_dtype, fp8, FP8_MAX[key.fp8_dtype], key.cols,
-                               key.threads, key.stages, key.ctas_per_sm, key.scaling,
-                               key.has_offset)
+    kernel = (kernel_class or RowNormFp8Forward)(
+        dtype, weight_dtype, fp8, FP8_MAX[key.fp8_dtype], key.cols, key.threads, key.stages,
+        key.ctas_per_sm, key.scaling, key.has_offset)
 
     rows, cols, slots = key.rows, key.cols, cute.sym_int()
     x = _fake(dtype, (rows, cols), (cols, 1), 16)
