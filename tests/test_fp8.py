@@ -1190,3 +1190,17 @@ def test_cute_row_kernel_runs_and_matches_float64(scaling, cols):
     ref = _reference(x.cpu(), w.cpu(), None, scaling, E4M3, out)
     check_against_float64(out, ref, scaling, E4M3)
     assert rel_error(out.rstd.cpu(), ref.norm.rstd) <= 1e-5, seed
+
+
+@gpu
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+def test_cute_row_kernel_takes_a_delayed_scale_of_any_one_element_shape():
+    g, _ = fresh_generator("cuda")
+    x, w, _ = _inputs(g, 300, 4096, device="cuda")
+    outs = [tilenorm.fp8.rms_norm_forward(x, w, scaling="delayed", scale=s)
+            for s in (torch.tensor(20.0, device="cuda"), torch.tensor([[20.0]], device="cuda"),
+                      torch.tensor([20.0], device="cuda"))]
+    with tilenorm.experimental():
+        assert tilenorm.fp8.explain(x, w, scaling="delayed").cute_forward is not None
+    for out in outs[:2]:
+        assert torch.equal(out.data.view(torch.uint8), outs[2].data.view(torch.uint8))

@@ -469,7 +469,7 @@ class _CuteLauncher:
         weight = tensors.get("weight")
         q = tensors["q"].view(rows, cols).view(torch.uint8) if self.scaling != "amax" else None
         self.fn(tensors["x"].view(rows, cols), None if weight is None else weight.view(cols),
-                tensors.get("scale") if self.scaling == "delayed" else None, q,
+                tensors["scale"].reshape(1) if self.scaling == "delayed" else None, q,
                 tensors.get("q_scale"), tensors["rstd"], tensors.get("amax_partial"),
                 scalars["eps"], scalars["offset"], self.plan.grid)
 
