@@ -6,7 +6,7 @@ add-then-norm statements checked to be the residual stream feeding the named nor
 rewrite's output reviewed. Likewise a norm class's ``forward`` (with ``_norm`` where it has
 one) is computed by tilenorm only when its digest maps to a :class:`~.norms.NormKind`. The
 versions are those whose wheels were read (4.51.3, 4.52.4, 4.53.3, 4.54.1, 4.55.4, 4.56.2,
-4.57.6, 5.0.0, 5.2.0, 5.5.4, 5.10.4, 5.14.1, 5.17.0, 5.20.2, 5.22.2, 5.23.0); a source first
+4.57.6, 5.0.0, 5.2.0, 5.5.4, 5.10.4, 5.14.1, 5.17.0, 5.20.2, 5.22.2, 5.23.0, 5.24.0); a source first
 seen in a release between two of them with the same digest is the same code.
 """
 
@@ -20,11 +20,11 @@ from tilenorm.transformers import norms
 #: Norm forward digests -> (kind, versions read).
 NORM_SOURCES: Mapping[str, tuple[norms.NormKind, str]] = {
     "cdbbe12603e777d7": (norms.LLAMA, "4.51-5.0 (Qwen2/Qwen3 to 4.55, OLMo2 4.51)"),
-    "d676bfe9af0e524d": (norms.LLAMA, "5.2-5.23 (Qwen2/Qwen3 from 4.56)"),
+    "d676bfe9af0e524d": (norms.LLAMA, "5.2-5.24 (Qwen2/Qwen3 from 4.56)"),
     "f9957f8133baab5e": (norms.OLMO2, "4.52-5.0"),
-    "1d33e8f6cf071536": (norms.OLMO2, "5.2-5.23"),
-    "cf90de394758cdc8": (norms.GEMMA, "Gemma2 4.51-5.23"),
-    "09dc8cdc8d8d6915": (norms.GEMMA, "Gemma3 4.51-5.23"),
+    "1d33e8f6cf071536": (norms.OLMO2, "5.2-5.24"),
+    "cf90de394758cdc8": (norms.GEMMA, "Gemma2 4.51-5.24"),
+    "09dc8cdc8d8d6915": (norms.GEMMA, "Gemma3 4.51-5.24"),
 }
 
 #: The decoder-layer forward shared by Llama, Mistral, Qwen2 and Qwen3 (and Qwen3-MoE from
@@ -37,6 +37,9 @@ _LLAMA_LAYERS = {
     "e61c75d2243cbdf6": "4.56-4.57",
     "e19cd8992f3bfeeb": "5.0-5.2",
     "461ed20abeb521a9": "5.5-5.23",
+    # 5.24: a deprecate_kwarg decorator and past_key_values renamed cache; the adds and
+    # norms as before
+    "c58bc6a3bd6504f8": "5.24",
 }
 
 
@@ -79,6 +82,7 @@ FAMILIES: Mapping[str, Family] = {f.name: f for f in (
         "dd1a32e989584190": "4.57",
         "e19cd8992f3bfeeb": "5.0-5.2",
         "461ed20abeb521a9": "5.5-5.23",
+        "c58bc6a3bd6504f8": "5.24",
     }),
     # Gemma2/3 normalize each sublayer's output before its add; the add after attention
     # feeds pre_feedforward_layernorm, the add after the MLP ends the layer.
@@ -91,6 +95,7 @@ FAMILIES: Mapping[str, Family] = {f.name: f for f in (
         "0eb1f3a99168a33c": "5.0-5.2",
         "8f29b865c61902ba": "5.5-5.14",
         "6a782ffdf5861ef9": "5.17-5.23",
+        "9673c4b49cacf62c": "5.24",
     }),
     _family("gemma3", "Gemma3", "Gemma3", fused=("pre_feedforward_layernorm",), layers={
         "2c579442a0651f29": "4.51",
@@ -101,6 +106,7 @@ FAMILIES: Mapping[str, Family] = {f.name: f for f in (
         "bbc6b707be5c602b": "5.0-5.2",
         "78a7d4e25e488971": "5.5-5.22",
         "06827e6c4404d2b6": "5.23",
+        "f0e376e682386ca6": "5.24",
     }),
     _family("phi3", "Phi3", "Phi3", layers={
         "b26fb164d1d050a9": "4.51-4.52",
@@ -110,6 +116,7 @@ FAMILIES: Mapping[str, Family] = {f.name: f for f in (
         "780abeac1c51f9e2": "5.0-5.2",
         "68e80cb69ca4ef11": "5.5-5.14",
         "daaa63565aa0a25b": "5.17-5.23",
+        "95f20d9c7c28dda8": "5.24",
     }),
     _family("olmo2", "OLMo2", "Olmo2", fused=(), layers={}, no_fusion=(
         "OLMo2 normalizes each sublayer's output before the residual add: no add feeds a "
@@ -123,7 +130,7 @@ FAMILIES: Mapping[str, Family] = {f.name: f for f in (
         "4cd5e99e50669124": "5.0",
         "127955d52cb1e449": "5.2",
         "a6a1f62e86621001": "5.5-5.22",
-        "dc677538129901a8": "5.23",
+        "dc677538129901a8": "5.23-5.24",
     }),
 )}
 
