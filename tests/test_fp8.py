@@ -697,6 +697,10 @@ def test_cute_fp8_kernel_variants_under_measurement_build():
             key = cute.Fp8ForwardKey(cute.AOT_ROWS, "bfloat16", "bfloat16", "float8_e4m3fn",
                                      "block", False, cols, *config)
             assert callable(cute.compile_fp8_forward(key, "sm_90a", kernel_class=kernel_class))
+    for scaling in ("row", "block", "mx", "amax"):  # one compile for every row count (#59)
+        key = cute.Fp8ForwardKey(None, "bfloat16", "bfloat16", "float8_e4m3fn", scaling, False,
+                                 4096, 128, 4, 4)
+        assert callable(cute.compile_fp8_forward(key, "sm_90a"))
 
 
 @pytest.mark.parametrize("column_blocks", [False, True])

@@ -112,11 +112,12 @@ def run(key: cute.Fp8ForwardKey, x, w, scale, grid, row_major_blocks: bool = Fal
 
 
 def measure(m: int, n: int, scaling: str, config, info, record: dict, x, w, scale,
-            row_major_blocks: bool = False, variant: str | None = None) -> dict:
+            row_major_blocks: bool = False, variant: str | None = None,
+            runtime_rows: bool = False) -> dict:
     threads, stages, ctas = config
     grid = min(m, info.sm_count * ctas)
-    key = cute.Fp8ForwardKey(m, "bfloat16", "bfloat16", "float8_e4m3fn", scaling, False, n,
-                             threads, stages, ctas)
+    key = cute.Fp8ForwardKey(None if runtime_rows else m, "bfloat16", "bfloat16",
+                             "float8_e4m3fn", scaling, False, n, threads, stages, ctas)
     t0 = time.time()
     kernel_class = None
     if variant:
@@ -147,6 +148,8 @@ def measure(m: int, n: int, scaling: str, config, info, record: dict, x, w, scal
         scaling = "block, row-major scales"
     if variant:
         scaling = f"{scaling}, {variant}"
+    if runtime_rows:
+        scaling = f"{scaling}, runtime rows"
     row = {"M": m, "N": n, "scaling": scaling, "config": list(config), "grid": grid,
            "err": err, "ms": ms, "gbps": one / (ms * 1e-3) / 1e9, "compile_s": compile_s}
     row["pct_copy"] = 100 * row["gbps"] / record["copy_gbps"]
@@ -182,6 +185,8 @@ def main() -> None:
                         help="also time block scaling with row-major scales (NOTES #57)")
     parser.add_argument("--variant", help="also time this kernel variant of "
                                           "bench/experiments/cute_fp8_variants.py (NOTES #58)")
+    parser.add_argument("--runtime-rows", action="store_true",
+                        help="also time each scaling compiled for any row count (NOTES #59)")
     args = parser.parse_args()
     configs = {int(k): [tuple(c) for c in v] for k, v in (args.configs or {}).items()}
     configs = {**CONFIGS, **configs}
@@ -217,6 +222,9 @@ def main() -> None:
                 if args.variant:
                     measure(m, n, scaling, tuple(best["config"]), info, record, x, w, scale,
                             variant=args.variant)
+                if args.runtime_rows:
+                    measure(m, n, scaling, tuple(best["config"]), info, record, x, w, scale,
+                            runtime_rows=True)
                 op_row(m, n, scaling, record, x, w, scale)
             except Exception as e:
                 traceback.print_exc(limit=3)

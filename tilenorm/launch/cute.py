@@ -178,9 +178,11 @@ FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 class Fp8ForwardKey:
     """What selects a compiled variant of the FP8-output forward
     (:mod:`tilenorm.kernels.cute_row_norm_fp8`); dtypes by name. The row count is one of
-    them, as in :class:`BackwardKey`."""
+    them, as in :class:`BackwardKey`; None compiles one kernel for every row count, which
+    costs this kernel no registers (bench/NOTES.md #59) but has not been timed, so the ops
+    do not use it yet."""
 
-    rows: int
+    rows: int | None
     dtype: str
     weight_dtype: str | None
     fp8_dtype: str
@@ -219,7 +221,8 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
         dtype, weight_dtype, fp8, FP8_MAX[key.fp8_dtype], key.cols, key.threads, key.stages,
         key.ctas_per_sm, key.scaling, key.has_offset)
 
-    rows, cols, slots = key.rows, key.cols, cute.sym_int()
+    rows = cute.sym_int() if key.rows is None else key.rows
+    cols, slots = key.cols, cute.sym_int()
     x = _fake(dtype, (rows, cols), (cols, 1), 16)
     weight = None if weight_dtype is None else _fake(weight_dtype, (cols,), (1,), 16)
     scale = _fake(Float32, (1,), (1,), 4) if key.scaling == "delayed" else None
