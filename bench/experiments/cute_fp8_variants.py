@@ -46,13 +46,8 @@ class LeanBlockScales(RowNormFp8Forward):
                     Float32(1.0) / scale_mine)
             for r in cutlass.range_constexpr(self.reps):
                 scale = cute.arch.shuffle_sync(scale_mine, lane - g + r)
-                for e in cutlass.range_constexpr(self.vec):
-                    v = t[e, r] * rstd * scale
-                    if v > Float32(self.fp8_max):
-                        v = Float32(self.fp8_max)
-                    if v < Float32(-self.fp8_max):
-                        v = Float32(-self.fp8_max)
-                    y[e, r] = v
+                for e in cutlass.range_constexpr(self.vec):  # (vec, reps) is column-major
+                    self._quantize(t, y, rstd, scale, e + r * self.vec)
             q.store(y.load().to(self.fp8_dtype))
             cute.autovec_copy(q_bytes, self._thread_view(mQ[row, None], tidx))
 
