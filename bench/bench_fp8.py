@@ -382,31 +382,22 @@ def main(argv: list[str] | None = None) -> None:
         f"{common.device_slug()}-{record['date']}-fp8"
         f"{'-variants' if args.variants is not None else ''}-{record['commit']}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    # A record split over several calls (one device call's limit): rows of cases not run
-    # now, and their failures, stay.
-    old = json.loads(path.read_text()) if path.exists() else {"rows": [], "failures": []}
-    cases = args.scalings.split(",")
+    # A record split over several calls (one device call's limit): common.write_record keeps
+    # the rows of cases not run now; their failures stay too.
+    if path.exists():
+        record["failures"] = json.loads(path.read_text()).get("failures", [])
     for m, n in common.parse_shapes(args.shapes):
-        for case in cases:
+        for case in args.scalings.split(","):
             print(f"{case} {m}x{n}", flush=True)
             run_case(m, n, case, modes, record, args.variants)
             torch.cuda.empty_cache()  # the next shape's inputs take the memory back
-            merged = {**record, "rows": [r for r in old["rows"] if not _rerun(r, record)]
-                      + record["rows"], "failures": old["failures"] + record["failures"]}
-            if args.variants is None:
-                merged["targets"] = judge_targets(merged)
-            path.write_text(json.dumps(merged, indent=1) + "\n")  # a cut run keeps its rows
-    print_summary(merged)
+            common.write_record(record, path)  # a cut run keeps its rows
     if args.variants is None:
-        plot(merged, path.with_suffix(".png"))
+        record["targets"] = judge_targets(record)
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        plot(record, path.with_suffix(".png"))
+    print_summary(record)
     print(f"wrote {path}")
-
-
-def _rerun(row: dict, record: dict) -> bool:
-    """Whether ``record`` measured ``row``'s case, shape, provider and mode again."""
-    key = ("op", "M", "N", "provider", "mode")
-    return any(all(r.get(k) == row.get(k) for k in key) for r in record["rows"])
-
 
 if __name__ == "__main__":
     main()
