@@ -407,13 +407,12 @@ CUTE_FP8_FORWARD_NAME = "RowNormFp8Forward (CuTe DSL)"
 
 
 def _cute_fp8_forward(p: Fp8Problem, info: DeviceInfo) -> CuteFp8ForwardPlan | None:
-    """The CuTe DSL row kernel where the planner has one for the width and the kernel covers
-    the features (RMSNorm of 2-byte x, no residual, 2- or 4-byte parameters), and it may
-    run (installed; validated or allowed)."""
+    """The CuTe DSL row kernel where the planner has one for the width and x's element size
+    (2-byte x), the kernel covers the features (RMSNorm, no residual; ``decide_fp8`` has
+    checked the parameters' dtypes), and it may run (installed; validated or allowed)."""
     if not (validation.is_stable(CUTE_NORM_FP8) or p.allow_experimental):
         return None
-    if (p.op != "rms_norm" or p.has_residual or p.dtypes[0] not in ("bfloat16", "float16")
-            or any(d not in KERNEL_DTYPES for d in p.dtypes[1:]) or not cute.available()):
+    if p.op != "rms_norm" or p.has_residual or not cute.available():
         return None
     return plan_cute_fp8_forward(p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]],
                                  sm_count=info.sm_count, arch=info.arch,

@@ -170,9 +170,6 @@ def _fp8_dtypes():
     return {"float8_e4m3fn": cutlass.Float8E4M3FN, "float8_e5m2": cutlass.Float8E5M2}
 
 
-#: The largest finite value of each FP8 format, the top of its scale.
-FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
-
 
 @dataclass(frozen=True)
 class Fp8ForwardKey:
@@ -212,6 +209,7 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
     from cutlass import Float32, Int32
 
     from tilenorm.kernels.cute_row_norm_fp8 import BLOCK_COLS, RowNormFp8Forward
+    from tilenorm.launch.cutile_fp8 import FP8_MAX
 
     dtypes = _dtypes()
     dtype = dtypes[key.dtype]
