@@ -9,3 +9,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def compiled_as_custom_ops(monkeypatch):
+    """Under torch.compile every norm is tilenorm's custom op, however small (the tests' shapes
+    are small enough to be left to inductor otherwise: tilenorm.dispatch.compiled_by_inductor)."""
+    from tilenorm import dispatch
+
+    monkeypatch.setattr(dispatch, "COMPILED_INDUCTOR_MAX_BYTES", -1)

@@ -92,10 +92,75 @@ def test_compiled_call_still_rejects_bad_eps():
         torch._dynamo.reset()
 
 
+def _traced_ops(fn, *args, **compile_kw):
+    """The call targets of the graph torch.compile traces of ``fn(*args)``."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True, **compile_kw)(*args)
+    assert len(graphs) == 1
+    return [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("layer_norm", [False, True])
+def test_small_norms_are_left_to_inductor_up_to_the_threshold(layer_norm, monkeypatch):
+    """A norm whose x is known to fit COMPILED_INDUCTOR_MAX_BYTES when traced is torch
+    operations in the graph; a larger one, or one of a symbolic size, is the custom op."""
+    from tilenorm import dispatch
+
+    g, _ = fresh_generator()
+    x, r = torch.randn(4, 7, 64, generator=g), torch.randn(4, 7, 64, generator=g)
+    w = torch.rand(64, generator=g) + 0.5
+    if layer_norm:
+        def fn(x, r, w):
+            return tilenorm.layer_norm(x, w, w, residual=r, prenorm=True)
+    else:
+        def fn(x, r, w):
+            return tilenorm.rms_norm(x, w, offset=1.0, residual=r, prenorm=True)
+    x_bytes = x.numel() * x.element_size()
+    for limit, dynamic, held in ((x_bytes, None, False), (x_bytes - 1, None, True),
+                                 (x_bytes, True, True)):
+        monkeypatch.setattr(dispatch, "COMPILED_INDUCTOR_MAX_BYTES", limit)
+        ops = _traced_ops(fn, x, r, w, dynamic=dynamic)
+        assert ("tilenorm.norm_fwd" in ops) == held, (limit, dynamic, ops)
+
+
+def test_small_norm_under_compile_matches_eager_with_bad_scalars_still_rejected():
+    """Left to inductor, forward and backward equal eager mode's (the same reference math on
+    the CPU); a bad eps or an offset without a weight raises as in eager mode."""
+    g, seed = fresh_generator()
+    x = torch.randn(3, 5, 64, generator=g).requires_grad_()
+    r = torch.randn(3, 5, 64, generator=g).requires_grad_()
+    w = (torch.rand(64, generator=g) + 0.5).requires_grad_()
+    dy, dh = torch.randn(3, 5, 64, generator=g), torch.randn(3, 5, 64, generator=g)
+
+    def fn(x, r, w):
+        return tilenorm.rms_norm(x, w, 1e-5, offset=0.5, residual=r, prenorm=True)
+
+    results = []
+    for call in (torch.compile(fn, fullgraph=True), fn):
+        torch._dynamo.reset()
+        y, h = call(x, r, w)
+        torch.autograd.backward([y, h], [dy, dh])
+        results.append([y, h] + [t.grad.clone() for t in (x, r, w)])
+        for t in (x, r, w):
+            t.grad = None
+    for got, want in zip(*results, strict=True):
+        assert rel_error(got, want) <= 1e-6, seed
+    with pytest.raises((ValueError, RuntimeError), match="eps"):
+        torch.compile(lambda x: tilenorm.rms_norm(x, eps=-1.0), fullgraph=True)(x)
+    with pytest.raises((ValueError, RuntimeError), match="offset"):
+        torch.compile(lambda x: tilenorm.rms_norm(x, offset=1.0), fullgraph=True)(x)
+
+
 @gpu
 @pytest.mark.parametrize("mode,dynamic", [(None, True), ("reduce-overhead", None),
                                           ("max-autotune", None), ("max-autotune", True)])
-def test_compile_modes_on_gpu_run_the_kernels(mode, dynamic):
+def test_compile_modes_on_gpu_run_the_kernels(mode, dynamic, compiled_as_custom_ops):
     with tilenorm.experimental():
         x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
         assert tilenorm.explain(x).uses_kernel
@@ -103,7 +168,8 @@ def test_compile_modes_on_gpu_run_the_kernels(mode, dynamic):
 
 
 @gpu
-def test_compiled_graphs_run_seen_calls_in_cpp_and_match_the_python_path():
+def test_compiled_graphs_run_seen_calls_in_cpp_and_match_the_python_path(
+        compiled_as_custom_ops):
     """A compiled graph's tilenorm ops go to the C++ kernels for CUDA tensors: the Python
     implementation runs for the first call of each set of arguments only, and the results are
     the Python implementation's, bit for bit."""
@@ -188,6 +254,8 @@ def test_cuda_graphs_of_compile_from_a_fresh_process():
     memory pool, and the results match eager."""
     code = """
 import torch, tilenorm
+from tilenorm import dispatch
+dispatch.COMPILED_INDUCTOR_MAX_BYTES = -1  # the custom ops, however small
 from tests.test_compile import Block, _run
 from tilenorm.testing import fresh_generator, rel_error
 model = Block(device="cuda", dtype=torch.bfloat16)

@@ -349,7 +349,7 @@ def _can_compile_on_cpu():
 
 @pytest.mark.skipif(not _can_compile_on_cpu(), reason="inductor's CPU backend needs a C++ "
                                                        "compiler")
-def test_compiled_step_folds_and_matches_eager(pass_slot):
+def test_compiled_step_folds_and_matches_eager(pass_slot, compiled_as_custom_ops):
     from torch._functorch import config as functorch_config
     from torch._inductor.custom_graph_pass import CustomGraphPass
 

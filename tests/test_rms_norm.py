@@ -522,8 +522,14 @@ def test_empty_and_large_leading_shapes_on_gpu():
 
 
 @gpu
+@pytest.mark.parametrize("as_ops", [True, False], ids=["custom-ops", "small-to-inductor"])
 @pytest.mark.parametrize("case", ["plain", "residual prenorm", "per-head offset"])
-def test_torch_compile_fullgraph_matches_float64(case):
+def test_torch_compile_fullgraph_matches_float64(case, as_ops, request):
+    """Compiled as tilenorm's ops (the kernels) and, x being 2 MiB, left to inductor by
+    default (tilenorm.dispatch.compiled_by_inductor): both match float64."""
+    if as_ops:
+        request.getfixturevalue("compiled_as_custom_ops")
+    torch._dynamo.reset()
     g, seed = fresh_generator("cuda")
     x = torch.randn(4, 256, 8, 128, generator=g, device="cuda", dtype=torch.bfloat16)
     wshape = (8, 128) if case == "per-head offset" else (128,)

@@ -381,9 +381,12 @@ def test_apply_to_unknown_family():
 # --- torch.compile, checkpointing, PEFT ------------------------------------------------------
 
 
+@pytest.mark.parametrize("as_ops", [False, True], ids=["small-norms-to-inductor", "custom-ops"])
 @pytest.mark.parametrize("family,backend", [
     ("llama", "aot_eager"), ("gemma3", "aot_eager"), ("qwen3", "eager"), ("qwen3", "aot_eager")])
-def test_torch_compile(family, backend):
+def test_torch_compile(family, backend, as_ops, request):
+    if as_ops:
+        request.getfixturevalue("compiled_as_custom_ops")
     torch._dynamo.reset()
     model = build(family)
     ref = copy.deepcopy(model)
@@ -394,7 +397,7 @@ def test_torch_compile(family, backend):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
-def test_torch_compile_fullgraph_traces_the_fused_calls(family):
+def test_torch_compile_fullgraph_traces_the_fused_calls(family, compiled_as_custom_ops):
     """One graph, no break, holding one fused tilenorm call (a norm_fwd with a residual)
     per layer, and a tilenorm call per norm over the hidden size: the per-head q/k norms are
     the family's own code there, for inductor to fuse with RoPE (and run as tilenorm eagerly,
@@ -420,7 +423,32 @@ def test_torch_compile_fullgraph_traces_the_fused_calls(family):
     assert len(qk_norms) == EXPECTED[family][1]
 
 
-def test_inductor_hands_norm_bwd_the_projections_gradients_unsummed():
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_torch_compile_leaves_small_norms_to_inductor(family):
+    """The tiny models' norms are below tilenorm.dispatch.COMPILED_INDUCTOR_MAX_BYTES: under
+    torch.compile each is traced as torch operations, fused adds included, in one graph with
+    no tilenorm op, and the model computes what the unpatched one does."""
+    torch._dynamo.reset()
+    model = build(family)
+    ref = copy.deepcopy(model)
+    tt.apply(model)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    ids, proj = _inputs()
+    got = _run(torch.compile(model, backend=backend, fullgraph=True), ids, proj)
+    assert len(graphs) == 1
+    assert not [n for n in graphs[0].graph.nodes if "tilenorm" in str(n.target)]
+    rsqrts = [n for n in graphs[0].graph.nodes
+              if n.target in (torch.rsqrt, torch.ops.aten.rsqrt.default)]
+    assert len(rsqrts) == EXPECTED[family][0] + EXPECTED[family][1]
+    assert _worst(got, _run(ref, ids, proj)) <= 1e-5
+
+
+def test_inductor_hands_norm_bwd_the_projections_gradients_unsummed(compiled_as_custom_ops):
     """In a compiled patched Llama's backward, each layer's input norm gets the q, k and v
     projections' gradients as dy, dy2, dy3 and its MLP norm gate's and up's as dy, dy2
     (tilenorm.pytorch.graph_passes), and the gradients are eager's."""

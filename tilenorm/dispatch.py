@@ -1,8 +1,9 @@
 """The one place that decides what runs: for a forward, the cuTile plan or the reference path;
 for a backward, the CuTe DSL kernel, the cuTile plan (re-planned with 64-bit offsets where a
-strided operand needs them) or the reference path. :func:`tilenorm.explain` prints exactly
-these decisions. Framework-neutral: dtypes are named ("bfloat16", ...), devices are a kind
-and an index.
+strided operand needs them) or the reference path; under ``torch.compile``, whether a norm is
+tilenorm's custom op or left to inductor (:func:`compiled_by_inductor`).
+:func:`tilenorm.explain` prints exactly these decisions. Framework-neutral: dtypes are named
+("bfloat16", ...), devices are a kind and an index.
 """
 
 from __future__ import annotations
@@ -160,6 +161,23 @@ def _cute_backward(p: Problem, info: DeviceInfo) -> CuteBackwardPlan | None:
     return plan_cute_backward(p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]],
                               sm_count=info.sm_count, arch=info.arch, op=p.op, heads=p.heads,
                               max_offset=p.max_offset)
+
+
+#: Under ``torch.compile``, a norm whose x holds at most this many bytes is traced as torch
+#: operations (the reference math) for inductor to generate and fuse with the operations
+#: around it, the residual add and the casts that follow, forward and backward. At that size
+#: the norm's kernels run at the launch floor, where no kernel has bandwidth to win, while
+#: each opaque custom-op call costs host time and a launch that inductor's fused code does
+#: not (bench/NOTES.md #61).
+COMPILED_INDUCTOR_MAX_BYTES = 4 << 20
+
+
+def compiled_by_inductor(x_bytes):
+    """Whether a norm traced by a graph compiler with ``x_bytes`` bytes of x is left to the
+    compiler's own fused code (see :data:`COMPILED_INDUCTOR_MAX_BYTES`) rather than held as
+    tilenorm's op: a bool, or the framework's symbolic bool for a symbolic size, which the
+    caller takes as True only where it is known to be."""
+    return x_bytes <= COMPILED_INDUCTOR_MAX_BYTES
 
 
 @functools.lru_cache(maxsize=4096)

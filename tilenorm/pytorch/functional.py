@@ -4,7 +4,9 @@ backward, and ``explain``.
 An eager call looks its operands' layout up in :mod:`tilenorm.pytorch.calls`; the first call
 with a layout checks every argument and prepares the kernels, later ones only launch. Under
 ``torch.compile`` the ops are the ``tilenorm::norm_fwd`` / ``norm_bwd`` custom ops
-(:mod:`tilenorm.pytorch.custom_ops`).
+(:mod:`tilenorm.pytorch.custom_ops`), except for norms small enough that inductor's own fused
+code is faster: those are traced as the reference math
+(:func:`tilenorm.dispatch.compiled_by_inductor`).
 
 Semantics follow torch's: ``torch.nn.functional.rms_norm`` / ``layer_norm`` normalize over
 the trailing ``normalized_shape`` dimensions (the weight's shape), y has x's dtype whatever
@@ -14,6 +16,7 @@ input), and under CUDA autocast the outputs are float32 where torch's are.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -145,16 +148,36 @@ def _apply(op, x, weight, bias, eps, normalized_shape, per_head, offset, residua
     return (y, h) if prenorm else y
 
 
+def _to_inductor(x: torch.Tensor, weight: torch.Tensor | None, eps, offset) -> bool:
+    """Whether a traced norm is left to inductor: x known to be small enough when traced
+    (:func:`tilenorm.dispatch.compiled_by_inductor`), eps known to be finite and >= 0, the
+    offset finite, and zero without a weight. A symbolic size keeps the custom op: a guard on
+    it would bound the shapes the graph takes; so do symbolic and bad scalars, which the op
+    checks when it runs."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true as known
+
+    return (known(dispatch.compiled_by_inductor(x.numel() * x.element_size()))
+            and known(eps >= 0) and known(eps < math.inf)
+            and known(offset > -math.inf) and known(offset < math.inf)
+            and (weight is not None or known(offset == 0)))
+
+
 def _traced(op, x, weight, bias, eps, normalized_shape, per_head, offset, residual, prenorm,
             residual_dtype, out_dtype):
     """Under ``torch.compile``: the checks that hold for symbolic shapes and scalars here,
-    the numeric ones on eps and offset inside the custom op."""
+    the numeric ones on eps and offset inside the custom op. A small norm is traced as the
+    reference math instead, for inductor to fuse (:func:`_to_inductor`)."""
     dims = _check_operands(op, x, weight, bias, residual, normalized_shape, per_head, prenorm,
                            out_dtype, residual_dtype)
     if out_dtype is None:
         out_dtype = _autocast_out_dtype(op, x)
     if eps is None:
         eps = default_eps(x.dtype)
+    if _to_inductor(x, weight, eps, offset):
+        y, h = reference.norm(x, weight, bias, eps, layer_norm=op == LAYER_NORM, offset=offset,
+                              residual=residual, residual_dtype=residual_dtype,
+                              out_dtype=out_dtype, dims=dims)
+        return (y, h) if prenorm else y
     y, h, _, _ = torch.ops.tilenorm.norm_fwd(x, weight, bias, residual, eps, offset,
                                              op == LAYER_NORM, dims, per_head, out_dtype,
                                              residual_dtype)
