@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -164,3 +166,23 @@ def test_gemma3_host_step0_gradients_are_finite():
     norms = bench_training.grad_norms(model)
     bad = [n for n, v in norms.items() if not math.isfinite(v)]
     assert not bad, bad
+
+
+def test_step_targets_pass_unless_the_paired_test_finds_ours_slower():
+    """A step-time target passes where the sign test over paired turns does not find ours
+    slower: a tie with a slightly higher median passes, 16 of 20 turns lost fails."""
+
+    def row(provider, turns):
+        return {"model": "llama", "size": "host", "mode": "eager", "provider": provider,
+                "step_ms": statistics.median(turns), "turns_ms": turns, "loss0_rel": 0.0,
+                "param_grad_rel_max": 0.0, "train_loss_rel": None}
+
+    base = [10.0 + (i % 5) for i in range(20)]
+    tie = [t * (1.01 if i % 2 else 0.995) for i, t in enumerate(base)]
+    slower = [t * (1.05 if i < 16 else 0.95) for i, t in enumerate(base)]
+    for ours, verdict in ((tie, "tie"), (slower, "slower")):
+        rows = [row("torch", base), row("tilenorm", ours), row("tilenorm+residual", ours)]
+        found = {t["target"]: t for t in bench_training.targets(rows, torch.bfloat16)}
+        target = found["llama host eager: tilenorm step <= torch"]
+        assert target["paired"]["verdict"] == verdict
+        assert target["pass"] is (verdict != "slower")
