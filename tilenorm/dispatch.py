@@ -165,11 +165,12 @@ def _cute_backward(p: Problem, info: DeviceInfo) -> CuteBackwardPlan | None:
 
 #: Under ``torch.compile``, a norm whose x holds at most this many bytes is traced as torch
 #: operations (the reference math) for inductor to generate and fuse with the operations
-#: around it, the residual add and the casts that follow, forward and backward. At that size
-#: the norm's kernels run at the launch floor, where no kernel has bandwidth to win, while
-#: each opaque custom-op call costs host time and a launch that inductor's fused code does
-#: not (bench/NOTES.md #61).
-COMPILED_INDUCTOR_MAX_BYTES = 4 << 20
+#: around it, the residual add and the casts that follow, forward and backward. Up to 2 MiB
+#: the kernels of either run at the launch floor (a compiled fused add-norm forward and
+#: backward: 15 against 17 us of GPU time at 2 MiB, 14 against 30 at 4 MiB), while each
+#: opaque custom-op call costs host time that inductor's fused code does not: the host-bound
+#: compiled step went from 1.12x of HF's to a tie (bench/NOTES.md #61).
+COMPILED_INDUCTOR_MAX_BYTES = 2 << 20
 
 
 def compiled_by_inductor(x_bytes):
