@@ -396,23 +396,30 @@ def test_torch_compile(family, backend, as_ops, request):
     assert _worst(_run(compiled, ids, proj), _run(ref, ids, proj)) <= 1e-5
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
-def test_torch_compile_fullgraph_traces_the_fused_calls(family, compiled_as_custom_ops):
-    """One graph, no break, holding one fused tilenorm call (a norm_fwd with a residual)
-    per layer, and a tilenorm call per norm over the hidden size: the per-head q/k norms are
-    the family's own code there, for inductor to fuse with RoPE (and run as tilenorm eagerly,
-    test_apply_counts_and_fp32_parity)."""
+def _compiled_graphs(model, call):
+    """The graphs dynamo traces while ``call`` runs ``torch.compile(model, fullgraph=True)``
+    (a backend that records them and runs them as traced)."""
     torch._dynamo.reset()
-    model = build(family)
-    tt.apply(model)
     graphs = []
 
     def backend(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
 
+    call(torch.compile(model, backend=backend, fullgraph=True))
+    return graphs
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_torch_compile_fullgraph_traces_the_fused_calls(family, compiled_as_custom_ops):
+    """One graph, no break, holding one fused tilenorm call (a norm_fwd with a residual)
+    per layer, and a tilenorm call per norm over the hidden size: the per-head q/k norms are
+    the family's own code there, for inductor to fuse with RoPE (and run as tilenorm eagerly,
+    test_apply_counts_and_fp32_parity)."""
+    model = build(family)
+    tt.apply(model)
     ids, _ = _inputs()
-    torch.compile(model, backend=backend, fullgraph=True)(ids, use_cache=False)
+    graphs = _compiled_graphs(model, lambda compiled: compiled(ids, use_cache=False))
     calls = [n for gm in graphs for n in gm.graph.nodes
              if n.target in (torch.ops.tilenorm.norm_fwd, torch.ops.tilenorm.norm_fwd.default)]
     fused = [n for n in calls if n.args[3] is not None]
@@ -428,24 +435,18 @@ def test_torch_compile_leaves_small_norms_to_inductor(family):
     """The tiny models' norms are below tilenorm.dispatch.COMPILED_INDUCTOR_MAX_BYTES: under
     torch.compile each is traced as torch operations, fused adds included, in one graph with
     no tilenorm op, and the model computes what the unpatched one does."""
-    torch._dynamo.reset()
     model = build(family)
     ref = copy.deepcopy(model)
     tt.apply(model)
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
     ids, proj = _inputs()
-    got = _run(torch.compile(model, backend=backend, fullgraph=True), ids, proj)
+    got = []
+    graphs = _compiled_graphs(model, lambda compiled: got.append(_run(compiled, ids, proj)))
     assert len(graphs) == 1
     assert not [n for n in graphs[0].graph.nodes if "tilenorm" in str(n.target)]
     rsqrts = [n for n in graphs[0].graph.nodes
               if n.target in (torch.rsqrt, torch.ops.aten.rsqrt.default)]
     assert len(rsqrts) == EXPECTED[family][0] + EXPECTED[family][1]
-    assert _worst(got, _run(ref, ids, proj)) <= 1e-5
+    assert _worst(got[0], _run(ref, ids, proj)) <= 1e-5
 
 
 def test_inductor_hands_norm_bwd_the_projections_gradients_unsummed(compiled_as_custom_ops):
