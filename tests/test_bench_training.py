@@ -186,3 +186,23 @@ def test_step_targets_pass_unless_the_paired_test_finds_ours_slower():
         target = found["llama host eager: tilenorm step <= torch"]
         assert target["paired"]["verdict"] == verdict
         assert target["pass"] is (verdict != "slower")
+
+
+def test_fastest_is_judged_against_every_provider():
+    """ours ties the provider with the lowest median but loses 16 of 20 turns to another:
+    "fastest" fails, against that one."""
+
+    def row(provider, turns):
+        return {"model": "llama", "size": "gpu", "mode": "eager", "provider": provider,
+                "step_ms": statistics.median(turns), "turns_ms": turns, "loss0_rel": 0.0,
+                "param_grad_rel_max": 0.0, "train_loss_rel": None}
+
+    noisy = [8.0 if i % 2 else 12.0 for i in range(20)]  # the lowest median, 10.0
+    steady = [10.2] * 20
+    ours = [10.4 if i < 16 else 10.1 for i in range(20)]  # 16 of 20 turns behind torch
+    rows = [row("hf", noisy), row("torch", steady), row("tilenorm+residual", ours)]
+    found = {t["target"]: t for t in bench_training.targets(rows, torch.bfloat16)}
+    target = found["llama gpu eager: tilenorm+residual fastest"]
+    assert bench_training.paired(rows[2], rows[0])["verdict"] != "slower"
+    assert target["against"] == "torch" and target["paired"]["verdict"] == "slower"
+    assert target["pass"] is False

@@ -129,28 +129,35 @@ def test_small_norms_are_left_to_inductor_up_to_the_threshold(layer_norm, monkey
         assert ("tilenorm.norm_fwd" in ops) == held, (limit, dynamic, ops)
 
 
-def test_small_norm_under_compile_matches_eager_with_bad_scalars_still_rejected():
-    """Left to inductor, forward and backward equal eager mode's (the same reference math on
-    the CPU); a bad eps or an offset without a weight raises as in eager mode."""
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_small_norm_under_compile_matches_eager_with_bad_scalars_still_rejected(dtype, tol):
+    """Left to inductor, forward and backward equal eager mode's, dtypes included (h in the
+    residual's dtype, y in x's); a bad eps or an offset without a weight raises as in eager
+    mode."""
     g, seed = fresh_generator()
-    x = torch.randn(3, 5, 64, generator=g).requires_grad_()
-    r = torch.randn(3, 5, 64, generator=g).requires_grad_()
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    x, r, dy, dh = (rand(3, 5, 64) for _ in range(4))
     w = (torch.rand(64, generator=g) + 0.5).requires_grad_()
-    dy, dh = torch.randn(3, 5, 64, generator=g), torch.randn(3, 5, 64, generator=g)
+    x.requires_grad_(), r.requires_grad_()
 
     def fn(x, r, w):
         return tilenorm.rms_norm(x, w, 1e-5, offset=0.5, residual=r, prenorm=True)
 
+    assert "tilenorm.norm_fwd" not in _traced_ops(fn, x, r, w)
     results = []
     for call in (torch.compile(fn, fullgraph=True), fn):
         torch._dynamo.reset()
         y, h = call(x, r, w)
+        assert (y.dtype, h.dtype) == (dtype, dtype)
         torch.autograd.backward([y, h], [dy, dh])
         results.append([y, h] + [t.grad.clone() for t in (x, r, w)])
         for t in (x, r, w):
             t.grad = None
     for got, want in zip(*results, strict=True):
-        assert rel_error(got, want) <= 1e-6, seed
+        assert got.dtype == want.dtype and rel_error(got, want) <= tol, seed
     with pytest.raises((ValueError, RuntimeError), match="eps"):
         torch.compile(lambda x: tilenorm.rms_norm(x, eps=-1.0), fullgraph=True)(x)
     with pytest.raises((ValueError, RuntimeError), match="offset"):

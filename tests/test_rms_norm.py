@@ -548,6 +548,7 @@ def test_torch_compile_fullgraph_matches_float64(case, as_ops, request):
         compiled = torch.compile(f, fullgraph=True)
         xg = x.clone().requires_grad_()
         y, h = compiled(xg, w, r)
+        assert y.dtype == h.dtype == x.dtype
         if case == "residual prenorm":
             torch.autograd.backward([y, h], [dy, dh])
         else:

@@ -149,11 +149,12 @@ def _apply(op, x, weight, bias, eps, normalized_shape, per_head, offset, residua
 
 
 def _to_inductor(x: torch.Tensor, weight: torch.Tensor | None, eps, offset) -> bool:
-    """Whether a traced norm is left to inductor: x known to be small enough when traced
-    (:func:`tilenorm.dispatch.compiled_by_inductor`), eps known to be finite and >= 0, the
-    offset finite, and zero without a weight. A symbolic size keeps the custom op: a guard on
-    it would bound the shapes the graph takes; so do symbolic and bad scalars, which the op
-    checks when it runs."""
+    """Whether a traced norm is left to inductor: x's size provably small enough when traced
+    (:func:`tilenorm.dispatch.compiled_by_inductor`: static shapes, or dynamic dimensions
+    bounded that far; ``torch.export`` alike), eps known to be finite and >= 0, the offset
+    finite, and zero without a weight. A size that may be larger keeps the custom op (a guard
+    on it would bound the shapes the graph takes), and so do symbolic and bad scalars, which
+    the op checks when it runs."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 
     return (known(dispatch.compiled_by_inductor(x.numel() * x.element_size()))

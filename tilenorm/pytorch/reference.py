@@ -1,7 +1,8 @@
 """Reference implementations in plain torch: the path for CPU tensors and for every case no
 kernel covers, with the kernels' semantics.
 
-    h = x + residual, rounded to residual_dtype   (fused residual add; otherwise h = x)
+    h = x + residual, rounded to residual_dtype   (fused residual add, default the residual's
+                                                   dtype; otherwise h = x)
     mu = mean(h) (LayerNorm only), rstd = 1 / sqrt(mean((h - mu)^2) + eps)
     y = (h - mu) * rstd * (offset + weight) + bias, rounded once to out_dtype
 
@@ -28,7 +29,7 @@ def _residual_sum(x: torch.Tensor, residual: torch.Tensor | None,
     if residual is None:
         return x
     acc = compute_dtype(x.dtype)
-    return (x.to(acc) + residual.to(acc)).to(residual_dtype)
+    return (x.to(acc) + residual.to(acc)).to(residual_dtype or residual.dtype)
 
 
 def _dims(dims: int) -> tuple[int, ...]:
