@@ -251,3 +251,20 @@ def test_every_architecture_has_settings_and_a_variant_plans_apart():
     variant = plan_row_norm(4096, 1024, itemsize=2, sm_count=132, arch=(9, 0),
                             direction="forward", settings=wide_tiles)
     assert (default.tile_rows, variant.tile_rows) == (8, 16)
+
+
+def test_cute_row_plans_take_even_rings_only():
+    """The CuTe row kernels reduce consecutive rows in alternating shared-memory slots: an odd
+    ring would put the last row and the next ring's first in one slot. Every table entry is
+    even; an odd or single-row one is refused."""
+    from tilenorm.planner import CuteRowPlan
+    from tilenorm.settings_fp8 import fp8_settings_for
+
+    entries = list(fp8_settings_for((9, 0)).cute_forward.values())
+    entries += [e for table in settings_for((9, 0)).cute_backward.values()
+                for e in table.values()]
+    for threads, stages, ctas in entries:
+        assert CuteRowPlan.of(4096, 4096, (threads, stages, ctas), 132).stages == stages
+    for stages in (1, 3, 5):
+        with pytest.raises(ValueError, match="even"):
+            CuteRowPlan.of(4096, 4096, (128, stages, 4), 132)

@@ -278,6 +278,11 @@ class CuteRowPlan:
         if sm_count < 1:
             raise ValueError(f"sm_count must be positive, got {sm_count}")
         threads, stages, ctas_per_sm = entry
+        if stages < 2 or stages % 2:
+            # The kernels reduce consecutive rows in two shared-memory slots by the row's
+            # place in the ring: with an odd ring the last row and the next ring's first
+            # share a slot, one write racing the other's reads.
+            raise ValueError(f"a CuTe row kernel's stages must be even and >= 2, got {stages}")
         return cls(rows=rows, cols=cols, threads=threads, stages=stages,
                    ctas_per_sm=ctas_per_sm, grid=min(rows, sm_count * ctas_per_sm))
 
