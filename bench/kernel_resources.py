@@ -24,37 +24,48 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tilenorm.launch import aot  # noqa: E402
 
 
-def cuobjdump() -> str:
+def find_cuobjdump() -> str | None:
+    """cuobjdump on PATH or from the nvidia-cuda-cuobjdump wheel; None where neither is."""
     found = shutil.which("cuobjdump")
     if found:
         return found
     try:
         import nvidia.cu13
-
-        tool = Path(nvidia.cu13.__path__[0]) / "bin" / "cuobjdump"
     except ImportError:
-        tool = None
-    if tool is None or not tool.exists():
+        return None
+    tool = Path(nvidia.cu13.__path__[0]) / "bin" / "cuobjdump"
+    return str(tool) if tool.exists() else None
+
+
+def cuobjdump() -> str:
+    tool = find_cuobjdump()
+    if tool is None:
         raise SystemExit("cuobjdump not found: pip install nvidia-cuda-cuobjdump "
                          "nvidia-cuda-nvdisasm")
-    return str(tool)
+    return tool
+
+
+def cubin_resources(cubin: Path, tool: str) -> tuple[dict, str]:
+    """Registers, stack and static shared bytes of a cubin file and its spill stores / loads
+    (``STL`` / ``LDL`` in the SASS); and the SASS, for other counts."""
+    # cuobjdump -sass runs nvdisasm, found on PATH: the wheels put it beside cuobjdump.
+    env = {**os.environ, "PATH": os.pathsep.join([str(Path(tool).parent),
+                                                  os.environ.get("PATH", "")])}
+    usage = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True,
+                           check=True, env=env).stdout
+    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True,
+                          check=True, env=env).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", usage)
+    return ({"registers": int(m[1]), "stack": int(m[2]), "shared": int(m[3]),
+             "spill_stores": len(re.findall(r"\bSTL\b", sass)),
+             "spill_loads": len(re.findall(r"\bLDL\b", sass))}, sass)
 
 
 def resources(job: aot.ExportJob, gpu_code: str, tool: str) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(aot.export(job, gpu_code))
         f.flush()
-        # cuobjdump -sass runs nvdisasm, found on PATH: the wheels put it beside cuobjdump.
-        env = {**os.environ, "PATH": os.pathsep.join([str(Path(tool).parent),
-                                                      os.environ.get("PATH", "")])}
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
-                               check=True, env=env).stdout
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
-                              check=True, env=env).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", usage)
-    return {"registers": int(m[1]), "stack": int(m[2]), "shared": int(m[3]),
-            "spill_stores": len(re.findall(r"\bSTL\b", sass)),
-            "spill_loads": len(re.findall(r"\bLDL\b", sass))}
+        return cubin_resources(Path(f.name), tool)[0]
 
 
 def fp8_jobs() -> list[tuple[aot.ExportJob, str]]:

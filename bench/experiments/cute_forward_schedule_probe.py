@@ -48,11 +48,8 @@ from __future__ import annotations
 import argparse
 import json
 import operator
-import os
 import re
-import shutil
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -332,19 +329,6 @@ def compile_variant(v: Variant, arch: str | None = None, dump_dir: str | None = 
 # --- resources off the cubin (no GPU) --------------------------------------------------------
 
 
-def _cuobjdump() -> str | None:
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    try:
-        import nvidia.cu13
-
-        tool = Path(nvidia.cu13.__path__[0]) / "bin" / "cuobjdump"
-    except ImportError:
-        return None
-    return str(tool) if tool.exists() else None
-
-
 def _elf_resources(cubin: bytes) -> dict:
     """Registers and stack bytes of the (one) kernel off the cubin's ``.nv.info`` attributes
     (EIATTR_REGCOUNT 0x2f, EIATTR_FRAME_SIZE 0x11: symbol index, value), static shared bytes
@@ -383,22 +367,14 @@ def resources(cubin_path: Path) -> dict:
     """Registers, stack bytes, static shared bytes, spill stores / loads (``STL`` / ``LDL``
     in the SASS) and 16-byte global loads / stores of a cubin; without cuobjdump, what the
     ELF says (no instruction counts)."""
-    tool = _cuobjdump()
+    from bench.kernel_resources import cubin_resources, find_cuobjdump
+
+    tool = find_cuobjdump()
     if tool is None:
         return {**_elf_resources(cubin_path.read_bytes()), "spill_stores": None,
                 "spill_loads": None}
-    # cuobjdump -sass runs nvdisasm, found on PATH: the wheels put it beside cuobjdump.
-    env = {**os.environ, "PATH": os.pathsep.join([str(Path(tool).parent),
-                                                  os.environ.get("PATH", "")])}
-    usage = subprocess.run([tool, "-res-usage", str(cubin_path)], capture_output=True,
-                           text=True, check=True, env=env).stdout
-    sass = subprocess.run([tool, "-sass", str(cubin_path)], capture_output=True, text=True,
-                          check=True, env=env).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", usage)
-    return {"registers": int(m[1]), "stack": int(m[2]), "shared": int(m[3]),
-            "spill_stores": len(re.findall(r"\bSTL\b", sass)),
-            "spill_loads": len(re.findall(r"\bLDL\b", sass)),
-            "stg128": len(re.findall(r"\bSTG\.E\.128\b", sass)),
+    found, sass = cubin_resources(cubin_path, tool)
+    return {**found, "stg128": len(re.findall(r"\bSTG\.E\.128\b", sass)),
             "ldg128": len(re.findall(r"\bLDG\.E\.128\b", sass))}
 
 
