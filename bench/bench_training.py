@@ -691,16 +691,18 @@ def paired(row: dict | None, base: dict | None) -> dict | None:
             "won": wins, "turns": len(a), "verdict": verdict}
 
 
-def _slowest_against(ours: dict | None, others: dict[str, dict]) -> str | None:
-    """The provider "fastest" is judged against: of those the paired test finds ours slower
-    than, the one with the highest ratio; where there is none, the fastest by median."""
+def _slowest_against(ours: dict | None, others: dict[str, dict]
+                     ) -> tuple[str | None, dict | None]:
+    """The provider "fastest" is judged against, with ours paired with it: of those the
+    paired test finds ours slower than, the one with the highest ratio; where there is none,
+    the fastest by median."""
     if not others:
-        return None
+        return None, None
     pairs = {p: paired(ours, r) for p, r in others.items()}
     lost = [p for p, v in pairs.items() if v and v["verdict"] == "slower"]
-    if lost:
-        return max(lost, key=lambda p: pairs[p]["ratio"])
-    return min(others, key=lambda p: others[p]["step_ms"])
+    against = (max(lost, key=lambda p: pairs[p]["ratio"]) if lost
+               else min(others, key=lambda p: others[p]["step_ms"]))
+    return against, pairs[against]
 
 
 def targets(rows: list[dict], dtype: torch.dtype) -> list[dict]:
@@ -714,11 +716,11 @@ def targets(rows: list[dict], dtype: torch.dtype) -> list[dict]:
         where = f"{model} {size} {mode}"
         ours = by.get("tilenorm+residual")
         others = {p: r for p, r in by.items() if p != "tilenorm+residual"}
-        against = _slowest_against(ours, others)
+        against, pair = _slowest_against(ours, others)
         out.append({"target": f"{where}: tilenorm+residual fastest", "unit": "ms",
                     "measured": ours and ours["step_ms"],
                     "limit": against and others[against]["step_ms"], "against": against,
-                    "paired": against and paired(ours, others[against])})
+                    "paired": pair})
         torch_row = by.get("torch")
         for provider in OURS:
             row = by.get(provider)
