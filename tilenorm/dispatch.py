@@ -1,7 +1,8 @@
-"""The one place that decides what runs: for a forward, the cuTile plan or the reference path;
-for a backward, the CuTe DSL kernel, the cuTile plan (re-planned with 64-bit offsets where a
-strided operand needs them) or the reference path; under ``torch.compile``, whether a norm is
-tilenorm's custom op or left to inductor (:func:`compiled_by_inductor`).
+"""The one place that decides what runs: for a forward, the CuTe DSL kernel, the cuTile plan
+or the reference path; for a backward, the CuTe DSL kernel, the cuTile plan (re-planned with
+64-bit offsets where a strided operand needs them) or the reference path; under
+``torch.compile``, whether a norm is tilenorm's custom op or left to inductor
+(:func:`compiled_by_inductor`).
 :func:`tilenorm.explain` prints exactly these decisions. Framework-neutral: dtypes are named
 ("bfloat16", ...), devices are a kind and an index.
 """
@@ -21,12 +22,14 @@ from tilenorm.planner import (
     BlockPlan,
     ColumnAmaxPlan,
     CuteBackwardPlan,
+    CuteForwardPlan,
     CuteFp8ForwardPlan,
     MxSwizzlePlan,
     Op,
     RowNormPlan,
     UnsupportedShape,
     plan_cute_backward,
+    plan_cute_forward,
     plan_cute_fp8_forward,
     plan_fp8_column_amax,
     plan_fp8_mx_swizzle,
@@ -48,7 +51,8 @@ KERNEL_DTYPES = ("bfloat16", "float16", "float32")
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1,
             "float8_e5m2": 1}
-#: The CuTe DSL backward's name in decisions.
+#: The CuTe DSL kernels' names in decisions.
+CUTE_FORWARD_NAME = "RowNormForward (CuTe DSL)"
 CUTE_BACKWARD_NAME = "RowNormBackward (CuTe DSL)"
 
 
@@ -71,6 +75,18 @@ class Problem:
 
 
 @dataclass(frozen=True)
+class ForwardFacts:
+    """What one forward call brings beyond its problem: whether y, h (with a fused residual)
+    and every parameter share x's dtype (parameters may also be fp32), whether a bias comes
+    without a weight, and whether x and the residual are contiguous rows on 16-byte-aligned
+    storage."""
+
+    same_dtypes: bool
+    bias_without_weight: bool
+    dense_aligned: bool
+
+
+@dataclass(frozen=True)
 class BackwardFacts:
     """What one backward call brings beyond its problem: whether the forward had a fused
     residual add, whether the gradient that reached its h is an input, a weight offset,
@@ -90,8 +106,9 @@ class BackwardFacts:
 @dataclass(frozen=True)
 class Decision:
     """What runs for one problem, and why (``str()`` it). ``forward`` and ``backward`` are
-    the cuTile plans (None on the reference path); ``cute_backward`` the CuTe DSL plan that
-    a backward call takes where :func:`backward_kernel` allows it."""
+    the cuTile plans (None on the reference path); ``cute_forward`` and ``cute_backward`` the
+    CuTe DSL plans that a call takes where :func:`forward_kernel` and
+    :func:`backward_kernel` allow it."""
 
     op: str
     reason: str
@@ -100,6 +117,7 @@ class Decision:
     backward: RowNormPlan | None = None
     cute_backward: CuteBackwardPlan | None = None
     device: DeviceInfo | None = None
+    cute_forward: CuteForwardPlan | None = None
 
     @property
     def uses_kernel(self) -> bool:
@@ -110,15 +128,17 @@ class Decision:
         """Every kernel the decision may launch, in launch order."""
         if not self.uses_kernel:
             return ()
-        cute_name = (CUTE_BACKWARD_NAME,) if self.cute_backward else ()
-        return (kernel_names(self.forward) + kernel_names(self.backward) + cute_name
-                + (REDUCE_KERNEL_NAME,))
+        cute_forward = (CUTE_FORWARD_NAME,) if self.cute_forward else ()
+        cute_backward = (CUTE_BACKWARD_NAME,) if self.cute_backward else ()
+        return (cute_forward + kernel_names(self.forward) + kernel_names(self.backward)
+                + cute_backward + (REDUCE_KERNEL_NAME,))
 
     @property
     def status(self) -> str:
         if self.family is None:
             return "torch reference"
-        families = (self.family,) + ((CUTE_NORM,) if self.cute_backward else ())
+        families = (self.family,) + ((CUTE_NORM,) if self.cute_forward or self.cute_backward
+                                     else ())
         return "; ".join(f"{family.name} {_family_status(family)}" for family in families)
 
     def __str__(self) -> str:
@@ -132,6 +152,9 @@ class Decision:
             f"  forward:  {self.forward.describe()}",
             f"  backward: {self.backward.describe()}",
         ]
+        if self.cute_forward:
+            lines.insert(4, f"  forward of contiguous, aligned rows in x's dtype (CuTe DSL): "
+                            f"{self.cute_forward.describe()}")
         if self.cute_backward:
             lines.append(f"  backward of contiguous, aligned rows without a fused residual "
                          f"or weight offset (CuTe DSL): {self.cute_backward.describe()}")
@@ -151,16 +174,28 @@ def _reference(op: str, reason: str) -> Decision:
     return Decision(op=op, reason=reason)
 
 
+def _cute_may_run(p: Problem) -> bool:
+    """The CuTe DSL kernels may run: installed, validated or allowed, and x's dtype that of
+    every other operand or fp32 (a call then checks which is which, :class:`ForwardFacts`)."""
+    return ((validation.is_stable(CUTE_NORM) or p.allow_experimental) and cute.available()
+            and all(d in (p.dtypes[0], "float32") for d in p.dtypes[1:]))
+
+
 def _cute_backward(p: Problem, info: DeviceInfo) -> CuteBackwardPlan | None:
-    """The CuTe DSL backward where the planner has one for the shape, x's dtype is that of
-    every other operand or fp32, and the kernels may run (installed; validated or allowed)."""
-    if not (validation.is_stable(CUTE_NORM) or p.allow_experimental) or not cute.available():
-        return None
-    if any(d not in (p.dtypes[0], "float32") for d in p.dtypes[1:]):
+    """The CuTe DSL backward where the planner has one for the shape and it may run."""
+    if not _cute_may_run(p):
         return None
     return plan_cute_backward(p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]],
                               sm_count=info.sm_count, arch=info.arch, op=p.op, heads=p.heads,
                               max_offset=p.max_offset)
+
+
+def _cute_forward(p: Problem, info: DeviceInfo) -> CuteForwardPlan | None:
+    """The CuTe DSL forward where the planner has one for the shape and it may run."""
+    if not _cute_may_run(p):
+        return None
+    return plan_cute_forward(p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]], arch=info.arch,
+                             op=p.op, heads=p.heads, max_offset=p.max_offset)
 
 
 #: Under ``torch.compile``, a norm whose x holds at most this many bytes is traced as torch
@@ -214,7 +249,19 @@ def decide(p: Problem) -> Decision:
     reason = ("validated kernels cover this case" if stable
               else "experimental kernels are enabled")
     return Decision(op=p.op, reason=reason, family=family, forward=fwd, backward=bwd,
-                    cute_backward=_cute_backward(p, info), device=info)
+                    cute_backward=_cute_backward(p, info), device=info,
+                    cute_forward=_cute_forward(p, info))
+
+
+def forward_kernel(decision: Decision, call: ForwardFacts) -> CuteForwardPlan | RowNormPlan:
+    """The kernel plan that runs one forward call of a decision that uses kernels: the CuTe
+    DSL forward where it has a plan and the call allows it (y and h in x's dtype, parameters
+    in x's dtype or fp32, no bias without a weight, contiguous rows on 16-byte-aligned
+    storage), else the cuTile forward."""
+    if (decision.cute_forward is not None and call.same_dtypes
+            and not call.bias_without_weight and call.dense_aligned):
+        return decision.cute_forward
+    return decision.forward
 
 
 def backward_kernel(decision: Decision, call: BackwardFacts

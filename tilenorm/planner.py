@@ -320,10 +320,59 @@ def plan_cute_backward(rows: int, cols: int, *, itemsize: int, sm_count: int,
     entry = s.cute_backward.get(op, {}).get(cols)
     if max_offset is None:
         max_offset = rows * heads * cols - 1
-    if (entry is None or heads != 1 or itemsize not in s.cute_backward_itemsizes or rows < 1
+    if (entry is None or heads != 1 or itemsize not in s.cute_itemsizes or rows < 1
             or max_offset > MAX_INT32_OFFSET):
         return None
     return CuteBackwardPlan.of(rows, cols, entry, sm_count)
+
+
+@dataclass(frozen=True)
+class CuteForwardPlan:
+    """The CuTe DSL forward's launch over ``rows`` rows of ``cols`` columns: a one-shot grid,
+    CTA ``b`` of ``grid`` taking rows ``[b * rows_per_cta, (b + 1) * rows_per_cta)`` with
+    ``threads`` threads; ``ctas_per_sm`` is the residency the compile keeps registers for."""
+
+    rows: int
+    cols: int
+    threads: int
+    rows_per_cta: int
+    ctas_per_sm: int
+    grid: int
+
+    @classmethod
+    def of(cls, rows: int, cols: int, entry: tuple[int, int, int]) -> CuteForwardPlan:
+        """The plan of a settings table's (threads, rows a CTA, CTAs per SM) ``entry``."""
+        threads, rows_per_cta, ctas_per_sm = entry
+        if rows < 1 or rows_per_cta < 1:
+            raise ValueError(f"rows and rows_per_cta must be positive, got {rows}, "
+                             f"{rows_per_cta}")
+        return cls(rows=rows, cols=cols, threads=threads, rows_per_cta=rows_per_cta,
+                   ctas_per_sm=ctas_per_sm, grid=cdiv(rows, rows_per_cta))
+
+    def program_rows(self, program: int) -> range:
+        start = program * self.rows_per_cta
+        return range(start, min(start + self.rows_per_cta, self.rows))
+
+    def describe(self) -> str:
+        return (f"CuTe DSL, one-shot grid {self.grid} of {self.rows_per_cta} rows a CTA, "
+                f"{self.threads} threads a row ({self.ctas_per_sm} per SM)")
+
+
+def plan_cute_forward(rows: int, cols: int, *, itemsize: int, arch: tuple[int, int], op: Op,
+                      heads: int = 1, max_offset: int | None = None,
+                      settings: RowNormSettings | None = None) -> CuteForwardPlan | None:
+    """The CuTe DSL forward for ``rows x heads`` vectors of ``cols`` elements, or None where
+    cuTile's runs: widths and element sizes not in the settings' ``cute_forward`` table,
+    several heads, and offsets past 32 bits (the kernel indexes with 32; ``max_offset`` as
+    for :func:`plan_row_norm`)."""
+    s = settings or settings_for(arch)
+    entry = s.cute_forward.get(op, {}).get(cols)
+    if max_offset is None:
+        max_offset = rows * heads * cols - 1
+    if (entry is None or heads != 1 or itemsize not in s.cute_itemsizes or rows < 1
+            or max_offset > MAX_INT32_OFFSET):
+        return None
+    return CuteForwardPlan.of(rows, cols, entry)
 
 
 # --- FP8 output (tilenorm.kernels.cutile_row_norm_fp8) -------------------------------------

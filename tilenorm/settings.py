@@ -94,8 +94,16 @@ class RowNormSettings:
     #: loop cannot do: LayerNorm at 32768 x 4096 on an H200, 90.0% -> 98.2% of copy bandwidth
     #: for the row kernel (#38). Widths absent here were not measured to gain.
     cute_backward: dict = field(default_factory=lambda: {"layer_norm": {4096: (256, 2, 2)}})
-    #: Element sizes the CuTe backward takes: bf16 and fp16, eight to a 16-byte vector.
-    cute_backward_itemsizes: tuple[int, ...] = (2,)
+    #: Forwards the CuTe DSL kernel runs instead of cuTile's, per op and row width:
+    #: (threads, rows a CTA, CTAs per SM) of its one-shot grid, each CTA loading its rows
+    #: whole before reducing them, the hardware handing CTAs to SMs as they free up: 99.5-99.8%
+    #: of copy bandwidth on an H100 where cuTile's persistent forward sits at 94% (#65).
+    #: Widths absent here were not measured to gain.
+    cute_forward: dict = field(default_factory=lambda: {
+        op: {4096: (128, 2, 4), 8192: (256, 2, 2), 16384: (512, 2, 1)}
+        for op in ("rms_norm", "layer_norm")})
+    #: Element sizes the CuTe kernels take: bf16 and fp16, eight to a 16-byte vector.
+    cute_itemsizes: tuple[int, ...] = (2,)
 
 
 #: Hopper (H100, H200): every setting above was measured on an H200.

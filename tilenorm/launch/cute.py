@@ -1,6 +1,7 @@
-"""The CuTe DSL backward (:mod:`tilenorm.kernels.cute_row_norm_backward`): compiled per
-launch plan and called through TVM-FFI, which takes DLPack arrays (torch tensors among them)
-and launches on the caller's current stream.
+"""The CuTe DSL kernels (:mod:`tilenorm.kernels.cute_row_norm_forward`,
+:mod:`~tilenorm.kernels.cute_row_norm_backward`, :mod:`~tilenorm.kernels.cute_row_norm_fp8`):
+compiled per launch plan and called through TVM-FFI, which takes DLPack arrays (torch tensors
+among them) and launches on the caller's current stream.
 
 The DSL is an optional part of the install: :func:`available` says whether it imports, and
 nothing here imports it before a kernel is compiled. It comes as ``nvidia-cutlass-dsl-libs-*``
@@ -18,7 +19,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from tilenorm.planner import CuteBackwardPlan
+from tilenorm.planner import CuteBackwardPlan, CuteForwardPlan
 from tilenorm.settings import SM90
 
 #: What the kernels import: the CuTe DSL and the TVM-FFI path they are called through.
@@ -77,6 +78,61 @@ def _compile(kernel, arch: str | None, *operands):
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
     return cute.compile(kernel, *operands, stream, options=options)
+
+
+@dataclass(frozen=True)
+class ForwardKey:
+    """What selects a compiled variant of the forward; dtypes by name. The row count is not
+    one of them: it only bounds which rows a CTA takes (one kernel for every row count)."""
+
+    dtype: str
+    weight_dtype: str | None
+    has_bias: bool
+    layer_norm: bool
+    has_offset: bool
+    has_residual: bool
+    cols: int
+    threads: int
+    rows_per_cta: int
+    ctas_per_sm: int
+
+    @classmethod
+    def of(cls, plan: CuteForwardPlan, dtype: str, weight_dtype: str | None, has_bias: bool,
+           layer_norm: bool, has_offset: bool, has_residual: bool) -> ForwardKey:
+        return cls(dtype, weight_dtype, has_bias, layer_norm, has_offset, has_residual,
+                   plan.cols, plan.threads, plan.rows_per_cta, plan.ctas_per_sm)
+
+
+def compile_forward(key: ForwardKey, arch: str | None = None):
+    """Compile ``key``'s kernel (``arch`` as in :func:`compile_backward`). The result is
+    called as ``fn(x, residual, weight, bias, y, h, mean, rstd, eps, offset, grid)`` with
+    DLPack arrays (None for the absent ones: residual and h together, mean for RMSNorm) on
+    the current stream; x, residual, y and h are contiguous (rows, cols) in ``key.dtype``."""
+    _require_dsl()
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from tilenorm.kernels.cute_row_norm_forward import RowNormForward
+
+    dtypes = _dtypes()
+    dtype = dtypes[key.dtype]
+    weight_dtype = None if key.weight_dtype is None else dtypes[key.weight_dtype]
+    kernel = RowNormForward(dtype, weight_dtype, key.cols, key.threads, key.rows_per_cta,
+                            key.ctas_per_sm, key.layer_norm, key.has_bias, key.has_offset,
+                            key.has_residual)
+    rows = cute.sym_int()
+
+    def row_major():
+        return _fake(dtype, (rows, key.cols), (key.cols, 1), 16)
+
+    x, y = row_major(), row_major()
+    residual, h = (row_major(), row_major()) if key.has_residual else (None, None)
+    weight, bias = (None if not present else _fake(weight_dtype, (key.cols,), (1,), 16)
+                    for present in (key.weight_dtype is not None, key.has_bias))
+    mean = _fake(Float32, (rows,), (1,), 4) if key.layer_norm else None
+    rstd = _fake(Float32, (rows,), (1,), 4)
+    return _compile(kernel, arch, x, residual, weight, bias, y, h, mean, rstd, Float32(1e-6),
+                    Float32(0.0), Int32(1))
 
 
 @dataclass(frozen=True)
@@ -154,8 +210,35 @@ def aot_keys(all_dtypes: bool = False) -> list[BackwardKey]:
             for has_bias in ((False, True) if op == "layer_norm" else (False,))]
 
 
+def aot_forward_keys(all_dtypes: bool = False) -> list[ForwardKey]:
+    """Every variant the settings' CuTe DSL forward entries can run in bf16 (and fp16 with
+    ``all_dtypes``): each weight dtype (or none), with and without a residual, and for
+    LayerNorm with and without a bias; the Gemma offset with a bf16 weight."""
+    dtypes = ("bfloat16", "float16") if all_dtypes else ("bfloat16",)
+    keys = []
+    for op, widths in SM90.cute_forward.items():
+        layer_norm = op == "layer_norm"
+        for cols, config in widths.items():
+            for dtype in dtypes:
+                keys += [ForwardKey(dtype, weight_dtype, has_bias, layer_norm, False,
+                                    has_residual, cols, *config)
+                         for weight_dtype in (None, dtype, "float32")
+                         for has_bias in ((False, True) if layer_norm and weight_dtype
+                                          else (False,))
+                         for has_residual in (False, True)]
+                keys.append(ForwardKey(dtype, dtype, False, layer_norm, True, True, cols,
+                                       *config))
+    return keys
+
+
 #: Compiled variants kept per process: a new row count compiles in ~2 s.
 MAX_COMPILED = 256
+
+
+@functools.lru_cache(maxsize=MAX_COMPILED)
+def compiled_forward(key: ForwardKey):
+    """``key``'s kernel for this process's GPU, compiled once."""
+    return compile_forward(key)
 
 
 @functools.lru_cache(maxsize=MAX_COMPILED)

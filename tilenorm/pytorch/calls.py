@@ -20,12 +20,12 @@ import torch
 from tilenorm import _experimental, dispatch
 from tilenorm._experimental import experimental_enabled
 from tilenorm.arguments import dres_apart
-from tilenorm.dispatch import BackwardFacts, Decision, Problem
+from tilenorm.dispatch import BackwardFacts, Decision, ForwardFacts, Problem
 from tilenorm.launch import cutile
 from tilenorm.launch.cutile import NormFeatures
 from tilenorm.launch.driver import ArrayLayout, DriverLaunch
 from tilenorm.layout import contiguous_strides, max_offset, view_3d, view_strides
-from tilenorm.planner import CuteBackwardPlan, RowNormPlan
+from tilenorm.planner import CuteBackwardPlan, CuteForwardPlan, RowNormPlan
 from tilenorm.pytorch import native, reference
 
 #: Layouts remembered; past this the cache starts over (a long-running job with ever new
@@ -231,7 +231,8 @@ class NormSpec:
 @dataclass
 class ForwardCall:
     """A forward with one operand layout: the decision, and either the reference path or the
-    kernels with their launchers."""
+    kernels with their launchers (the CuTe DSL kernel where the decision allows it for
+    aligned operands, else cuTile's)."""
 
     spec: NormSpec
     decision: Decision
@@ -254,6 +255,9 @@ class ForwardCall:
     #: runs; :meth:`native_autograd` gives it its backwards.
     native: object = None
     native_backward: bool | None = None
+    #: The CuTe DSL forward's plan and compiled-variant key, where it runs.
+    cute: CuteForwardPlan | None = None
+    cute_key: object = None
 
     def native_autograd(self, x, weight, bias, offset: float):
         """The C++ call with the backwards of its outputs' dense gradients attached (built
@@ -292,6 +296,9 @@ class ForwardCall:
                                           offset=offset, residual=residual,
                                           residual_dtype=self.h_dtype, out_dtype=self.out_dtype,
                                           dims=self.spec.dims)
+        if self.cute is not None and not (
+                x.data_ptr() | (0 if residual is None else residual.data_ptr())) & 15:
+            return self._run_cute(x, weight, bias, residual, eps, offset)
         dev = self.device
         y = torch.empty_like(x) if self.y_like_x else torch.empty(
             self.out_shape, dtype=self.out_dtype, device=dev)
@@ -319,6 +326,27 @@ class ForwardCall:
         if self.launch is None or not self.launch(stream, *pointers, eps, offset):
             self._launch_through_cutile(stream, xs, rs, weight, bias, y, h, mean, rstd, eps,
                                         offset)
+        return y, (x if h is None else h), mean, rstd
+
+    def _run_cute(self, x, weight, bias, residual, eps: float, offset: float):
+        """The CuTe DSL forward on (rows, cols) views of contiguous x (and residual)."""
+        from tilenorm.launch import cute
+
+        rows, cols = self.cute.rows, self.cute.cols
+        dev = self.device
+        y = torch.empty_like(x)
+        h = None if residual is None else torch.empty_like(x)
+        rstd = torch.empty(self.stat_shape, dtype=torch.float32, device=dev)
+        mean = (torch.empty(self.stat_shape, dtype=torch.float32, device=dev)
+                if self.features.layer_norm else None)
+        fn = cute.compiled_forward(self.cute_key)
+        with _on_device(dev):
+            fn(x.view(rows, cols), None if residual is None else residual.view(rows, cols),
+               None if weight is None else _aligned(weight).view(cols),
+               None if bias is None else _aligned(bias).view(cols), y.view(rows, cols),
+               None if h is None else h.view(rows, cols),
+               None if mean is None else mean.view(rows), rstd.view(rows), eps, offset,
+               self.cute.grid)
         return y, (x if h is None else h), mean, rstd
 
     def _launch_through_cutile(self, stream, x, residual, weight, bias, y, h, mean, rstd, eps,
@@ -431,6 +459,24 @@ def build_forward(spec: NormSpec, x, weight, bias, residual, out_dtype, residual
                        y_like_x=x.is_contiguous() and (out_dtype or x.dtype) == x.dtype)
     if not decision.uses_kernel:
         return call
+    facts = ForwardFacts(
+        same_dtypes=(call.out_dtype == x.dtype
+                     and (residual is None or residual.dtype == residual_dtype == x.dtype)
+                     and (weight is None or weight.dtype in (x.dtype, torch.float32))
+                     and (bias is None or weight is None or bias.dtype == weight.dtype)),
+        bias_without_weight=bias is not None and weight is None,
+        dense_aligned=not (copy_x or copy_residual) and x.is_contiguous()
+        and (residual is None or residual.is_contiguous()))
+    chosen = dispatch.forward_kernel(decision, facts)
+    if isinstance(chosen, CuteForwardPlan):
+        from tilenorm.launch import cute
+
+        call.cute = chosen
+        call.cute_key = cute.ForwardKey.of(
+            chosen, DTYPE_NAMES[x.dtype], None if weight is None else DTYPE_NAMES[weight.dtype],
+            bias is not None, spec.layer_norm, has_offset, residual is not None)
+    # cuTile's forward also runs the calls whose storage is not 16-byte aligned (known only
+    # per call).
     call.bound = cutile.bind_forward(decision.forward, features)
     heads, cols = shape3[1], shape3[2]
     layouts = {"x": _layout(x.dtype, shape3, x_strides),
@@ -448,7 +494,7 @@ def build_forward(spec: NormSpec, x, weight, bias, residual, out_dtype, residual
     if launcher is not None:
         call.launch = launcher.launch
         cpp = native.module()
-        if cpp is not None and not (copy_x or copy_residual):
+        if cpp is not None and not (copy_x or copy_residual or call.cute):
             call.native = cpp.make_forward(
                 launcher.recipe, list(call.out_shape), list(stat_shape), call.out_dtype,
                 spec.layer_norm, residual_dtype, call.y_like_x)

@@ -1,0 +1,277 @@
+"""The CuTe DSL row-norm forward (tilenorm/kernels/cute_row_norm_forward.py): its plan, its
+ahead-of-time build for Hopper and Blackwell, the decision that picks it, and (GPU) its outputs
+against float64."""
+
+import pytest
+import torch
+
+import tilenorm
+from tests.kernel_harness import OUT_TOL, STAT_TOL, fresh_generator, poisoned, rel
+from tilenorm import dispatch
+from tilenorm.device import DeviceInfo
+from tilenorm.launch import cute
+from tilenorm.planner import plan_cute_forward, plan_row_norm
+from tilenorm.settings import SM90
+from tilenorm.testing import float64_norm
+
+gpu = pytest.mark.gpu
+needs_cute = pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+CUTE_FORWARD = SM90.cute_forward
+WIDTHS = sorted({cols for widths in CUTE_FORWARD.values() for cols in widths})
+OPS = sorted(CUTE_FORWARD)
+H100 = DeviceInfo(index=0, name="NVIDIA H100 80GB HBM3", sm_count=132, arch=(9, 0),
+                  l2_bytes=50 << 20)
+NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 131, 264, 265, 32768, 100003])
+def test_plan_gives_every_row_to_one_cta(rows):
+    for op, widths in CUTE_FORWARD.items():
+        for cols, (threads, rows_per_cta, ctas) in widths.items():
+            p = plan_cute_forward(rows, cols, itemsize=2, arch=(9, 0), op=op)
+            assert (p.threads, p.rows_per_cta, p.ctas_per_sm) == (threads, rows_per_cta, ctas)
+            assert p.grid == -(-rows // rows_per_cta)
+            seen = [r for cta in range(p.grid) for r in p.program_rows(cta)]
+            assert seen == list(range(rows))
+            assert all(len(p.program_rows(cta)) for cta in range(p.grid)), "no idle CTA"
+
+
+def test_plan_only_where_measured():
+    cols = WIDTHS[0]
+
+    def plan(rows=100, cols=cols, itemsize=2, op=OPS[0], **kw):
+        return plan_cute_forward(rows, cols, itemsize=itemsize, arch=(9, 0), op=op, **kw)
+
+    assert plan() and plan(op="layer_norm")
+    assert plan(cols=cols + 8) is None
+    assert plan(cols=min(WIDTHS) // 2) is None
+    assert plan(itemsize=4) is None
+    assert plan(heads=2) is None
+    assert plan(rows=0) is None
+    rows = 2**31 // cols
+    assert plan(rows=rows)
+    assert plan(rows=rows + 1) is None
+    assert plan(rows=10, max_offset=2**31) is None
+
+
+@needs_cute
+def test_decision_picks_it_only_for_its_dtypes_and_when_allowed(monkeypatch):
+    cols = WIDTHS[0]
+    last = 1000 * cols - 1
+
+    def pick(dtypes, max_offset=last, allow=True, op="rms_norm"):
+        p = dispatch.Problem(op, "cuda", 0, dtypes, 1000, 1, cols, False, max_offset, allow)
+        return dispatch._cute_forward(p, H100)
+
+    assert pick(("bfloat16", "float32"))
+    assert pick(("float16", "float16", "float16"), op="layer_norm")
+    assert pick(("bfloat16", "float16")) is None
+    assert pick(("float32", "float32")) is None
+    assert pick(("bfloat16",), max_offset=2**31) is None
+    monkeypatch.setattr(dispatch.validation, "is_stable", lambda family: False)
+    assert pick(("bfloat16",), allow=False) is None
+    assert pick(("bfloat16",), allow=True)
+
+
+def test_forward_kernel_takes_it_only_where_the_call_allows():
+    cols = WIDTHS[0]
+    decision = dispatch.Decision(
+        op="rms_norm", reason="", family=dispatch.CUTILE_NORM,
+        forward=plan_row_norm(1000, cols, itemsize=2, sm_count=132, arch=(9, 0),
+                              direction="forward", op="rms_norm"),
+        backward=plan_row_norm(1000, cols, itemsize=2, sm_count=132, arch=(9, 0),
+                               direction="backward", op="rms_norm"),
+        cute_forward=plan_cute_forward(1000, cols, itemsize=2, arch=(9, 0), op="rms_norm"))
+    plain = dict(same_dtypes=True, bias_without_weight=False, dense_aligned=True)
+    assert dispatch.forward_kernel(decision, dispatch.ForwardFacts(**plain)) \
+        is decision.cute_forward
+    for change in (dict(same_dtypes=False), dict(bias_without_weight=True),
+                   dict(dense_aligned=False)):
+        facts = dispatch.ForwardFacts(**{**plain, **change})
+        assert dispatch.forward_kernel(decision, facts) is decision.forward, change
+    assert "RowNormForward (CuTe DSL)" in decision.kernels
+
+
+def test_kernel_refuses_what_it_cannot_run():
+    if not cute.available():
+        pytest.skip("CuTe DSL not installed")
+    import cutlass
+
+    from tilenorm.kernels.cute_row_norm_forward import RowNormForward
+
+    bf16 = cutlass.BFloat16
+    with pytest.raises(ValueError, match="vectors"):
+        RowNormForward(bf16, bf16, 4100, 128, 2, 4, False, False, False, False)
+    with pytest.raises(ValueError, match="rows_per_cta"):
+        RowNormForward(bf16, bf16, 4096, 128, 0, 4, False, False, False, False)
+    with pytest.raises(ValueError, match="needs a weight"):
+        RowNormForward(bf16, None, 4096, 128, 2, 4, True, True, False, False)
+    with pytest.raises(ValueError, match="needs a weight"):
+        RowNormForward(bf16, None, 4096, 128, 2, 4, False, False, True, False)
+
+
+@pytest.mark.aot
+@needs_cute
+def test_every_variant_builds_for_hopper_and_blackwell():
+    keys = cute.aot_forward_keys(all_dtypes=True)
+    assert {k.cols for k in keys} == set(WIDTHS)
+    for key in keys:
+        for arch in cute.AOT_ARCHS:
+            assert callable(cute.compile_forward(key, arch)), (key, arch)
+
+
+# --- GPU --------------------------------------------------------------------------------
+
+
+def check_forward(m, n, op="rms_norm", dtype=torch.bfloat16, w_dtype=torch.bfloat16,
+                  has_weight=True, has_bias=False, has_residual=False, offset=0.0):
+    """The kernel on poisoned outputs against float64: every element of y, h, mean and rstd
+    written and accurate, a rerun bit-identical."""
+    from tilenorm.device import device_info
+
+    layer_norm = op == "layer_norm"
+    eps = 1e-5 if layer_norm else 1e-6
+    g, seed = fresh_generator("cuda")
+    x = (torch.randn(m, n, generator=g, device="cuda") + (0.5 if layer_norm else 0)).to(dtype)
+    r = torch.randn(m, n, generator=g, device="cuda").to(dtype) if has_residual else None
+    w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(w_dtype) if has_weight \
+        else None
+    b = torch.randn(n, generator=g, device="cuda").to(w_dtype) if has_bias else None
+    info = device_info(torch.cuda.current_device())
+    plan = plan_cute_forward(m, n, itemsize=2, arch=info.arch, op=op)
+    fn = cute.compiled_forward(cute.ForwardKey.of(
+        plan, NAMES[dtype], None if w is None else NAMES[w.dtype], has_bias, layer_norm,
+        offset != 0, has_residual))
+    runs = []
+    for _ in range(2):
+        y = poisoned((m, n), dtype)
+        h = poisoned((m, n), dtype) if has_residual else None
+        mean = poisoned((m,), torch.float32) if layer_norm else None
+        rstd = poisoned((m,), torch.float32)
+        fn(x, r, w, b, y, h, mean, rstd, eps, offset, plan.grid)
+        torch.cuda.synchronize()
+        runs.append([t for t in (y, h, mean, rstd) if t is not None])
+    for got, again in zip(*runs, strict=True):
+        assert not got.isnan().any(), f"every element written (seed {seed})"
+        assert torch.equal(got, again), f"rerun bit-identical (seed {seed})"
+    y, *rest = runs[0]
+    ref = float64_norm(x, w, b, eps, layer_norm=layer_norm, offset=offset, residual=r)
+    # A bf16/fp16 residual stream rounds h, which the statistics then describe.
+    stat_tol = OUT_TOL[dtype] if has_residual else STAT_TOL
+    assert rel(y, ref.y) <= OUT_TOL[dtype], seed
+    if has_residual:
+        assert torch.equal(rest.pop(0), (x.float() + r.float()).to(dtype)), seed
+    if layer_norm:
+        assert rel(rest.pop(0), ref.mean) <= stat_tol, seed
+    assert rel(rest.pop(0), ref.rstd) <= stat_tol, seed
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("n", WIDTHS)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("m", [1, 3, 1000, 32769])
+def test_matches_float64(m, op, n):
+    check_forward(m, n, op)
+
+
+FEATURES = {
+    "fp16": dict(dtype=torch.float16, w_dtype=torch.float16),
+    "fp32 weight": dict(w_dtype=torch.float32),
+    "no weight": dict(has_weight=False),
+    "residual": dict(has_residual=True),
+    "offset": dict(offset=1.0, has_residual=True),
+    "bias": dict(has_bias=True),
+    "fp32 weight and bias, residual": dict(w_dtype=torch.float32, has_bias=True,
+                                           has_residual=True),
+}
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("n", WIDTHS)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("case", sorted(FEATURES))
+def test_features_match_float64(case, op, n):
+    if FEATURES[case].get("has_bias") and op != "layer_norm":
+        pytest.skip("RMSNorm takes no bias")
+    check_forward(555, n, op, **FEATURES[case])
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "torch.compile"])
+@pytest.mark.parametrize("op", OPS)
+def test_public_op_runs_it_and_matches_float64(op, compiled):
+    """The op picks the kernel (x past the size inductor keeps under compile), with a fused
+    residual add, forward and backward."""
+    g, seed = fresh_generator("cuda")
+    n = WIDTHS[0]
+    layer_norm = op == "layer_norm"
+    x = torch.randn(4, 300, n, generator=g, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn_like(x)
+    w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(torch.bfloat16)
+    norm = tilenorm.layer_norm if layer_norm else tilenorm.rms_norm
+    with tilenorm.experimental():
+        decision = tilenorm.explain(x, w, layer_norm=layer_norm)
+        assert decision.cute_forward is not None
+        assert "RowNormForward (CuTe DSL)" in decision.kernels
+
+        def fn(x, r, w):
+            return norm(x, w, residual=r, prenorm=True)
+        if compiled:
+            fn = torch.compile(fn, fullgraph=True)
+        y, h = fn(x, r, w)
+    ref = float64_norm(x, w, None, 1e-5 if layer_norm else 1e-6, layer_norm=layer_norm,
+                       residual=r)
+    assert rel(y, ref.y) <= OUT_TOL[torch.bfloat16], seed
+    assert torch.equal(h, x + r), seed
+
+
+@gpu
+@needs_cute
+def test_unaligned_storage_takes_the_cutile_forward_and_matches_float64():
+    """A view that starts 2 bytes into its storage fails the kernel's 16-byte loads: the call
+    runs cuTile's forward instead, on the same prepared call."""
+    g, seed = fresh_generator("cuda")
+    n = WIDTHS[0]
+    flat = torch.randn(300 * n + 1, generator=g, device="cuda").to(torch.bfloat16)
+    x = flat[1:].view(300, n)
+    w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(torch.bfloat16)
+    assert x.is_contiguous() and x.data_ptr() % 16
+    with tilenorm.experimental():
+        y = tilenorm.rms_norm(x, w)
+        y_aligned = tilenorm.rms_norm(x.clone(), w)
+    ref = float64_norm(x, w, None, 1e-6)
+    assert rel(y, ref.y) <= OUT_TOL[torch.bfloat16], seed
+    assert rel(y_aligned, ref.y) <= OUT_TOL[torch.bfloat16], seed
+
+
+@gpu
+@needs_cute
+def test_cuda_graph_replay_matches_eager_bit_for_bit():
+    """The kernel launches on torch's current stream, so a CUDA graph captures it."""
+    g, _ = fresh_generator("cuda")
+    n = WIDTHS[-1]
+    x = torch.randn(1024, n, generator=g, device="cuda", dtype=torch.bfloat16)
+    w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(torch.bfloat16)
+    b = torch.randn(n, generator=g, device="cuda").to(torch.bfloat16)
+    with tilenorm.experimental():
+        eager = tilenorm.layer_norm_forward(x, w, b)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            tilenorm.layer_norm_forward(x, w, b)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = tilenorm.layer_norm_forward(x, w, b)
+        for t in captured:
+            if t is not None and t is not x:
+                t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+    for got, want in zip(captured, eager, strict=True):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert torch.equal(got, want)

@@ -1,0 +1,173 @@
+"""Row-norm forward in the CuTe DSL: a one-shot grid of short CTAs, each loading a few whole
+rows at once, then reducing and storing them.
+
+The cuTile forward (tilenorm/kernels/cutile_row_norm.py) is a persistent loop that cannot keep
+the next tile's loads in flight (bench/NOTES.md #8, #22), and a persistent CuTe loop that
+does keep them (a register ring of rows, as the CuTe backward's) still stops at 92-93% of
+copy bandwidth on an H100: a persistent grid never rebalances an SM that falls behind. Here
+CTA ``b`` of ``ceil(rows / R)`` takes rows ``[b * R, b * R + R)``: it issues every 16-byte
+load of its R rows first, then reduces and stores each row and exits, so the hardware hands
+the next CTA to whichever SM frees a slot first (99.2-99.8% of copy from 512 to 16384
+columns, where the persistent ring of the same body sat at 91-93%: #65).
+
+The math is the cuTile kernel's, fp32 throughout::
+
+    h = x + residual                      (has_residual: stored, rounded to h's dtype, and
+                                           the rounded h is what is normalized)
+    mu = mean(h)                          (layer_norm: stored as mean; the variance is then
+                                           taken of the centered row, a second reduction)
+    rstd = 1 / sqrt(mean((h - mu)^2) + eps)
+    y = n * w + n * offset + b            (n = (h - mu) * rstd; w, offset, b where present)
+
+Layout: ``threads`` threads each hold ``reps`` 16-byte vectors of a row, ``threads`` vectors
+apart, so every warp's load is 512 contiguous bytes. A row's sums go through a warp butterfly,
+then through shared memory in warp order: a fixed summation tree, so every output is
+bit-for-bit reproducible. The row count is a runtime value: it bounds only which rows a CTA
+takes, so one compiled kernel serves every row count at no register cost.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+
+class RowNormForward:
+    """The kernel for one (dtypes, width, features, launch config); ``__call__`` launches it on
+    ``grid`` CTAs of ``rows_per_cta`` rows each."""
+
+    def __init__(self, dtype, weight_dtype, cols: int, threads: int, rows_per_cta: int,
+                 ctas_per_sm: int, layer_norm: bool, has_bias: bool, has_offset: bool,
+                 has_residual: bool):
+        self.dtype = dtype
+        self.weight_dtype = weight_dtype
+        self.cols = cols
+        self.threads = threads
+        self.vec = 128 // dtype.width
+        if cols % (self.vec * threads):
+            raise ValueError(f"{cols} columns are not whole {self.vec}-element vectors of "
+                             f"{threads} threads")
+        self.reps = cols // (self.vec * threads)
+        if rows_per_cta < 1:
+            raise ValueError(f"rows_per_cta must be >= 1, got {rows_per_cta}")
+        if (has_offset or has_bias) and weight_dtype is None:
+            raise ValueError("a weight offset or a bias needs a weight (of the bias's dtype)")
+        self.rows_per_cta = rows_per_cta
+        self.ctas_per_sm = ctas_per_sm
+        self.layer_norm = layer_norm
+        self.has_weight = weight_dtype is not None
+        self.has_bias = has_bias
+        self.has_offset = has_offset
+        self.has_residual = has_residual
+        self.warps = threads // cute.arch.WARP_SIZE
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mR: cute.Tensor | None, mW: cute.Tensor | None,
+                 mB: cute.Tensor | None, mY: cute.Tensor, mH: cute.Tensor | None,
+                 mMean: cute.Tensor | None, mRstd: cute.Tensor, eps: Float32,
+                 offset: Float32, grid: Int32, stream):
+        self.kernel(mX, mR, mW, mB, mY, mH, mMean, mRstd, eps, offset).launch(
+            grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream,
+            max_number_threads=[self.threads, 1, 1], min_blocks_per_mp=self.ctas_per_sm,
+            # Given, so that the compile does not query a device (it also runs on CPUs); the
+            # DSL's own choice times the same (#65).
+            preferred_smem_carveout=_SMEM_PER_SM)
+
+    @cute.jit
+    def _thread_view(self, row: cute.Tensor, tidx: Int32) -> cute.Tensor:
+        """This thread's (vec, reps) elements of a row: one 16-byte vector per rep, the reps
+        ``threads`` vectors apart."""
+        vectors = cute.zipped_divide(row, (self.vec,))
+        blocks = cute.logical_divide(vectors, (None, self.threads))
+        return blocks[(None, (tidx, None))]
+
+    @cute.jit
+    def _row_sum(self, v, sums: cute.Tensor, slot: int, lane: Int32, warp: Int32) -> Float32:
+        """The row's sum of ``v`` over every thread: a warp butterfly, then the warps' sums
+        through shared memory in warp order (a fixed tree). Consecutive reductions use
+        different slots, so one barrier each orders every write before its reads and every
+        read before the slot's next write."""
+        part = cute.arch.warp_reduction(v.reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
+                                        operator.add)
+        if lane == 0:
+            sums[warp, slot] = part
+        cute.arch.barrier()
+        total = Float32(0.0)
+        for i in cutlass.range_constexpr(self.warps):
+            total = total + sums[i, slot]
+        return total
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mR: cute.Tensor | None, mW: cute.Tensor | None,
+               mB: cute.Tensor | None, mY: cute.Tensor, mH: cute.Tensor | None,
+               mMean: cute.Tensor | None, mRstd: cute.Tensor, eps: Float32, offset: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        rows = mX.shape[0]
+        last = rows - 1
+        inv_n = Float32(1.0 / self.cols)
+        first = cta * self.rows_per_cta
+
+        smem = cutlass.memory.SmemAllocator()
+        sums = smem.allocate_tensor(Float32, cute.make_layout((self.warps, 2)), 16)
+
+        shape = (self.vec, self.reps)
+        xs = [cute.make_rmem_tensor(shape, self.dtype) for _ in range(self.rows_per_cta)]
+        rs = [cute.make_rmem_tensor(shape, self.dtype)
+              for _ in range(self.rows_per_cta if self.has_residual else 0)]
+        # Every row's loads first (rows past the end clamped to the last: loaded, never used),
+        # then the parameters': they are L2 hits that wait behind the rows anyway.
+        for s in cutlass.range_constexpr(self.rows_per_cta):
+            row = cutlass.min(first + s, last)
+            cute.autovec_copy(self._thread_view(mX[row, None], tidx), xs[s])
+            if const_expr(self.has_residual):
+                cute.autovec_copy(self._thread_view(mR[row, None], tidx), rs[s])
+        w = cute.make_rmem_tensor(shape, self.weight_dtype if self.has_weight else self.dtype)
+        if const_expr(self.has_weight):
+            cute.autovec_copy(self._thread_view(mW, tidx), w)
+        b = cute.make_rmem_tensor(shape, w.element_type)
+        if const_expr(self.has_bias):
+            cute.autovec_copy(self._thread_view(mB, tidx), b)
+        out = cute.make_rmem_tensor(shape, self.dtype)
+
+        for s in cutlass.range_constexpr(self.rows_per_cta):
+            row = first + s
+            if row < rows:
+                if const_expr(self.has_residual):
+                    out.store((xs[s].load().to(Float32) + rs[s].load().to(Float32))
+                              .to(self.dtype))
+                    cute.autovec_copy(out, self._thread_view(mH[row, None], tidx))
+                    v = out.load().to(Float32)
+                else:
+                    v = xs[s].load().to(Float32)
+                # Slots: LayerNorm's two reductions a row take 0 and 1; RMSNorm's one
+                # alternates by row.
+                if const_expr(self.layer_norm):
+                    mu = self._row_sum(v, sums, 0, lane, warp) * inv_n
+                    v = v - mu
+                    if tidx == 0:
+                        mMean[row] = mu
+                slot = 1 if const_expr(self.layer_norm) else s % 2
+                rstd = cute.math.rsqrt(self._row_sum(v * v, sums, slot, lane, warp) * inv_n
+                                       + eps)
+                if tidx == 0:
+                    mRstd[row] = rstd
+                n = v * rstd
+                y = n
+                if const_expr(self.has_weight):
+                    y = n * w.load().to(Float32)
+                    if const_expr(self.has_offset):
+                        y = y + n * offset
+                if const_expr(self.has_bias):
+                    y = y + b.load().to(Float32)
+                out.store(y.to(self.dtype))
+                cute.autovec_copy(out, self._thread_view(mY[row, None], tidx))
+
+
+#: Shared memory per SM on Hopper and Blackwell datacenter parts (228 KB).
+_SMEM_PER_SM = 233472
