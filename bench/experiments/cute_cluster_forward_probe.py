@@ -1,0 +1,255 @@
+"""Probe (GPU): an RMSNorm forward that holds a row too wide for one CTA across a cluster of
+CTAs, each reading its slice of the row once (bench/NOTES.md #65: from 65536 columns
+tilenorm's forward reads every row twice, 64% of copy, where Quack's cluster forward reaches
+98%).
+
+One-shot grid, one row a cluster: CTA ``r`` of a cluster of ``C`` loads columns
+``[r * N / C, (r + 1) * N / C)`` of the row into registers (16-byte vectors, ``threads``
+vectors apart), reduces its sum of squares (warp butterfly, then its warps in order), writes
+it to its own shared memory, and arrives at the cluster barrier. After the wait every thread
+reads the C sums through distributed shared memory in rank order (a fixed tree: every CTA
+gets the same bits, so a row's slices share one rstd), then scales and stores its slice. A
+second cluster barrier keeps every CTA resident until its peers have read its sum.
+
+For each shape and (cluster, threads, CTAs per SM): y and rstd poisoned, one launch checked
+against float64, a rerun bit-identical, then CUDA-graph time in rounds beside tilenorm's op
+and Quack; GB/s of the one-pass bytes against the copy bandwidth of the same process.
+
+    python bench/experiments/cute_cluster_forward_probe.py --out cluster.json
+    python bench/experiments/cute_cluster_forward_probe.py --compile-only   # CPU, sm_90a
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import operator
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tilenorm.launch import cute as cute_launch  # noqa: E402
+
+cute_launch.available()
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Float32, Int32  # noqa: E402
+from cutlass._mlir.dialects import llvm  # noqa: E402
+from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
+
+EPS = 1e-6
+SHAPE_BYTES = 256 << 20
+#: Width -> (cluster, threads, CTAs per SM) candidates: each CTA's slice whole 16-byte vectors
+#: of its threads.
+CONFIGS = {
+    32768: [(2, 512, 2), (2, 1024, 1), (4, 512, 2)],
+    65536: [(4, 512, 2), (2, 1024, 1), (8, 256, 4)],
+    131072: [(8, 512, 2), (4, 1024, 1), (8, 1024, 1)],
+}
+#: Shared memory per SM on Hopper and Blackwell datacenter parts (228 KB).
+_SMEM_PER_SM = 233472
+
+
+@dsl_user_op
+def load_peer_f32(smem_ptr, rank, *, loc=None, ip=None) -> Float32:
+    """The fp32 at ``smem_ptr`` in the shared memory of cluster CTA ``rank``
+    (``ld.shared::cluster``: a DSMEM tensor takes no loads in the DSL)."""
+    peer = cute.arch.map_dsmem_ptr(smem_ptr, rank, loc=loc, ip=ip)
+    return Float32(llvm.load(T.f32(), peer.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+class ClusterRmsNormForward:
+    """bf16 / fp16 RMSNorm forward, weight in x's dtype, one row a cluster of ``cluster``
+    CTAs."""
+
+    def __init__(self, dtype, cols: int, cluster: int, threads: int, ctas_per_sm: int):
+        self.dtype = dtype
+        self.cols = cols
+        self.cluster = cluster
+        self.threads = threads
+        self.ctas_per_sm = ctas_per_sm
+        self.vec = 128 // dtype.width
+        self.slice = cols // cluster
+        if cols % cluster or self.slice % (self.vec * threads):
+            raise ValueError(f"{cols} columns are not {cluster} slices of whole "
+                             f"{self.vec}-element vectors of {threads} threads")
+        self.reps = self.slice // (self.vec * threads)
+        self.warps = threads // cute.arch.WARP_SIZE
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mRstd: cute.Tensor,
+                 eps: Float32, grid: Int32, stream):
+        self.kernel(mX, mW, mY, mRstd, eps).launch(
+            grid=[grid, 1, 1], block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1],
+            stream=stream, max_number_threads=[self.threads, 1, 1],
+            min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=_SMEM_PER_SM)
+
+    @cute.jit
+    def _thread_view(self, row: cute.Tensor, rank: Int32, tidx: Int32) -> cute.Tensor:
+        """This thread's (vec, reps) elements of CTA ``rank``'s slice of a row."""
+        piece = cute.zipped_divide(row, (self.slice,))[(None, rank)]
+        vectors = cute.zipped_divide(piece, (self.vec,))
+        blocks = cute.logical_divide(vectors, (None, self.threads))
+        return blocks[(None, (tidx, None))]
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mRstd: cute.Tensor,
+               eps: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        rank = cute.arch.block_in_cluster_idx()[0]
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        row = bidx // self.cluster
+
+        smem = cutlass.memory.SmemAllocator()
+        sums = smem.allocate_tensor(Float32, cute.make_layout((self.warps,)), 16)
+        mine = smem.allocate_tensor(Float32, cute.make_layout((1,)), 16)
+
+        shape = (self.vec, self.reps)
+        x_in = cute.make_rmem_tensor(shape, self.dtype)
+        cute.autovec_copy(self._thread_view(mX[row, None], rank, tidx), x_in)
+        w_in = cute.make_rmem_tensor(shape, self.dtype)
+        cute.autovec_copy(self._thread_view(mW, rank, tidx), w_in)
+
+        x = x_in.load().to(Float32)
+        part = cute.arch.warp_reduction((x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
+                                        operator.add)
+        if lane == 0:
+            sums[warp] = part
+        cute.arch.barrier()
+        if tidx == 0:
+            own = Float32(0.0)
+            for i in cutlass.range_constexpr(self.warps):
+                own = own + sums[i]
+            mine[0] = own
+        # Release this CTA's sum to the cluster, acquire every peer's.
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        total = Float32(0.0)
+        for r in cutlass.range_constexpr(self.cluster):
+            total = total + load_peer_f32(mine.iterator, r)
+        rstd = cute.math.rsqrt(total * Float32(1.0 / self.cols) + eps)
+        if rank == 0 and tidx == 0:
+            mRstd[row] = rstd
+        y = cute.make_rmem_tensor(shape, self.dtype)
+        y.store((x * rstd * w_in.load().to(Float32)).to(self.dtype))
+        cute.autovec_copy(y, self._thread_view(mY[row, None], rank, tidx))
+        # No CTA leaves while a peer may still read its sum.
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+
+
+def compile_kernel(dtype, cols: int, config: tuple[int, int, int], arch: str | None = None):
+    """Compiled for every row count; called as ``fn(x, w, y, rstd, eps, grid)``."""
+    kernel = ClusterRmsNormForward(dtype, cols, *config)
+    rows = cute.sym_int()
+    x, y = (cute.runtime.make_fake_tensor(dtype, (rows, cols), stride=(cols, 1),
+                                          assumed_align=16) for _ in range(2))
+    w = cute.runtime.make_fake_tensor(dtype, (cols,), stride=(1,), assumed_align=16)
+    rstd = cute.runtime.make_fake_tensor(Float32, (rows,), stride=(1,), assumed_align=4)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
+    return cute.compile(kernel, x, w, y, rstd, Float32(EPS), Int32(1), stream, options=options)
+
+
+def one_pass_bytes(m: int, n: int) -> int:
+    return 2 * m * n * 2 + n * 2 + m * 4
+
+
+def measure_width(n: int, rounds: int, record: dict, copy: float) -> None:
+    """Every case of width ``n`` checked and timed into ``record``."""
+    import tilenorm
+    from bench import common
+
+    m = SHAPE_BYTES // (2 * n)
+    g = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(m, n, generator=g, device="cuda").to(torch.bfloat16)
+    w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(torch.bfloat16)
+    cases = []
+    for config in CONFIGS[n]:
+        try:
+            fn = compile_kernel(cutlass.BFloat16, n, config)
+            y = torch.full_like(x, float("nan"))
+            rstd = torch.full((m,), float("nan"), device="cuda")
+
+            def launch(fn=fn, y=y, rstd=rstd, grid=m * config[0]):
+                fn(x, w, y, rstd, EPS, grid)
+
+            launch()
+            torch.cuda.synchronize()
+            first, first_rstd = y.clone(), rstd.clone()
+            errs = common.float64_errors({"y": y, "rstd": rstd}, x, w, eps=EPS)
+            launch()
+            torch.cuda.synchronize()
+            assert not first.isnan().any() and not first_rstd.isnan().any(), "all written"
+            assert torch.equal(first, y) and torch.equal(first_rstd, rstd), "rerun equal"
+            cases.append((f"cluster {config}", launch, errs))
+        except Exception as e:
+            traceback.print_exc(limit=3)
+            record["failures"].append(f"{n} {config}: {type(e).__name__}: {e}")
+
+    def op():
+        tilenorm.rms_norm_forward(x, w, EPS)
+
+    cases.append(("tilenorm op", op, {}))
+    try:
+        from quack.rmsnorm import rmsnorm_fwd
+
+        def quack():
+            rmsnorm_fwd(x, w, eps=EPS, store_rstd=True)
+
+        cases.append(("quack", quack, {}))
+    except Exception as e:
+        record["failures"].append(f"quack: {type(e).__name__}: {e}")
+    times = [[] for _ in cases]
+    for _ in range(rounds):
+        for i, (_, launch, _) in enumerate(cases):
+            times[i].append(common.graph_ms(launch))
+    for (name, _, errs), ms_list in zip(cases, times, strict=True):
+        ms = sorted(ms_list)[len(ms_list) // 2]
+        gbps = one_pass_bytes(m, n) / (ms * 1e-3) / 1e9
+        record["rows"].append({"M": m, "N": n, "case": name, "ms": ms, "gbps": gbps,
+                               "pct_copy": 100 * gbps / copy, **errs})
+        print(f"{m:>7}x{n:<6} {name:>24} {gbps:6.0f} GB/s {100 * gbps / copy:5.1f}%  "
+              f"y err {errs.get('y', float('nan')):.1e} rstd err "
+              f"{errs.get('rstd', float('nan')):.1e}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--widths", default=",".join(map(str, CONFIGS)))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--compile-only", action="store_true",
+                        help="compile every configuration for --arch, no GPU")
+    parser.add_argument("--arch", default="sm_90a")
+    args = parser.parse_args()
+    widths = [int(n) for n in args.widths.split(",")]
+    if args.compile_only:
+        for n in widths:
+            for config in CONFIGS[n]:
+                compile_kernel(cutlass.BFloat16, n, config, args.arch)
+                print(f"compiled {n} {config} for {args.arch}")
+        return
+    from bench import common
+
+    copy = common.copy_gbps()
+    record = {"device": torch.cuda.get_device_name(), "commit": common.git_commit(),
+              "copy_gbps": copy, "rows": [], "failures": []}
+    print(f"{record['device']}: copy {copy:.0f} GB/s", flush=True)
+    for n in widths:
+        measure_width(n, args.rounds, record, copy)
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+        torch.cuda.empty_cache()
+    for f in record["failures"]:
+        print("FAILED", f)
+
+
+if __name__ == "__main__":
+    main()
