@@ -6,6 +6,8 @@ import torch
 import tilenorm
 from tilenorm import _experimental, dispatch, validation
 from tilenorm.device import DeviceInfo
+from tilenorm.launch import cute
+from tilenorm.settings import SM90
 
 FAKE_H100 = DeviceInfo(index=0, name="NVIDIA H100 80GB HBM3", sm_count=132, arch=(9, 0),
                        l2_bytes=50 << 20)
@@ -92,9 +94,13 @@ def test_explain_describes_kernel_tile_grid_and_partial_buffer(fake_gpu):
 ])
 def test_explain_names_the_kernels_each_direction_runs(fake_gpu, cols, names):
     """Each direction's plan picks its kernels: a row may be single-pass forward and column
-    split backward, or split in one direction only."""
+    split backward, or split in one direction only. The CuTe DSL forward, where it is
+    installed and the width is in its table, comes first: a call takes it or cuTile's."""
     route = route_on_fake_gpu(1024, cols, allow=True)
-    assert route.kernels == (*names, "column_sums"), route
+    cute_forward = (dispatch.CUTE_FORWARD_NAME,) if route.cute_forward else ()
+    assert route.kernels == (*cute_forward, *names, "column_sums"), route
+    assert (route.cute_forward is not None) == (cute.available() and cols in
+                                                SM90.cute_forward["rms_norm"])
 
 
 def test_reference_for_unsupported_dtype_and_size(fake_gpu):
