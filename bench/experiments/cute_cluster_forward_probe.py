@@ -3,13 +3,14 @@ CTAs, each reading its slice of the row once (bench/NOTES.md #65: from 65536 col
 tilenorm's forward reads every row twice, 64% of copy, where Quack's cluster forward reaches
 98%).
 
-One-shot grid, one row a cluster: CTA ``r`` of a cluster of ``C`` loads columns
-``[r * N / C, (r + 1) * N / C)`` of the row into registers (16-byte vectors, ``threads``
-vectors apart), reduces its sum of squares (warp butterfly, then its warps in order), writes
-it to its own shared memory, and arrives at the cluster barrier. After the wait every thread
-reads the C sums through distributed shared memory in rank order (a fixed tree: every CTA
-gets the same bits, so a row's slices share one rstd), then scales and stores its slice. A
-second cluster barrier keeps every CTA resident until its peers have read its sum.
+One-shot grid, R rows a cluster: CTA ``r`` of a cluster of ``C`` loads columns
+``[r * N / C, (r + 1) * N / C)`` of its R rows into registers (16-byte vectors, ``threads``
+vectors apart; every load issued first), reduces each row's sum of squares (warp butterfly,
+then its warps in order), writes them to its own shared memory, and arrives at the cluster
+barrier once. After the wait every thread reads the C sums of each row through distributed
+shared memory in rank order (a fixed tree: every CTA gets the same bits, so a row's slices
+share one rstd), then scales and stores its slices. A second cluster barrier keeps every CTA
+resident until its peers have read its sums.
 
 For each shape and (cluster, threads, CTAs per SM): y and rstd poisoned, one launch checked
 against float64, a rerun bit-identical, then CUDA-graph time in rounds beside tilenorm's op
@@ -44,12 +45,12 @@ from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
 
 EPS = 1e-6
 SHAPE_BYTES = 256 << 20
-#: Width -> (cluster, threads, CTAs per SM) candidates: each CTA's slice whole 16-byte vectors
-#: of its threads.
+#: Width -> (cluster, threads, CTAs per SM, rows a cluster) candidates: each CTA's slice whole
+#: 16-byte vectors of its threads.
 CONFIGS = {
-    32768: [(2, 512, 2), (2, 1024, 1), (4, 512, 2)],
-    65536: [(4, 512, 2), (2, 1024, 1), (8, 256, 4)],
-    131072: [(8, 512, 2), (4, 1024, 1), (8, 1024, 1)],
+    32768: [(2, 512, 2, 1), (2, 256, 4, 1), (2, 256, 2, 2), (4, 256, 4, 2)],
+    65536: [(8, 256, 4, 1), (8, 256, 2, 2), (4, 256, 2, 2), (8, 128, 4, 2)],
+    131072: [(8, 512, 2, 1), (8, 256, 2, 2), (8, 512, 1, 2), (8, 256, 4, 1)],
 }
 #: Shared memory per SM on Hopper and Blackwell datacenter parts (228 KB).
 _SMEM_PER_SM = 233472
@@ -67,7 +68,8 @@ class ClusterRmsNormForward:
     """bf16 / fp16 RMSNorm forward, weight in x's dtype, one row a cluster of ``cluster``
     CTAs."""
 
-    def __init__(self, dtype, cols: int, cluster: int, threads: int, ctas_per_sm: int):
+    def __init__(self, dtype, cols: int, cluster: int, threads: int, ctas_per_sm: int,
+                 rows_per_cluster: int = 1):
         self.dtype = dtype
         self.cols = cols
         self.cluster = cluster
@@ -80,6 +82,7 @@ class ClusterRmsNormForward:
                              f"{self.vec}-element vectors of {threads} threads")
         self.reps = self.slice // (self.vec * threads)
         self.warps = threads // cute.arch.WARP_SIZE
+        self.rows_per_cluster = rows_per_cluster
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mRstd: cute.Tensor,
@@ -105,47 +108,58 @@ class ClusterRmsNormForward:
         rank = cute.arch.block_in_cluster_idx()[0]
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
-        row = bidx // self.cluster
+        rows = mX.shape[0]
+        last = rows - 1
+        ring = self.rows_per_cluster
+        first = (bidx // self.cluster) * ring
 
         smem = cutlass.memory.SmemAllocator()
-        sums = smem.allocate_tensor(Float32, cute.make_layout((self.warps,)), 16)
-        mine = smem.allocate_tensor(Float32, cute.make_layout((1,)), 16)
+        sums = smem.allocate_tensor(Float32, cute.make_layout((self.warps, ring)), 16)
+        mine = smem.allocate_tensor(Float32, cute.make_layout((ring,)), 16)
 
         shape = (self.vec, self.reps)
-        x_in = cute.make_rmem_tensor(shape, self.dtype)
-        cute.autovec_copy(self._thread_view(mX[row, None], rank, tidx), x_in)
+        xs = [cute.make_rmem_tensor(shape, self.dtype) for _ in range(ring)]
+        for s in cutlass.range_constexpr(ring):  # rows past the end: the last, never stored
+            cute.autovec_copy(
+                self._thread_view(mX[cutlass.min(first + s, last), None], rank, tidx), xs[s])
         w_in = cute.make_rmem_tensor(shape, self.dtype)
         cute.autovec_copy(self._thread_view(mW, rank, tidx), w_in)
 
-        x = x_in.load().to(Float32)
-        part = cute.arch.warp_reduction((x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
-                                        operator.add)
-        if lane == 0:
-            sums[warp] = part
+        for s in cutlass.range_constexpr(ring):
+            x = xs[s].load().to(Float32)
+            part = cute.arch.warp_reduction(
+                (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0), operator.add)
+            if lane == 0:
+                sums[warp, s] = part
         cute.arch.barrier()
-        if tidx == 0:
+        if tidx < ring:
             own = Float32(0.0)
             for i in cutlass.range_constexpr(self.warps):
-                own = own + sums[i]
-            mine[0] = own
-        # Release this CTA's sum to the cluster, acquire every peer's.
+                own = own + sums[i, tidx]
+            mine[tidx] = own
+        # Release this CTA's sums to the cluster, acquire every peer's.
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
-        total = Float32(0.0)
-        for r in cutlass.range_constexpr(self.cluster):
-            total = total + load_peer_f32(mine.iterator, r)
-        rstd = cute.math.rsqrt(total * Float32(1.0 / self.cols) + eps)
-        if rank == 0 and tidx == 0:
-            mRstd[row] = rstd
         y = cute.make_rmem_tensor(shape, self.dtype)
-        y.store((x * rstd * w_in.load().to(Float32)).to(self.dtype))
-        cute.autovec_copy(y, self._thread_view(mY[row, None], rank, tidx))
+        for s in cutlass.range_constexpr(ring):
+            row = first + s
+            total = Float32(0.0)
+            for r in cutlass.range_constexpr(self.cluster):
+                total = total + load_peer_f32(mine.iterator + s, r)
+            rstd = cute.math.rsqrt(total * Float32(1.0 / self.cols) + eps)
+            if row < rows:
+                if rank == 0 and tidx == 0:
+                    mRstd[row] = rstd
+                y.store((xs[s].load().to(Float32) * rstd * w_in.load().to(Float32))
+                        .to(self.dtype))
+                cute.autovec_copy(y, self._thread_view(mY[row, None], rank, tidx))
         # No CTA leaves while a peer may still read its sum.
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
 
 
-def compile_kernel(dtype, cols: int, config: tuple[int, int, int], arch: str | None = None):
+def compile_kernel(dtype, cols: int, config: tuple[int, int, int, int],
+                   arch: str | None = None):
     """Compiled for every row count; called as ``fn(x, w, y, rstd, eps, grid)``."""
     kernel = ClusterRmsNormForward(dtype, cols, *config)
     rows = cute.sym_int()
@@ -178,7 +192,7 @@ def measure_width(n: int, rounds: int, record: dict, copy: float) -> None:
             y = torch.full_like(x, float("nan"))
             rstd = torch.full((m,), float("nan"), device="cuda")
 
-            def launch(fn=fn, y=y, rstd=rstd, grid=m * config[0]):
+            def launch(fn=fn, y=y, rstd=rstd, grid=-(-m // config[3]) * config[0]):
                 fn(x, w, y, rstd, EPS, grid)
 
             launch()
