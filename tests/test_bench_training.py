@@ -206,3 +206,22 @@ def test_fastest_is_judged_against_every_provider():
     assert bench_training.paired(rows[2], rows[0])["verdict"] != "slower"
     assert target["against"] == "torch" and target["paired"]["verdict"] == "slower"
     assert target["pass"] is False
+
+
+def test_each_compiled_model_keeps_its_own_dynamo_cache():
+    """Two models of one class, compiled for two providers: each call's entries sit on its
+    own code object, so neither pays for testing the other's guards (bench/NOTES.md #67)."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch._dynamo.reset()
+    models = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+              for _ in range(2)]
+    models[1][1] = torch.nn.RMSNorm(8)  # another provider's norm: other guards, other graph
+    calls = [bench_training.compiled_call(m) for m in models]
+    x = torch.randn(4, 8)
+    for m, call in zip(models, calls, strict=True):
+        torch.testing.assert_close(call(x), m(x))
+    codes = [call._torchdynamo_orig_callable.__code__ for call in calls]
+    assert codes[0] is not codes[1]
+    assert [len(_debug_get_cache_entry_list(c)) for c in codes] == [1, 1]
+    torch._dynamo.reset()
