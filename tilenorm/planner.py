@@ -317,13 +317,22 @@ def plan_cute_backward(rows: int, cols: int, *, itemsize: int, sm_count: int,
     several heads, and offsets past 32 bits (the kernel indexes with 32; ``max_offset`` as
     for :func:`plan_row_norm`)."""
     s = settings or settings_for(arch)
-    entry = s.cute_backward.get(op, {}).get(cols)
+    entry = _cute_entry(s, s.cute_backward, op, rows, cols, itemsize, heads, max_offset)
+    return None if entry is None else CuteBackwardPlan.of(rows, cols, entry, sm_count)
+
+
+def _cute_entry(s: RowNormSettings, table: dict, op: Op, rows: int, cols: int, itemsize: int,
+                heads: int, max_offset: int | None) -> tuple[int, int, int] | None:
+    """A CuTe DSL kernel's ``table`` entry for the shape, or None where cuTile's runs: widths
+    and element sizes the settings do not list, several heads, no rows, offsets past 32 bits
+    (the kernels index with 32)."""
+    entry = table.get(op, {}).get(cols)
     if max_offset is None:
         max_offset = rows * heads * cols - 1
     if (entry is None or heads != 1 or itemsize not in s.cute_itemsizes or rows < 1
             or max_offset > MAX_INT32_OFFSET):
         return None
-    return CuteBackwardPlan.of(rows, cols, entry, sm_count)
+    return entry
 
 
 @dataclass(frozen=True)
@@ -366,13 +375,8 @@ def plan_cute_forward(rows: int, cols: int, *, itemsize: int, arch: tuple[int, i
     several heads, and offsets past 32 bits (the kernel indexes with 32; ``max_offset`` as
     for :func:`plan_row_norm`)."""
     s = settings or settings_for(arch)
-    entry = s.cute_forward.get(op, {}).get(cols)
-    if max_offset is None:
-        max_offset = rows * heads * cols - 1
-    if (entry is None or heads != 1 or itemsize not in s.cute_itemsizes or rows < 1
-            or max_offset > MAX_INT32_OFFSET):
-        return None
-    return CuteForwardPlan.of(rows, cols, entry)
+    entry = _cute_entry(s, s.cute_forward, op, rows, cols, itemsize, heads, max_offset)
+    return None if entry is None else CuteForwardPlan.of(rows, cols, entry)
 
 
 # --- FP8 output (tilenorm.kernels.cutile_row_norm_fp8) -------------------------------------

@@ -43,8 +43,9 @@ from cutlass import Float32, Int32  # noqa: E402
 from cutlass._mlir.dialects import llvm  # noqa: E402
 from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
 
-EPS = 1e-6
-SHAPE_BYTES = 256 << 20
+from bench.experiments import forward_probe_cases  # noqa: E402
+from bench.experiments.forward_probe_cases import EPS, SHAPE_BYTES  # noqa: E402
+
 #: Width -> (cluster, threads, CTAs per SM, rows a cluster) candidates: each CTA's slice whole
 #: 16-byte vectors of its threads.
 CONFIGS = {
@@ -172,15 +173,8 @@ def compile_kernel(dtype, cols: int, config: tuple[int, int, int, int],
     return cute.compile(kernel, x, w, y, rstd, Float32(EPS), Int32(1), stream, options=options)
 
 
-def one_pass_bytes(m: int, n: int) -> int:
-    return 2 * m * n * 2 + n * 2 + m * 4
-
-
 def measure_width(n: int, rounds: int, record: dict, copy: float) -> None:
     """Every case of width ``n`` checked and timed into ``record``."""
-    import tilenorm
-    from bench import common
-
     m = SHAPE_BYTES // (2 * n)
     g = torch.Generator(device="cuda").manual_seed(n)
     x = torch.randn(m, n, generator=g, device="cuda").to(torch.bfloat16)
@@ -195,44 +189,14 @@ def measure_width(n: int, rounds: int, record: dict, copy: float) -> None:
             def launch(fn=fn, y=y, rstd=rstd, grid=-(-m // config[3]) * config[0]):
                 fn(x, w, y, rstd, EPS, grid)
 
-            launch()
-            torch.cuda.synchronize()
-            first, first_rstd = y.clone(), rstd.clone()
-            errs = common.float64_errors({"y": y, "rstd": rstd}, x, w, eps=EPS)
-            launch()
-            torch.cuda.synchronize()
-            assert not first.isnan().any() and not first_rstd.isnan().any(), "all written"
-            assert torch.equal(first, y) and torch.equal(first_rstd, rstd), "rerun equal"
-            cases.append((f"cluster {config}", launch, errs))
+            cases.append(forward_probe_cases.checked(f"cluster {config}", launch, y, rstd, x,
+                                                     w))
         except Exception as e:
             traceback.print_exc(limit=3)
             record["failures"].append(f"{n} {config}: {type(e).__name__}: {e}")
 
-    def op():
-        tilenorm.rms_norm_forward(x, w, EPS)
-
-    cases.append(("tilenorm op", op, {}))
-    try:
-        from quack.rmsnorm import rmsnorm_fwd
-
-        def quack():
-            rmsnorm_fwd(x, w, eps=EPS, store_rstd=True)
-
-        cases.append(("quack", quack, {}))
-    except Exception as e:
-        record["failures"].append(f"quack: {type(e).__name__}: {e}")
-    times = [[] for _ in cases]
-    for _ in range(rounds):
-        for i, (_, launch, _) in enumerate(cases):
-            times[i].append(common.graph_ms(launch))
-    for (name, _, errs), ms_list in zip(cases, times, strict=True):
-        ms = sorted(ms_list)[len(ms_list) // 2]
-        gbps = one_pass_bytes(m, n) / (ms * 1e-3) / 1e9
-        record["rows"].append({"M": m, "N": n, "case": name, "ms": ms, "gbps": gbps,
-                               "pct_copy": 100 * gbps / copy, **errs})
-        print(f"{m:>7}x{n:<6} {name:>24} {gbps:6.0f} GB/s {100 * gbps / copy:5.1f}%  "
-              f"y err {errs.get('y', float('nan')):.1e} rstd err "
-              f"{errs.get('rstd', float('nan')):.1e}", flush=True)
+    cases += forward_probe_cases.baselines(x, w, record)
+    forward_probe_cases.time_cases(cases, m, n, rounds, record, copy)
 
 
 def main() -> None:

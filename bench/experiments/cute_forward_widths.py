@@ -24,10 +24,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench import common  # noqa: E402
+from bench.experiments import forward_probe_cases  # noqa: E402
+from bench.experiments.forward_probe_cases import EPS, SHAPE_BYTES  # noqa: E402
 from tilenorm.launch import cute  # noqa: E402
 from tilenorm.planner import CuteForwardPlan  # noqa: E402
 
-EPS = 1e-6
 #: Widths and candidate (threads, rows a CTA, CTAs per SM): 16-byte vectors a thread whole.
 CONFIGS = {
     512: [(64, 2, 16), (64, 4, 8)],
@@ -37,17 +38,10 @@ CONFIGS = {
     7168: [(128, 2, 4), (128, 1, 8), (896, 1, 2)],
     32768: [(1024, 1, 1), (512, 1, 1), (1024, 1, 2)],
 }
-SHAPE_BYTES = 256 << 20
-
-
-def one_pass_bytes(m: int, n: int) -> int:
-    return 2 * m * n * 2 + n * 2 + m * 4
 
 
 def measure_width(n: int, rounds: int, record: dict, copy: float) -> None:
     """Every case of width ``n`` checked and timed into ``record``."""
-    import tilenorm
-
     m = SHAPE_BYTES // (2 * n)
     g = torch.Generator(device="cuda").manual_seed(n)
     x = torch.randn(m, n, generator=g, device="cuda").to(torch.bfloat16)
@@ -64,42 +58,13 @@ def measure_width(n: int, rounds: int, record: dict, copy: float) -> None:
             def launch(fn=fn, y=y, rstd=rstd, grid=plan.grid):
                 fn(x, None, w, None, y, None, None, rstd, EPS, 0.0, grid)
 
-            launch()
-            torch.cuda.synchronize()
-            first = y.clone()
-            errs = common.float64_errors({"y": y, "rstd": rstd}, x, w, eps=EPS)
-            launch()
-            torch.cuda.synchronize()
-            assert not first.isnan().any() and torch.equal(first, y), "written, rerun equal"
-            cases.append((f"cute {config}", launch, errs))
+            cases.append(forward_probe_cases.checked(f"cute {config}", launch, y, rstd, x, w))
         except Exception as e:
             traceback.print_exc(limit=3)
             record["failures"].append(f"{n} {config}: {type(e).__name__}: {e}")
 
-    def op():
-        tilenorm.rms_norm_forward(x, w, EPS)
-
-    cases.append(("tilenorm op", op, {}))
-    try:
-        from quack.rmsnorm import rmsnorm_fwd
-
-        def quack():
-            rmsnorm_fwd(x, w, eps=EPS, store_rstd=True)
-
-        cases.append(("quack", quack, {}))
-    except Exception as e:
-        record["failures"].append(f"quack: {type(e).__name__}: {e}")
-    times = [[] for _ in cases]
-    for _ in range(rounds):
-        for i, (_, launch, _) in enumerate(cases):
-            times[i].append(common.graph_ms(launch))
-    for (name, _, errs), ms_list in zip(cases, times, strict=True):
-        ms = sorted(ms_list)[len(ms_list) // 2]
-        gbps = one_pass_bytes(m, n) / (ms * 1e-3) / 1e9
-        record["rows"].append({"M": m, "N": n, "case": name, "ms": ms, "gbps": gbps,
-                               "pct_copy": 100 * gbps / copy, **errs})
-        print(f"{m:>7}x{n:<6} {name:>22} {gbps:6.0f} GB/s {100 * gbps / copy:5.1f}%  "
-              f"y err {errs.get('y', float('nan')):.1e}", flush=True)
+    cases += forward_probe_cases.baselines(x, w, record)
+    forward_probe_cases.time_cases(cases, m, n, rounds, record, copy)
 
 
 def main() -> None:
