@@ -255,9 +255,11 @@ class ForwardCall:
     #: runs; :meth:`native_autograd` gives it its backwards.
     native: object = None
     native_backward: bool | None = None
-    #: The CuTe DSL forward's plan and compiled-variant key, where it runs.
+    #: The CuTe DSL forward's plan, compiled-variant key and kernel (compiled at its first
+    #: call), where it runs.
     cute: CuteForwardPlan | None = None
     cute_key: object = None
+    cute_fn: object = None
 
     def native_autograd(self, x, weight, bias, offset: float):
         """The C++ call with the backwards of its outputs' dense gradients attached (built
@@ -339,7 +341,9 @@ class ForwardCall:
         rstd = torch.empty(self.stat_shape, dtype=torch.float32, device=dev)
         mean = (torch.empty(self.stat_shape, dtype=torch.float32, device=dev)
                 if self.features.layer_norm else None)
-        fn = cute.compiled_forward(self.cute_key)
+        fn = self.cute_fn
+        if fn is None:
+            fn = self.cute_fn = cute.compiled_forward(self.cute_key)
         with _on_device(dev):
             fn(x.view(rows, cols), None if residual is None else residual.view(rows, cols),
                None if weight is None else _aligned(weight).view(cols),
