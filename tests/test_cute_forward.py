@@ -54,16 +54,21 @@ def test_plan_only_where_measured():
     assert plan(rows=10, max_offset=2**31) is None
 
 
-@needs_cute
-def test_decision_picks_it_only_for_its_dtypes_and_when_allowed(monkeypatch):
-    cols = WIDTHS[0]
-    last = 1000 * cols - 1
+#: Rows of the narrowest routed width whose bf16 x is the smallest the CuTe forward takes.
+MIN_ROWS = dispatch.CUTE_FORWARD_MIN_BYTES // (2 * WIDTHS[0])
 
-    def pick(dtypes, max_offset=last, allow=True, op="rms_norm"):
-        p = dispatch.Problem(op, "cuda", 0, dtypes, 1000, 1, cols, False, max_offset, allow)
+
+@needs_cute
+def test_decision_picks_it_only_for_its_dtypes_sizes_and_when_allowed(monkeypatch):
+    cols = WIDTHS[0]
+    last = MIN_ROWS * cols - 1
+
+    def pick(dtypes, max_offset=last, allow=True, op="rms_norm", rows=MIN_ROWS):
+        p = dispatch.Problem(op, "cuda", 0, dtypes, rows, 1, cols, False, max_offset, allow)
         return dispatch._cute_forward(p, H100)
 
     assert pick(("bfloat16", "float32"))
+    assert pick(("bfloat16",), rows=MIN_ROWS - 1) is None, "a small x keeps the C++ path"
     assert pick(("float16", "float16", "float16"), op="layer_norm")
     assert pick(("bfloat16", "float16")) is None
     assert pick(("float32", "float32")) is None
@@ -82,14 +87,43 @@ def test_forward_kernel_takes_it_only_where_the_call_allows():
         backward=plan_row_norm(1000, cols, itemsize=2, sm_count=132, arch=(9, 0),
                                direction="backward", op="rms_norm"),
         cute_forward=plan_cute_forward(1000, cols, itemsize=2, arch=(9, 0), op="rms_norm"))
-    plain = dict(same_dtypes=True, bias_without_weight=False, dense_aligned=True)
+    plain = dict(same_dtypes=True, bias_without_weight=False, dense=True)
     assert dispatch.forward_kernel(decision, dispatch.ForwardFacts(**plain)) \
         is decision.cute_forward
     for change in (dict(same_dtypes=False), dict(bias_without_weight=True),
-                   dict(dense_aligned=False)):
+                   dict(dense=False)):
         facts = dispatch.ForwardFacts(**{**plain, **change})
         assert dispatch.forward_kernel(decision, facts) is decision.forward, change
     assert "RowNormForward (CuTe DSL)" in decision.kernels
+
+
+def test_call_facts_take_the_kernel_only_for_what_it_runs():
+    """The operand facts a prepared forward derives (``calls.forward_facts``): the CuTe DSL
+    forward runs y, h and the parameters in x's dtype (parameters also fp32), contiguous x and
+    residual, a bias only with a weight of its dtype."""
+    from tilenorm.pytorch.calls import forward_facts
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    x = torch.randn(4, 64, dtype=bf16)
+    r = torch.randn(4, 64, dtype=bf16)
+    w = torch.randn(64, dtype=bf16)
+
+    def runs(x=x, w=w, b=None, r=None, out=bf16, h=None, copies=False):
+        h = h if h is not None else (None if r is None else r.dtype)
+        facts = forward_facts(x, w, b, r, out, h, copies)
+        return facts.same_dtypes and facts.dense and not facts.bias_without_weight
+
+    assert runs()
+    assert runs(r=r) and runs(w=w.float()) and runs(w=w.float(), b=w.float())
+    assert runs(w=None) and runs(w=w[::2].repeat(2)), "a weight is copied if need be"
+    assert not runs(out=fp32), "autocast's fp32 y"
+    assert not runs(r=r.float()) and not runs(r=r, h=fp32), "an fp32 residual stream"
+    assert not runs(w=w.half()) and not runs(b=w.float()), "other parameter dtypes"
+    assert not runs(w=None, b=w), "a bias without a weight"
+    assert not runs(x=torch.randn(64, 4, dtype=bf16).t()), "strided x"
+    assert not runs(r=torch.randn(64, 4, dtype=bf16).t()), "a transposed residual"
+    assert not runs(r=torch.randn(1, 64, dtype=bf16).expand(4, 64)), "a broadcast residual"
+    assert not runs(copies=True)
 
 
 def test_kernel_refuses_what_it_cannot_run():
@@ -202,30 +236,45 @@ def test_features_match_float64(case, op, n):
 @needs_cute
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "torch.compile"])
 @pytest.mark.parametrize("op", OPS)
-def test_public_op_runs_it_and_matches_float64(op, compiled):
-    """The op picks the kernel (x past the size inductor keeps under compile), with a fused
-    residual add, forward and backward."""
+def test_public_op_runs_it_and_matches_float64(op, compiled, monkeypatch):
+    """The op runs the kernel (x of the smallest size it takes, past what inductor keeps
+    under compile) with a fused residual add; y, h and the gradients of x, the residual and
+    the weight match float64."""
+    from tilenorm.pytorch.calls import ForwardCall
+
+    ran = []
+    run_cute = ForwardCall._run_cute
+    monkeypatch.setattr(ForwardCall, "_run_cute",
+                        lambda self, *a: ran.append(self.cute) or run_cute(self, *a))
     g, seed = fresh_generator("cuda")
     n = WIDTHS[0]
     layer_norm = op == "layer_norm"
-    x = torch.randn(4, 300, n, generator=g, device="cuda", dtype=torch.bfloat16)
-    r = torch.randn_like(x)
+    eps = 1e-5 if layer_norm else 1e-6
+    shape = (4, MIN_ROWS // 4, n)
+    x = torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
     w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(torch.bfloat16)
+    dy, dh = (torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
+              for _ in range(2))
     norm = tilenorm.layer_norm if layer_norm else tilenorm.rms_norm
+    leaves = [t.clone().requires_grad_() for t in (x, r, w)]
     with tilenorm.experimental():
-        decision = tilenorm.explain(x, w, layer_norm=layer_norm)
+        decision = tilenorm.explain(x, w, r, layer_norm=layer_norm)
         assert decision.cute_forward is not None
-        assert "RowNormForward (CuTe DSL)" in decision.kernels
 
         def fn(x, r, w):
-            return norm(x, w, residual=r, prenorm=True)
+            return norm(x, w, eps=eps, residual=r, prenorm=True)
         if compiled:
             fn = torch.compile(fn, fullgraph=True)
-        y, h = fn(x, r, w)
-    ref = float64_norm(x, w, None, 1e-5 if layer_norm else 1e-6, layer_norm=layer_norm,
-                       residual=r)
+        y, h = fn(*leaves)
+        torch.autograd.backward((y, h), (dy, dh))
+    assert ran, "the CuTe DSL forward ran"
+    ref = float64_norm(x, w, None, eps, layer_norm=layer_norm, residual=r, dy=dy, dh=dh)
     assert rel(y, ref.y) <= OUT_TOL[torch.bfloat16], seed
     assert torch.equal(h, x + r), seed
+    for got, want in zip((t.grad for t in leaves), (ref.dx, ref.dresidual, ref.dweight),
+                         strict=True):
+        assert rel(got, want) <= OUT_TOL[torch.bfloat16], seed
 
 
 @gpu
@@ -235,8 +284,8 @@ def test_unaligned_storage_takes_the_cutile_forward_and_matches_float64():
     runs cuTile's forward instead, on the same prepared call."""
     g, seed = fresh_generator("cuda")
     n = WIDTHS[0]
-    flat = torch.randn(300 * n + 1, generator=g, device="cuda").to(torch.bfloat16)
-    x = flat[1:].view(300, n)
+    flat = torch.randn(MIN_ROWS * n + 1, generator=g, device="cuda").to(torch.bfloat16)
+    x = flat[1:].view(MIN_ROWS, n)
     w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(torch.bfloat16)
     assert x.is_contiguous() and x.data_ptr() % 16
     with tilenorm.experimental():
@@ -252,8 +301,8 @@ def test_unaligned_storage_takes_the_cutile_forward_and_matches_float64():
 def test_cuda_graph_replay_matches_eager_bit_for_bit():
     """The kernel launches on torch's current stream, so a CUDA graph captures it."""
     g, _ = fresh_generator("cuda")
-    n = WIDTHS[-1]
-    x = torch.randn(1024, n, generator=g, device="cuda", dtype=torch.bfloat16)
+    n = WIDTHS[0]
+    x = torch.randn(MIN_ROWS, n, generator=g, device="cuda", dtype=torch.bfloat16)
     w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(torch.bfloat16)
     b = torch.randn(n, generator=g, device="cuda").to(torch.bfloat16)
     with tilenorm.experimental():

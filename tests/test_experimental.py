@@ -99,11 +99,28 @@ def test_explain_names_the_kernels_each_direction_runs(fake_gpu, cols, names):
     route = route_on_fake_gpu(1024, cols, allow=True)
     cute_forward = (dispatch.CUTE_FORWARD_NAME,) if route.cute_forward else ()
     assert route.kernels == (*cute_forward, *names, "column_sums"), route
-    assert (route.cute_forward is not None) == (cute.available() and cols in
-                                                SM90.cute_forward["rms_norm"])
+    assert (route.cute_forward is not None) == (
+        cute.available() and cols in SM90.cute_forward["rms_norm"]
+        and 1024 * cols * 2 >= dispatch.CUTE_FORWARD_MIN_BYTES)
 
 
 def test_reference_for_unsupported_dtype_and_size(fake_gpu):
     assert "float64" in route_on_fake_gpu(8, 64, "float64", allow=True).reason
     big = route_on_fake_gpu(2**16, 2**15 + 1, allow=True)
     assert big.uses_kernel and "64-bit offsets" in str(big)
+
+
+def test_weights_that_do_not_flatten_take_the_reference_path(fake_gpu):
+    """The kernels read a weight or bias as one strided vector: a multi-dimensional one
+    whose strides do not flatten (a transposed 2-D weight) is not one, and runs the
+    reference path, with the reason."""
+    from tilenorm.pytorch.calls import flat_strided
+
+    w = torch.randn(4, 8)
+    assert flat_strided(w) and flat_strided(w[:, ::2].contiguous()) and flat_strided(w[0])
+    assert flat_strided(torch.randn(8, 1)) and flat_strided(torch.randn(1, 8)[:, ::2])
+    assert not flat_strided(w.t()) and not flat_strided(w[:, :4]) and not flat_strided(w[::2])
+    p = dispatch.Problem("rms_norm", "cuda", 0, ("bfloat16",), 64, 1, 32, False, 64 * 32 - 1,
+                         True, flat_params=False)
+    decision = dispatch.decide(p)
+    assert not decision.uses_kernel and "strides do not flatten" in str(decision)

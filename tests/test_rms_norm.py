@@ -748,3 +748,18 @@ def test_kernels_launch_beside_a_replaced_ct_launch(monkeypatch):
     y64, _, dx64, dw64, _ = float64_features(x, w, EPS, dy)
     assert rel(y, y64) <= 1e-2 and rel(dx, dx64) <= 1e-2, seed
     assert rel(dw, dw64) <= DGAMMA_TOL_FP32, seed
+
+
+@pytest.mark.gpu
+def test_a_transposed_two_dimensional_weight_matches_float64():
+    """A weight of a 2-D normalized_shape read through a transposed view: its strides do not
+    flatten, so the call takes the reference path and is right (the kernels would read it as
+    one strided vector)."""
+    g, seed = fresh_generator("cuda")
+    x = torch.randn(64, 16, 32, generator=g, device="cuda").to(torch.bfloat16)
+    w = (1 + 0.5 * torch.randn(32, 16, generator=g, device="cuda")).t()
+    with tilenorm.experimental():
+        assert not tilenorm.explain(x, w, normalized_shape=(16, 32)).uses_kernel
+        y = tilenorm.rms_norm(x, w, normalized_shape=(16, 32))
+    ref = float64_norm(x.flatten(1), w.flatten(), None, 1e-6)
+    assert rel(y.flatten(1), ref.y) <= 1e-2, seed

@@ -72,18 +72,22 @@ class Problem:
     per_head_weight: bool
     max_offset: int
     allow_experimental: bool
+    #: The weight and bias (without a weight per head) are each one strided vector: the
+    #: kernels read them so, and a multi-dimensional one whose strides do not flatten (a
+    #: transposed 2-D weight) is not.
+    flat_params: bool = True
 
 
 @dataclass(frozen=True)
 class ForwardFacts:
     """What one forward call brings beyond its problem: whether y, h (with a fused residual)
     and every parameter share x's dtype (parameters may also be fp32), whether a bias comes
-    without a weight, and whether x and the residual are contiguous rows on 16-byte-aligned
-    storage."""
+    without a weight, and whether x and the residual are contiguous rows (``dense``; their
+    storage's 16-byte alignment is checked at each call)."""
 
     same_dtypes: bool
     bias_without_weight: bool
-    dense_aligned: bool
+    dense: bool
 
 
 @dataclass(frozen=True)
@@ -190,9 +194,18 @@ def _cute_backward(p: Problem, info: DeviceInfo) -> CuteBackwardPlan | None:
                               max_offset=p.max_offset)
 
 
+#: The CuTe DSL forward runs from Python (TVM-FFI), without the C++ call path and autograd
+#: node that the cuTile kernels have (#40, #42): a call of a smaller x keeps them. At 32 MiB
+#: an eager CuTe call took 34.0 us for 24.8 us of kernel (H100, #65): below ~64 MiB the host
+#: cost, not the 5% of bandwidth, decides the call's time.
+CUTE_FORWARD_MIN_BYTES = 64 << 20
+
+
 def _cute_forward(p: Problem, info: DeviceInfo) -> CuteForwardPlan | None:
-    """The CuTe DSL forward where the planner has one for the shape and it may run."""
-    if not _cute_may_run(p):
+    """The CuTe DSL forward where the planner has one for the shape, x holds at least
+    :data:`CUTE_FORWARD_MIN_BYTES`, and it may run."""
+    x_bytes = p.rows * p.heads * p.cols * ITEMSIZE[p.dtypes[0]]
+    if x_bytes < CUTE_FORWARD_MIN_BYTES or not _cute_may_run(p):
         return None
     return plan_cute_forward(p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]], arch=info.arch,
                              op=p.op, heads=p.heads, max_offset=p.max_offset)
@@ -228,6 +241,10 @@ def decide(p: Problem) -> Decision:
                                 f"and float32")
     if p.rows * p.heads * p.cols == 0:
         return _reference(p.op, "x is empty: there is nothing to launch")
+    if not p.flat_params:
+        return _reference(p.op, "the weight or bias has several dimensions whose strides do "
+                                "not flatten to one strided vector, which is how the kernels "
+                                "read it")
     family = CUTILE_NORM
     stable = validation.is_stable(family)
     if not stable and not p.allow_experimental:
@@ -256,10 +273,10 @@ def decide(p: Problem) -> Decision:
 def forward_kernel(decision: Decision, call: ForwardFacts) -> CuteForwardPlan | RowNormPlan:
     """The kernel plan that runs one forward call of a decision that uses kernels: the CuTe
     DSL forward where it has a plan and the call allows it (y and h in x's dtype, parameters
-    in x's dtype or fp32, no bias without a weight, contiguous rows on 16-byte-aligned
-    storage), else the cuTile forward."""
+    in x's dtype or fp32, no bias without a weight, contiguous rows), else the cuTile
+    forward."""
     if (decision.cute_forward is not None and call.same_dtypes
-            and not call.bias_without_weight and call.dense_aligned):
+            and not call.bias_without_weight and call.dense):
         return decision.cute_forward
     return decision.forward
 

@@ -23,6 +23,7 @@ reference path runs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import math
@@ -387,11 +388,13 @@ def unavailable() -> str | None:
 
 
 def covers(problem: kernel_dispatch.Problem) -> kernel_dispatch.Decision:
-    """:func:`tilenorm.dispatch.decide`, where the FFI module is available."""
+    """:func:`tilenorm.dispatch.decide`, where the FFI module is available, without its CuTe
+    DSL plans: the FFI calls launch cuTile's kernels only (bench/NOTES.md #68)."""
     reason = unavailable()
     if reason is not None:
         return kernel_dispatch.Decision(op=problem.op, reason=reason)
-    return kernel_dispatch.decide(problem)
+    return dataclasses.replace(kernel_dispatch.decide(problem), cute_forward=None,
+                               cute_backward=None)
 
 
 def kernel_path(covers: Callable = covers) -> dispatch.KernelPath:

@@ -212,23 +212,18 @@ def aot_keys(all_dtypes: bool = False) -> list[BackwardKey]:
 
 def aot_forward_keys(all_dtypes: bool = False) -> list[ForwardKey]:
     """Every variant the settings' CuTe DSL forward entries can run in bf16 (and fp16 with
-    ``all_dtypes``): each weight dtype (or none), with and without a residual, and for
-    LayerNorm with and without a bias; the Gemma offset with a bf16 weight."""
+    ``all_dtypes``): each weight dtype (or none), with and without a residual; LayerNorm with
+    and without a bias, RMSNorm with and without the Gemma offset (which needs a weight)."""
     dtypes = ("bfloat16", "float16") if all_dtypes else ("bfloat16",)
-    keys = []
-    for op, widths in SM90.cute_forward.items():
-        layer_norm = op == "layer_norm"
-        for cols, config in widths.items():
-            for dtype in dtypes:
-                keys += [ForwardKey(dtype, weight_dtype, has_bias, layer_norm, False,
-                                    has_residual, cols, *config)
-                         for weight_dtype in (None, dtype, "float32")
-                         for has_bias in ((False, True) if layer_norm and weight_dtype
-                                          else (False,))
-                         for has_residual in (False, True)]
-                keys.append(ForwardKey(dtype, dtype, False, layer_norm, True, True, cols,
-                                       *config))
-    return keys
+    return [ForwardKey(dtype, weight_dtype, has_bias, op == "layer_norm", has_offset,
+                       has_residual, cols, *config)
+            for op, widths in SM90.cute_forward.items() for cols, config in widths.items()
+            for dtype in dtypes for weight_dtype in (None, dtype, "float32")
+            for has_bias in ((False, True) if op == "layer_norm" and weight_dtype
+                             else (False,))
+            for has_offset in ((False, True) if op == "rms_norm" and weight_dtype
+                               else (False,))
+            for has_residual in (False, True)]
 
 
 #: Compiled variants kept per process: a new row count compiles in ~2 s.
@@ -236,14 +231,16 @@ MAX_COMPILED = 256
 
 
 @functools.lru_cache(maxsize=MAX_COMPILED)
-def compiled_forward(key: ForwardKey):
-    """``key``'s kernel for this process's GPU, compiled once."""
+def compiled_forward(key: ForwardKey, arch: tuple[int, int] | None = None):
+    """``key``'s kernel for the current GPU, compiled once per ``arch`` (its compute
+    capability: a process whose GPUs differ compiles for each)."""
     return compile_forward(key)
 
 
 @functools.lru_cache(maxsize=MAX_COMPILED)
-def compiled_backward(key: BackwardKey):
-    """``key``'s kernel for this process's GPU, compiled once."""
+def compiled_backward(key: BackwardKey, arch: tuple[int, int] | None = None):
+    """``key``'s kernel for the current GPU, compiled once per ``arch`` (as
+    :func:`compiled_forward`)."""
     return compile_backward(key)
 
 

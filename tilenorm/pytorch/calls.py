@@ -123,9 +123,31 @@ def _layout(dtype: torch.dtype, shape3, strides3=None) -> ArrayLayout:
     return ArrayLayout(DTYPE_NAMES[dtype], tuple(shape3), view_strides(shape3, strides3))
 
 
+def flat_strided(p: torch.Tensor | None) -> bool:
+    """Whether ``p`` (a weight or bias of ``normalized_shape``) is one strided vector when
+    flattened: each dimension's stride is the next one's times its size (size-1 dimensions
+    aside)."""
+    if p is None or p.dim() <= 1:
+        return True
+    step = None
+    for size, stride in zip(reversed(p.shape), reversed(p.stride()), strict=True):
+        if size == 1:
+            continue
+        if step is not None and stride != step:
+            return False
+        step = stride * size
+    return True
+
+
+def _vector_stride(p: torch.Tensor) -> int:
+    """The element stride of a :func:`flat_strided` weight or bias read as one vector."""
+    return next((st for size, st in zip(reversed(p.shape), reversed(p.stride()), strict=True)
+                 if size != 1), 1)
+
+
 def _param_layout(p: torch.Tensor, heads: int, cols: int) -> ArrayLayout:
     """A weight or bias, (N,) or (H, N), as the kernels' (1, H or 1, N)."""
-    last = p.stride(-1)
+    last = p.stride(-1) if heads > 1 else _vector_stride(p)
     row = p.stride(0) if heads > 1 else cols * last
     return ArrayLayout(DTYPE_NAMES[p.dtype], (1, heads, cols),
                        view_strides((1, heads, cols), (heads * row, row, last)))
@@ -341,10 +363,11 @@ class ForwardCall:
         rstd = torch.empty(self.stat_shape, dtype=torch.float32, device=dev)
         mean = (torch.empty(self.stat_shape, dtype=torch.float32, device=dev)
                 if self.features.layer_norm else None)
-        fn = self.cute_fn
-        if fn is None:
-            fn = self.cute_fn = cute.compiled_forward(self.cute_key)
         with _on_device(dev):
+            fn = self.cute_fn
+            if fn is None:
+                fn = self.cute_fn = cute.compiled_forward(self.cute_key,
+                                                          self.decision.device.arch)
             fn(x.view(rows, cols), None if residual is None else residual.view(rows, cols),
                None if weight is None else _aligned(weight).view(cols),
                None if bias is None else _aligned(bias).view(cols), y.view(rows, cols),
@@ -377,13 +400,16 @@ def _as_shape3(t: torch.Tensor, shape3) -> torch.Tensor:
 
 
 def problem(spec: NormSpec, x: torch.Tensor, shape3, offsets: list[int],
-            dtypes: tuple[torch.dtype, ...], device: torch.device | None = None) -> Problem:
+            dtypes: tuple[torch.dtype, ...], device: torch.device | None = None,
+            params: tuple = ()) -> Problem:
+    """The problem of a call over x (or h) with these weight and bias (``params``)."""
     device = x.device if device is None else device
     return Problem(op=spec.op, device_type=device.type, device_index=device.index,
                    dtypes=tuple(DTYPE_NAMES.get(d, str(d)) for d in dtypes),
                    rows=shape3[0], heads=shape3[1], cols=shape3[2],
                    per_head_weight=spec.per_head, max_offset=max(offsets),
-                   allow_experimental=experimental_enabled())
+                   allow_experimental=experimental_enabled(),
+                   flat_params=spec.per_head or all(flat_strided(t) for t in params))
 
 
 def shape3_of(spec: NormSpec, x: torch.Tensor
@@ -440,6 +466,20 @@ def operand_views(spec: NormSpec, lead: torch.Tensor, *others: torch.Tensor | No
     return shape3, strides, offsets
 
 
+def forward_facts(x, weight, bias, residual, out_dtype: torch.dtype,
+                  residual_dtype: torch.dtype | None, copies: bool) -> ForwardFacts:
+    """What the CuTe DSL forward needs of a call's operands (:func:`dispatch.forward_kernel`);
+    ``copies``: the kernels would read x or the residual from a contiguous copy."""
+    return ForwardFacts(
+        same_dtypes=(out_dtype == x.dtype
+                     and (residual is None or residual.dtype == residual_dtype == x.dtype)
+                     and (weight is None or weight.dtype in (x.dtype, torch.float32))
+                     and (bias is None or weight is None or bias.dtype == weight.dtype)),
+        bias_without_weight=bias is not None and weight is None,
+        dense=not copies and x.is_contiguous()
+        and (residual is None or residual.is_contiguous()))
+
+
 def build_forward(spec: NormSpec, x, weight, bias, residual, out_dtype, residual_dtype,
                   has_offset: bool) -> ForwardCall:
     """The prepared forward for these (already checked) operands; h is stored in
@@ -451,7 +491,8 @@ def build_forward(spec: NormSpec, x, weight, bias, residual, out_dtype, residual
     copy_residual = residual is not None and r_strides is None
     dtypes = tuple(t.dtype for t in (x, weight, bias, residual) if t is not None)
     dtypes += tuple(d for d in (out_dtype, residual_dtype) if d is not None)
-    decision = dispatch.decide(problem(spec, x, shape3, offsets, dtypes))
+    decision = dispatch.decide(problem(spec, x, shape3, offsets, dtypes,
+                                       params=(weight, bias)))
     features = NormFeatures(layer_norm=spec.layer_norm, has_weight=weight is not None,
                             per_head_weight=spec.per_head, has_bias=bias is not None,
                             has_residual=residual is not None, has_offset=has_offset)
@@ -463,14 +504,8 @@ def build_forward(spec: NormSpec, x, weight, bias, residual, out_dtype, residual
                        y_like_x=x.is_contiguous() and (out_dtype or x.dtype) == x.dtype)
     if not decision.uses_kernel:
         return call
-    facts = ForwardFacts(
-        same_dtypes=(call.out_dtype == x.dtype
-                     and (residual is None or residual.dtype == residual_dtype == x.dtype)
-                     and (weight is None or weight.dtype in (x.dtype, torch.float32))
-                     and (bias is None or weight is None or bias.dtype == weight.dtype)),
-        bias_without_weight=bias is not None and weight is None,
-        dense_aligned=not (copy_x or copy_residual) and x.is_contiguous()
-        and (residual is None or residual.is_contiguous()))
+    facts = forward_facts(x, weight, bias, residual, call.out_dtype, residual_dtype,
+                          copy_x or copy_residual)
     chosen = dispatch.forward_kernel(decision, facts)
     if isinstance(chosen, CuteForwardPlan):
         from tilenorm.launch import cute
@@ -682,8 +717,8 @@ class BackwardCall:
         key = cute.BackwardKey.of(self.cute, DTYPE_NAMES[h.dtype],
                                   None if weight is None else DTYPE_NAMES[weight.dtype],
                                   bias is not None, mean is not None)
-        fn = cute.compiled_backward(key)
         with _on_device(dev):
+            fn = cute.compiled_backward(key, self.decision.device.arch)
             fn(h.view(rows, cols), dy.view(rows, cols),
                None if weight is None else _aligned(weight),
                None if mean is None else mean.reshape(rows), rstd.reshape(rows),
@@ -722,7 +757,8 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
     copy += (False,) * (5 - len(copy))
     dtypes = tuple(t.dtype for t in (h, weight, bias) if t is not None)
     # The forward's decision: its problem is h's (x, or the residual stream).
-    decision = dispatch.decide(problem(spec, h, shape3, offsets[:1], dtypes, device))
+    decision = dispatch.decide(problem(spec, h, shape3, offsets[:1], dtypes, device,
+                                       params=(weight, bias)))
     features = NormFeatures(layer_norm=spec.layer_norm, has_weight=weight is not None,
                             per_head_weight=spec.per_head, has_bias=bias is not None,
                             has_offset=offset != 0)
