@@ -75,8 +75,12 @@ built, patched, compiled and started first: step 0 (which compiles, under compil
 gradients are the step-0 check), then untimed steps up to ``--warmup`` / ``--compile-warmup``
 steps, or to the end of the training run where there is one (its loss is the trained-loss
 check). Then one untimed round and ``--steps / --round-steps`` timed rounds: round k runs
-``--round-steps`` steps of every provider before round k + 1 of any, the order rotated by one
-each round, garbage collected before each round and synchronized before each provider's turn,
+``--round-steps`` steps of every provider before round k + 1 of any, in the order of row k of a
+Williams design (:func:`round_order`: over a cycle of rounds each provider takes every place in
+the round once and follows every other provider once; a rotation kept each provider's
+neighbours, and with them how often it ran before hf in a round, while the first turn after
+the collection runs 5-8% slower and the last 2-4% faster than the second at the host size),
+garbage collected before each round and synchronized before each provider's turn,
 so that the host's and the GPU's drift over the minutes of a run reaches every provider alike
 (timed one after another, providers differed by 20-40% at the host size, #41); the host size
 takes rounds of one step, since the host's speed moves within seconds (#49). ``sequential``:
@@ -526,20 +530,41 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
                for v in state.values() if torch.is_tensor(v))
 
 
+def round_order(names: list[str], k: int) -> list[str]:
+    """Round k's order of ``names``: row k of a Williams design, a Latin square whose rows
+    (n of them, 2n for an odd count n) put each name in every place once and after every
+    other name once: the first row 0, 1, n-1, 2, n-2, ..., each next one adding 1 (mod n), an
+    odd n's rows also reversed. A turn's place in its round and the turn before it both move
+    a host-bound step's time (bench/NOTES.md #49), and a paired ratio compares two providers'
+    turns of one round: balanced over a cycle, neither favours a provider."""
+    n = len(names)
+    first, low, high = [0], 1, n - 1
+    while low <= high:
+        first.append(low)
+        low += 1
+        if low <= high:
+            first.append(high)
+            high -= 1
+    rows = [[(j + i) % n for j in first] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [names[j] for j in rows[k % len(rows)]] if n else []
+
+
 def time_rounds(runners: dict[str, Runner], steps: int, round_steps: int,
                 failed: dict[str, Exception]) -> int:
     """Fill each runner's ``step_ms`` with ``steps`` timed steps: round k runs
-    ``round_steps`` steps of every runner before round k + 1 of any, the order rotated by one
-    each round, after one untimed round; garbage collected before each round, and not during
-    it. A runner that raises is moved to ``failed`` and the others go on. The number of timed
-    rounds."""
+    ``round_steps`` steps of every runner before round k + 1 of any, in the order
+    :func:`round_order` gives round k, after one untimed round; garbage collected before each
+    round, and not during it. A runner that raises is moved to ``failed`` and the others go
+    on. The number of timed rounds."""
     rounds = math.ceil(steps / round_steps)
     for k in range(rounds + 1):
         names = list(runners)
         gc.collect()
         gc.disable()  # as timeit: no collection lands inside a round
         try:
-            for name in names[k % len(names):] + names[:k % len(names)]:
+            for name in round_order(names, k):
                 count = (round_steps if k == 0
                          else min(round_steps, steps - (k - 1) * round_steps))
                 try:

@@ -3,6 +3,7 @@ runs on the CPU, through ``main(argv)``; the record it writes."""
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import statistics
@@ -70,23 +71,39 @@ class _FakeRunner:
         return [float(len(self.log)) + i for i in range(steps)]
 
 
-def test_time_rounds_interleaves_and_rotates():
+def test_time_rounds_interleaves_and_balances():
     log: list = []
     runners = {n: _FakeRunner(n, log) for n in "abc"}
     failed: dict = {}
     rounds = bench_training.time_rounds(dict(runners), steps=5, round_steps=2, failed=failed)
     assert rounds == 3 and not failed
-    # One untimed round, then round k of every runner before round k + 1 of any, the order
-    # rotated by one each round; the last round runs what is left of the steps.
+    # One untimed round, then round k of every runner before round k + 1 of any, in the rows
+    # of a Williams design (round_order); the last round runs what is left of the steps.
     assert log == [("a", 2), ("b", 2), ("c", 2),
                    ("b", 2), ("c", 2), ("a", 2),
                    ("c", 2), ("a", 2), ("b", 2),
-                   ("a", 1), ("b", 1), ("c", 1)]
+                   ("c", 1), ("b", 1), ("a", 1)]
     # Only the timed rounds' steps are kept: those of turns 4 to 12 in the log.
-    assert runners["a"].step_ms == [6.0, 7.0, 8.0, 9.0, 10.0]
+    assert runners["a"].step_ms == [6.0, 7.0, 8.0, 9.0, 12.0]
     assert all(len(r.step_ms) == 5 for r in runners.values())
     # A turn's mean step time, one a timed turn: its steps' times sum to the turn's.
-    assert runners["a"].turn_ms == [6.5, 8.5, 10.0]
+    assert runners["a"].turn_ms == [6.5, 8.5, 12.0]
+
+
+@pytest.mark.parametrize("count", range(1, 8))
+def test_round_order_balances_places_and_predecessors(count):
+    """Over a cycle of rounds every provider takes each place in the round equally often and
+    follows each other provider equally often (a rotation kept each one's neighbours: in six
+    providers tilenorm+residual ran before hf in five rounds of six)."""
+    names = [f"p{i}" for i in range(count)]
+    cycle = count if count % 2 == 0 else 2 * count
+    orders = [bench_training.round_order(names, k) for k in range(cycle)]
+    assert all(sorted(o) == names for o in orders)
+    places = collections.Counter((n, o.index(n)) for o in orders for n in o)
+    assert set(places.values()) == {cycle // count}
+    after = collections.Counter(pair for o in orders for pair in zip(o[:-1], o[1:], strict=True))
+    assert len(after) == count * (count - 1) and len(set(after.values())) <= 1
+    assert bench_training.round_order(names, cycle) == orders[0]
 
 
 def test_time_rounds_drops_a_failing_runner():
