@@ -50,9 +50,14 @@ from bench.experiments.forward_probe_cases import EPS, SHAPE_BYTES  # noqa: E402
 #: 16-byte vectors of its threads.
 CONFIGS = {
     32768: [(2, 512, 2, 1), (2, 256, 4, 1), (2, 256, 2, 2), (4, 256, 4, 2)],
-    65536: [(8, 256, 4, 1), (8, 256, 2, 2), (4, 256, 2, 2), (8, 128, 4, 2)],
+    65536: [(8, 256, 4, 1), (4, 256, 4, 1), (8, 256, 2, 2), (4, 256, 2, 2)],
     131072: [(8, 512, 2, 1), (8, 256, 2, 2), (8, 512, 1, 2), (8, 256, 4, 1)],
 }
+#: The push variant's (one row a cluster): Quack's shape, 16384 columns a CTA of 256 threads,
+#: 4 CTAs an SM (#66), which with x in registers instead of Quack's shared memory spills (95
+#: stores at 64 registers, sm_90a); and 2 CTAs an SM, which does not have to.
+PUSH_CONFIGS = {n: [(n // 16384, 256, 4, 1), (n // 16384, 256, 2, 1)]
+                for n in (32768, 65536, 131072)}
 #: Shared memory per SM on Hopper and Blackwell datacenter parts (228 KB).
 _SMEM_PER_SM = 233472
 
@@ -63,6 +68,12 @@ def load_peer_f32(smem_ptr, rank, *, loc=None, ip=None) -> Float32:
     (``ld.shared::cluster``: a DSMEM tensor takes no loads in the DSL)."""
     peer = cute.arch.map_dsmem_ptr(smem_ptr, rank, loc=loc, ip=ip)
     return Float32(llvm.load(T.f32(), peer.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def float_bits(value: Float32, *, loc=None, ip=None) -> Int32:
+    """The bits of an fp32 as an i32 (``st.async`` stores i32 words)."""
+    return Int32(llvm.bitcast(T.i32(), Float32(value).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
 class ClusterRmsNormForward:
@@ -159,10 +170,72 @@ class ClusterRmsNormForward:
         cute.arch.cluster_wait()
 
 
+class ClusterPushRmsNormForward(ClusterRmsNormForward):
+    """The same row slices, one row a cluster, reduced the way Quack's cluster forward does
+    (bench/NOTES.md #66): each warp's partial pushed into every peer's shared memory with
+    ``st.async``, counted by the receiver's mbarrier (armed for warps x C x 4 bytes); one
+    relaxed cluster arrive at entry, its wait just before the first remote store (so every
+    peer's mbarrier is initialised); no block or trailing cluster barrier: a CTA reads only
+    its own shared memory, once its mbarrier has counted every peer's bytes."""
+
+    def __init__(self, dtype, cols: int, cluster: int, threads: int, ctas_per_sm: int,
+                 rows_per_cluster: int = 1):
+        if rows_per_cluster != 1:
+            raise ValueError("the push variant takes one row a cluster")
+        super().__init__(dtype, cols, cluster, threads, ctas_per_sm)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mRstd: cute.Tensor,
+               eps: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        rank = cute.arch.block_in_cluster_idx()[0]
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        row = bidx // self.cluster
+
+        smem = cutlass.memory.SmemAllocator()
+        # Slot warp * C + r: warp ``warp``'s partial from cluster CTA r.
+        parts = smem.allocate_tensor(Float32, cute.make_layout((self.warps * self.cluster,)),
+                                     16)
+        mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((1,)), 8)
+        if tidx == 0:
+            cute.arch.mbarrier_init(mbar.iterator, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.cluster_arrive_relaxed()
+
+        shape = (self.vec, self.reps)
+        x_in = cute.make_rmem_tensor(shape, self.dtype)
+        cute.autovec_copy(self._thread_view(mX[row, None], rank, tidx), x_in)
+        w_in = cute.make_rmem_tensor(shape, self.dtype)
+        cute.autovec_copy(self._thread_view(mW, rank, tidx), w_in)
+        if tidx == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator,
+                                                    self.warps * self.cluster * 4)
+        x = x_in.load().to(Float32)
+        part = cute.arch.warp_reduction((x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
+                                        operator.add)
+        cute.arch.cluster_wait()
+        if lane < self.cluster:
+            cute.arch.store_async_dsmem(parts.iterator + (warp * self.cluster + rank),
+                                        float_bits(part), mbar.iterator, lane)
+        cute.arch.mbarrier_wait(mbar.iterator, 0)
+        total = Float32(0.0)
+        for i in cutlass.range_constexpr(self.warps * self.cluster):
+            total = total + parts[i]
+        rstd = cute.math.rsqrt(total * Float32(1.0 / self.cols) + eps)
+        if rank == 0 and tidx == 0:
+            mRstd[row] = rstd
+        y = cute.make_rmem_tensor(shape, self.dtype)
+        y.store((x * rstd * w_in.load().to(Float32)).to(self.dtype))
+        cute.autovec_copy(y, self._thread_view(mY[row, None], rank, tidx))
+
+
 def compile_kernel(dtype, cols: int, config: tuple[int, int, int, int],
-                   arch: str | None = None):
+                   arch: str | None = None, push: bool = False):
     """Compiled for every row count; called as ``fn(x, w, y, rstd, eps, grid)``."""
-    kernel = ClusterRmsNormForward(dtype, cols, *config)
+    kernel = (ClusterPushRmsNormForward if push else ClusterRmsNormForward)(dtype, cols,
+                                                                             *config)
     rows = cute.sym_int()
     x, y = (cute.runtime.make_fake_tensor(dtype, (rows, cols), stride=(cols, 1),
                                           assumed_align=16) for _ in range(2))
@@ -180,20 +253,21 @@ def measure_width(n: int, rounds: int, record: dict, copy: float) -> None:
     x = torch.randn(m, n, generator=g, device="cuda").to(torch.bfloat16)
     w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(torch.bfloat16)
     cases = []
-    for config in CONFIGS[n]:
+    for push, config in ([(False, c) for c in CONFIGS[n]]
+                         + [(True, c) for c in PUSH_CONFIGS[n]]):
+        name = f"{'push' if push else 'cluster'} {config}"
         try:
-            fn = compile_kernel(cutlass.BFloat16, n, config)
+            fn = compile_kernel(cutlass.BFloat16, n, config, push=push)
             y = torch.full_like(x, float("nan"))
             rstd = torch.full((m,), float("nan"), device="cuda")
 
             def launch(fn=fn, y=y, rstd=rstd, grid=-(-m // config[3]) * config[0]):
                 fn(x, w, y, rstd, EPS, grid)
 
-            cases.append(forward_probe_cases.checked(f"cluster {config}", launch, y, rstd, x,
-                                                     w))
+            cases.append(forward_probe_cases.checked(name, launch, y, rstd, x, w))
         except Exception as e:
             traceback.print_exc(limit=3)
-            record["failures"].append(f"{n} {config}: {type(e).__name__}: {e}")
+            record["failures"].append(f"{n} {name}: {type(e).__name__}: {e}")
 
     cases += forward_probe_cases.baselines(x, w, record)
     forward_probe_cases.time_cases(cases, m, n, rounds, record, copy)
@@ -211,9 +285,11 @@ def main() -> None:
     widths = [int(n) for n in args.widths.split(",")]
     if args.compile_only:
         for n in widths:
-            for config in CONFIGS[n]:
-                compile_kernel(cutlass.BFloat16, n, config, args.arch)
-                print(f"compiled {n} {config} for {args.arch}")
+            for push, config in ([(False, c) for c in CONFIGS[n]]
+                                 + [(True, c) for c in PUSH_CONFIGS[n]]):
+                compile_kernel(cutlass.BFloat16, n, config, args.arch, push=push)
+                print(f"compiled {n} {'push' if push else 'cluster'} {config} for "
+                      f"{args.arch}")
         return
     from bench import common
 
