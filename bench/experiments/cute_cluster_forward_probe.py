@@ -23,13 +23,9 @@ and Quack; GB/s of the one-pass bytes against the copy bandwidth of the same pro
 from __future__ import annotations
 
 import argparse
-import json
 import operator
 import sys
-import traceback
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -44,7 +40,7 @@ from cutlass._mlir.dialects import llvm  # noqa: E402
 from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
 
 from bench.experiments import forward_probe_cases  # noqa: E402
-from bench.experiments.forward_probe_cases import EPS, SHAPE_BYTES  # noqa: E402
+from bench.experiments.forward_probe_cases import EPS  # noqa: E402
 
 #: Width -> (cluster, threads, CTAs per SM, rows a cluster) candidates: each CTA's slice whole
 #: 16-byte vectors of its threads.
@@ -246,31 +242,22 @@ def compile_kernel(dtype, cols: int, config: tuple[int, int, int, int],
     return cute.compile(kernel, x, w, y, rstd, Float32(EPS), Int32(1), stream, options=options)
 
 
-def measure_width(n: int, rounds: int, record: dict, copy: float) -> None:
-    """Every case of width ``n`` checked and timed into ``record``."""
-    m = SHAPE_BYTES // (2 * n)
-    g = torch.Generator(device="cuda").manual_seed(n)
-    x = torch.randn(m, n, generator=g, device="cuda").to(torch.bfloat16)
-    w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(torch.bfloat16)
-    cases = []
-    for push, config in ([(False, c) for c in CONFIGS[n]]
-                         + [(True, c) for c in PUSH_CONFIGS[n]]):
-        name = f"{'push' if push else 'cluster'} {config}"
-        try:
+def variants(n: int) -> list[tuple[bool, tuple[int, int, int, int]]]:
+    """(push, config) of every kernel timed at width ``n``."""
+    return [(False, c) for c in CONFIGS[n]] + [(True, c) for c in PUSH_CONFIGS[n]]
+
+
+def candidates(n: int) -> list[forward_probe_cases.Candidate]:
+    """Both reductions at each of width ``n``'s configurations."""
+    def maker(push, config):
+        def make(x, w, y, rstd):
             fn = compile_kernel(cutlass.BFloat16, n, config, push=push)
-            y = torch.full_like(x, float("nan"))
-            rstd = torch.full((m,), float("nan"), device="cuda")
+            grid = -(-x.shape[0] // config[3]) * config[0]
+            return lambda: fn(x, w, y, rstd, EPS, grid)
+        return make
 
-            def launch(fn=fn, y=y, rstd=rstd, grid=-(-m // config[3]) * config[0]):
-                fn(x, w, y, rstd, EPS, grid)
-
-            cases.append(forward_probe_cases.checked(name, launch, y, rstd, x, w))
-        except Exception as e:
-            traceback.print_exc(limit=3)
-            record["failures"].append(f"{n} {name}: {type(e).__name__}: {e}")
-
-    cases += forward_probe_cases.baselines(x, w, record)
-    forward_probe_cases.time_cases(cases, m, n, rounds, record, copy)
+    return [(f"{'push' if push else 'cluster'} {config}", maker(push, config))
+            for push, config in variants(n)]
 
 
 def main() -> None:
@@ -285,25 +272,12 @@ def main() -> None:
     widths = [int(n) for n in args.widths.split(",")]
     if args.compile_only:
         for n in widths:
-            for push, config in ([(False, c) for c in CONFIGS[n]]
-                                 + [(True, c) for c in PUSH_CONFIGS[n]]):
+            for push, config in variants(n):
                 compile_kernel(cutlass.BFloat16, n, config, args.arch, push=push)
                 print(f"compiled {n} {'push' if push else 'cluster'} {config} for "
                       f"{args.arch}")
         return
-    from bench import common
-
-    copy = common.copy_gbps()
-    record = {"device": torch.cuda.get_device_name(), "commit": common.git_commit(),
-              "copy_gbps": copy, "rows": [], "failures": []}
-    print(f"{record['device']}: copy {copy:.0f} GB/s", flush=True)
-    for n in widths:
-        measure_width(n, args.rounds, record, copy)
-        args.out.write_text(json.dumps(record, indent=1) + "\n")
-        torch.cuda.empty_cache()
-    for f in record["failures"]:
-        print("FAILED", f)
-
+    forward_probe_cases.run(widths, candidates, args.rounds, args.out)
 
 if __name__ == "__main__":
     main()

@@ -14,18 +14,13 @@ same process. RMSNorm, bf16 x and weight.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import traceback
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench import common  # noqa: E402
 from bench.experiments import forward_probe_cases  # noqa: E402
-from bench.experiments.forward_probe_cases import EPS, SHAPE_BYTES  # noqa: E402
+from bench.experiments.forward_probe_cases import EPS  # noqa: E402
 from tilenorm.launch import cute  # noqa: E402
 from tilenorm.planner import CuteForwardPlan  # noqa: E402
 
@@ -40,31 +35,17 @@ CONFIGS = {
 }
 
 
-def measure_width(n: int, rounds: int, record: dict, copy: float) -> None:
-    """Every case of width ``n`` checked and timed into ``record``."""
-    m = SHAPE_BYTES // (2 * n)
-    g = torch.Generator(device="cuda").manual_seed(n)
-    x = torch.randn(m, n, generator=g, device="cuda").to(torch.bfloat16)
-    w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(torch.bfloat16)
-    cases = []
-    for config in CONFIGS[n]:
-        try:
-            plan = CuteForwardPlan.of(m, n, config)
+def candidates(n: int) -> list[forward_probe_cases.Candidate]:
+    """The CuTe forward at each of width ``n``'s configurations."""
+    def maker(config):
+        def make(x, w, y, rstd):
+            plan = CuteForwardPlan.of(x.shape[0], n, config)
             fn = cute.compiled_forward(cute.ForwardKey.of(
                 plan, "bfloat16", "bfloat16", False, False, False, False))
-            y = torch.full_like(x, float("nan"))
-            rstd = torch.full((m,), float("nan"), device="cuda")
+            return lambda: fn(x, None, w, None, y, None, None, rstd, EPS, 0.0, plan.grid)
+        return make
 
-            def launch(fn=fn, y=y, rstd=rstd, grid=plan.grid):
-                fn(x, None, w, None, y, None, None, rstd, EPS, 0.0, grid)
-
-            cases.append(forward_probe_cases.checked(f"cute {config}", launch, y, rstd, x, w))
-        except Exception as e:
-            traceback.print_exc(limit=3)
-            record["failures"].append(f"{n} {config}: {type(e).__name__}: {e}")
-
-    cases += forward_probe_cases.baselines(x, w, record)
-    forward_probe_cases.time_cases(cases, m, n, rounds, record, copy)
+    return [(f"cute {config}", maker(config)) for config in CONFIGS[n]]
 
 
 def main() -> None:
@@ -73,17 +54,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    copy = common.copy_gbps()
-    record = {"device": torch.cuda.get_device_name(), "commit": common.git_commit(),
-              "copy_gbps": copy, "rows": [], "failures": []}
-    print(f"{record['device']}: copy {copy:.0f} GB/s", flush=True)
-    for n in map(int, args.widths.split(",")):
-        measure_width(n, args.rounds, record, copy)
-        args.out.write_text(json.dumps(record, indent=1) + "\n")
-        torch.cuda.empty_cache()
-    for f in record["failures"]:
-        print("FAILED", f)
-
+    forward_probe_cases.run(map(int, args.widths.split(",")), candidates, args.rounds, args.out)
 
 if __name__ == "__main__":
     main()

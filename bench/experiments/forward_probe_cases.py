@@ -1,10 +1,13 @@
-"""What the forward probes (cute_forward_widths.py, cute_cluster_forward_probe.py) share: the
-baselines beside each candidate kernel, and timing every case of a shape in rounds into the
-record."""
+"""What the forward probes (cute_forward_widths.py, cute_cluster_forward_probe.py) share: one
+width's inputs, each candidate kernel checked on poisoned outputs, the baselines beside them,
+and timing every case in rounds into the record."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+import traceback
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 
@@ -15,6 +18,9 @@ EPS = 1e-6
 SHAPE_BYTES = 256 << 20
 #: (name, launch, float64 errors) of one timed case.
 Case = tuple[str, Callable[[], None], dict]
+#: A candidate kernel: its name, and what makes its launch writing y and rstd of x and w
+#: (``make(x, w, y, rstd)``; it compiles, so its failure is the candidate's).
+Candidate = tuple[str, Callable[..., Callable[[], None]]]
 
 
 def one_pass_bytes(m: int, n: int) -> int:
@@ -75,3 +81,41 @@ def checked(name: str, launch: Callable[[], None], y: torch.Tensor, rstd: torch.
     if not (torch.equal(first, y) and torch.equal(first_rstd, rstd)):
         raise AssertionError(f"{name}: a rerun is not bit-identical")
     return name, launch, errs
+
+
+def measure_width(n: int, candidates: Iterable[Candidate], rounds: int, record: dict,
+                  copy: float) -> None:
+    """bf16 x of :data:`SHAPE_BYTES` and w of width ``n``; each candidate made, checked
+    (:func:`checked`; a failure recorded, the others go on) and timed beside the baselines
+    into ``record``."""
+    m = SHAPE_BYTES // (2 * n)
+    g = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(m, n, generator=g, device="cuda").to(torch.bfloat16)
+    w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(torch.bfloat16)
+    cases = []
+    for name, make in candidates:
+        try:
+            y = torch.full_like(x, float("nan"))
+            rstd = torch.full((m,), float("nan"), device="cuda")
+            cases.append(checked(name, make(x, w, y, rstd), y, rstd, x, w))
+        except Exception as e:
+            traceback.print_exc(limit=3)
+            record["failures"].append(f"{n} {name}: {type(e).__name__}: {e}")
+    cases += baselines(x, w, record)
+    time_cases(cases, m, n, rounds, record, copy)
+
+
+def run(widths: Iterable[int], candidates: Callable[[int], list[Candidate]], rounds: int,
+        out: Path) -> None:
+    """Every width's candidates measured (:func:`measure_width`) into one record at ``out``,
+    written after each width, with the device, commit and copy bandwidth of this process."""
+    copy = common.copy_gbps()
+    record = {"device": torch.cuda.get_device_name(), "commit": common.git_commit(),
+              "copy_gbps": copy, "rows": [], "failures": []}
+    print(f"{record['device']}: copy {copy:.0f} GB/s", flush=True)
+    for n in widths:
+        measure_width(n, candidates(n), rounds, record, copy)
+        out.write_text(json.dumps(record, indent=1) + "\n")
+        torch.cuda.empty_cache()
+    for failure in record["failures"]:
+        print("FAILED", failure)
