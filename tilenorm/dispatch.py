@@ -154,11 +154,11 @@ class Decision:
             f"  status:   {self.status}",
             f"  kernels:  {', '.join(self.kernels)}",
             f"  forward:  {self.forward.describe()}",
-            f"  backward: {self.backward.describe()}",
         ]
         if self.cute_forward:
-            lines.insert(4, f"  forward of contiguous, aligned rows in x's dtype (CuTe DSL): "
-                            f"{self.cute_forward.describe()}")
+            lines.append(f"  forward of contiguous, aligned rows in x's dtype (CuTe DSL): "
+                         f"{self.cute_forward.describe()}")
+        lines.append(f"  backward: {self.backward.describe()}")
         if self.cute_backward:
             lines.append(f"  backward of contiguous, aligned rows without a fused residual "
                          f"or weight offset (CuTe DSL): {self.cute_backward.describe()}")
