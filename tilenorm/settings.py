@@ -100,7 +100,8 @@ class RowNormSettings:
     #: of copy bandwidth on an H100 where cuTile's persistent forward sits at 94% (#65).
     #: Widths absent here were not measured to gain.
     cute_forward: dict = field(default_factory=lambda: {
-        op: {4096: (128, 2, 4), 8192: (256, 2, 2), 16384: (512, 2, 1)}
+        op: {4096: (128, 2, 4), 5120: (128, 2, 4), 8192: (256, 2, 2), 16384: (512, 2, 1),
+             32768: (1024, 1, 1)}
         for op in ("rms_norm", "layer_norm")})
     #: Element sizes the CuTe kernels take: bf16 and fp16, eight to a 16-byte vector.
     cute_itemsizes: tuple[int, ...] = (2,)
