@@ -24,8 +24,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from tilenorm.kernels.cute_rows import SMEM_CARVEOUT, RowKernel
 
-class RowNormBackward:
+
+class RowNormBackward(RowKernel):
     """The kernel for one (dtypes, width, features, launch config); ``__call__`` launches it on
     ``grid`` programs."""
 
@@ -56,16 +58,7 @@ class RowNormBackward:
         self.kernel(mX, mdY, mW, mMean, mRstd, mdX, mPartial).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream,
             max_number_threads=[self.threads, 1, 1], min_blocks_per_mp=self.ctas_per_sm,
-            # Given, so that the compile does not query a device (it also runs on CPUs).
-            preferred_smem_carveout=_SMEM_PER_SM)
-
-    @cute.jit
-    def _thread_view(self, row: cute.Tensor, tidx: Int32) -> cute.Tensor:
-        """This thread's (vec, reps) elements of a row: one 16-byte vector per rep, the reps
-        ``threads`` vectors apart."""
-        vectors = cute.zipped_divide(row, (self.vec,))
-        blocks = cute.logical_divide(vectors, (None, self.threads))
-        return blocks[(None, (tidx, None))]
+            preferred_smem_carveout=SMEM_CARVEOUT)
 
     @cute.jit
     def _load_row(self, mX, mdY, mMean, mRstd, row, tidx, x, dy, stats, slot):
@@ -166,5 +159,3 @@ class RowNormBackward:
             cute.autovec_copy(db, self._thread_view(mPartial[program, group, None], tidx))
 
 
-#: Shared memory per SM on Hopper and Blackwell datacenter parts (228 KB).
-_SMEM_PER_SM = 233472

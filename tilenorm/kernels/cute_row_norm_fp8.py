@@ -42,16 +42,16 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from tilenorm.kernels.cute_rows import SMEM_CARVEOUT, RowKernel
+
 #: Scalings the kernel takes; ``BLOCK_COLS`` the columns one scale of a block scaling covers.
 SCALINGS = ("amax", "delayed", "row", "block", "mx")
 BLOCK_COLS = {"block": 128, "mx": 32}
 #: The largest finite fp32: a scale that would overflow is clamped to it.
 FLOAT32_MAX = 3.4028234663852886e38
-#: Shared memory per SM on Hopper and Blackwell datacenter parts (228 KB).
-_SMEM_PER_SM = 233472
 
 
-class RowNormFp8Forward:
+class RowNormFp8Forward(RowKernel):
     """The kernel for one (dtypes, width, scaling, launch config); ``__call__`` launches it on
     ``grid`` programs."""
 
@@ -91,16 +91,7 @@ class RowNormFp8Forward:
         self.kernel(mX, mW, mScale, mQ, mQScale, mRstd, mAmax, eps, offset).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream,
             max_number_threads=[self.threads, 1, 1], min_blocks_per_mp=self.ctas_per_sm,
-            # Given, so that the compile does not query a device (it also runs on CPUs).
-            preferred_smem_carveout=_SMEM_PER_SM)
-
-    @cute.jit
-    def _thread_view(self, row: cute.Tensor, tidx: Int32) -> cute.Tensor:
-        """This thread's (vec, reps) elements of a row: one 16-byte vector per rep, the reps
-        ``threads`` vectors apart."""
-        vectors = cute.zipped_divide(row, (self.vec,))
-        blocks = cute.logical_divide(vectors, (None, self.threads))
-        return blocks[(None, (tidx, None))]
+            preferred_smem_carveout=SMEM_CARVEOUT)
 
     @cute.jit
     def _scale_of(self, amax: Float32) -> Float32:

@@ -1,0 +1,31 @@
+"""What the CuTe DSL row kernels (cute_row_norm_forward.py, cute_row_norm_backward.py,
+cute_row_norm_fp8.py) share: how a thread's elements of a row are laid out, and the launch's
+shared-memory carveout."""
+
+from __future__ import annotations
+
+import cutlass.cute as cute
+from cutlass import Int32
+
+#: The launch's preferred shared-memory carveout, a percentage of the unified L1 and shared
+#: memory (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT): -1 states no preference, so
+#: the driver sizes it for the occupancy the kernel asks. Given so that the compile does not
+#: query a device (it also runs on CPUs), as the DSL would to choose one; the carveout moves
+#: no timing (#65).
+SMEM_CARVEOUT = -1
+
+
+class RowKernel:
+    """A kernel whose ``threads`` threads each hold ``vec``-element (16-byte) vectors of a
+    row."""
+
+    vec: int
+    threads: int
+
+    @cute.jit
+    def _thread_view(self, row: cute.Tensor, tidx: Int32) -> cute.Tensor:
+        """This thread's (vec, reps) elements of a row: one vector per rep, the reps
+        ``threads`` vectors apart, so a warp's access is 32 contiguous vectors."""
+        vectors = cute.zipped_divide(row, (self.vec,))
+        blocks = cute.logical_divide(vectors, (None, self.threads))
+        return blocks[(None, (tidx, None))]
