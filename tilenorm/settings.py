@@ -98,11 +98,12 @@ class RowNormSettings:
     #: (threads, rows a CTA, CTAs per SM) of its one-shot grid, each CTA loading its rows
     #: whole before reducing them, the hardware handing CTAs to SMs as they free up: 99.5-99.8%
     #: of copy bandwidth on an H100 where cuTile's persistent forward sits at 94% (#65);
-    #: 5120 at 3 CTAs an SM, where 4 spill fp32 parameters beside two rows (#69). Widths
-    #: absent here were not measured to gain.
+    #: 5120 one row a CTA and 32768 RMSNorm only: more rows, threads or LayerNorm's fp32
+    #: weight and bias beside them spill and fall below cuTile (#69). Widths absent here
+    #: were not measured to gain.
     cute_forward: dict = field(default_factory=lambda: {
-        op: {4096: (128, 2, 4), 5120: (128, 2, 3), 8192: (256, 2, 2), 16384: (512, 2, 1),
-             32768: (1024, 1, 1)}
+        op: {4096: (128, 2, 4), 5120: (128, 1, 4), 8192: (256, 2, 2), 16384: (512, 2, 1),
+             **({32768: (512, 1, 1)} if op == "rms_norm" else {})}
         for op in ("rms_norm", "layer_norm")})
     #: Element sizes the CuTe kernels take: bf16 and fp16, eight to a 16-byte vector.
     cute_itemsizes: tuple[int, ...] = (2,)
