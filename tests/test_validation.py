@@ -101,3 +101,19 @@ def test_digest_covers_the_kernels_folder_and_the_measured_settings():
         "*.py") if p.name != "__init__.py"}
     sources = {s for family in validation.FAMILIES for s in family.sources}
     assert sources == kernel_files | {"settings.py", "settings_fp8.py"}
+
+
+def test_a_family_holds_the_kernel_modules_its_kernels_import():
+    """A kernel module shared by several kernels (cute_rows.py) is in every family whose
+    kernels import it, so that an edit there asks each of them for a GPU re-run."""
+    import ast
+
+    for family in validation.FAMILIES:
+        for source in family.sources:
+            tree = ast.parse((validation.PACKAGE_DIR / source).read_text())
+            imported = {node.module for node in ast.walk(tree)
+                        if isinstance(node, ast.ImportFrom) and node.module}
+            for module in imported:
+                if module.startswith("tilenorm.kernels."):
+                    needed = "kernels/" + module.rsplit(".", 1)[1] + ".py"
+                    assert needed in family.sources, (family.name, source, needed)

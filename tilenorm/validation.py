@@ -60,7 +60,7 @@ CUTILE_NORM = KernelFamily(
 CUTE_NORM = KernelFamily(
     "cute/norm", "CuTe DSL",
     ("kernels/cute_row_norm_forward.py", "kernels/cute_row_norm_backward.py",
-     "kernels/cutile_column_sums.py", "settings.py"),
+     "kernels/cute_rows.py", "kernels/cutile_column_sums.py", "settings.py"),
     _cute_installed)
 #: The FP8-output norms (issue 19): their kernels, the reduction their backward shares, and
 #: both settings files they are launched with.
@@ -70,7 +70,8 @@ CUTILE_NORM_FP8 = KernelFamily(
      "settings_fp8.py"))
 #: The CuTe DSL FP8-output row kernel; its settings live in settings_fp8.py.
 CUTE_NORM_FP8 = KernelFamily(
-    "cute/norm-fp8", "CuTe DSL", ("kernels/cute_row_norm_fp8.py", "settings_fp8.py"),
+    "cute/norm-fp8", "CuTe DSL",
+    ("kernels/cute_row_norm_fp8.py", "kernels/cute_rows.py", "settings_fp8.py"),
     _cute_installed)
 FAMILIES = (CUTILE_NORM, CUTE_NORM, CUTILE_NORM_FP8, CUTE_NORM_FP8)
 
