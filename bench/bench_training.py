@@ -96,9 +96,11 @@ every step's and every turn's time, the timing, rounds and steps per round, the 
 wall time and the peak memory above the weights (the most allocated during a turn beyond what
 was allocated before it, plus the optimizer state: gradients, optimizer state and activations).
 On the CPU the wall time of each step. ``--profile``: 3 more steps per provider under
-``torch.profiler`` (CPU activity only) after the timed rounds; the 15 ops with the most self
-CPU time (name, count, self CPU us over the 3 steps) are the row's ``profile_top``: where the
-host's time goes.
+``torch.profiler`` after the timed rounds; the 15 ops with the most self CPU time (name, count,
+self CPU us over the 3 steps) are the row's ``profile_top``: where the host's time goes; on a
+GPU also ``profile_kernels``, the 25 kernels with the most GPU time (name, count, GPU us over
+the 3 steps) and their totals a step: where the GPU's time goes (a compiled step's norms
+against inductor's, NOTES.md #70).
 
 Correctness, against a reference: the hf provider in eager mode run once more per model/size
 (so that the hf rows show the run-to-run noise of HF itself, e.g. the attention backward's
@@ -237,8 +239,9 @@ GRAD_TOL = {torch.bfloat16: 3e-2, torch.float32: 1e-4}
 #: Issue 17: the loss after the training run within this of HF's.
 TRAIN_LOSS_TOL = 1e-3
 TIMINGS = ("interleaved", "sequential")
-#: ``--profile``: steps profiled after the timed ones, and the ops kept (by self CPU time).
-PROFILE_STEPS, PROFILE_TOP = 3, 15
+#: ``--profile``: steps profiled after the timed ones, the ops kept (by self CPU time) and
+#: the kernels kept (by GPU time).
+PROFILE_STEPS, PROFILE_TOP, PROFILE_KERNELS = 3, 15, 25
 #: Dynamo's limits of cache entries per code object and in all, raised so that every
 #: provider's compiled model of a group (the same forward's code object, told apart by guards)
 #: stays compiled; hitting one raises instead of running the model eagerly.
@@ -504,19 +507,32 @@ class Runner:
         self.wall_s += time.perf_counter() - begin
         return ms
 
-    def profile(self, steps: int, top: int) -> list[dict]:
-        """``steps`` more steps under ``torch.profiler`` (CPU activity only: the host's side):
-        the ``top`` ops by self CPU time, with their call counts, over those steps."""
+    def profile(self, steps: int, top: int, kernels: int) -> dict:
+        """``steps`` more steps under ``torch.profiler``: ``host``, the ``top`` ops by self CPU
+        time with their call counts over those steps; on a GPU ``kernels``, the ``kernels``
+        kernels with the most GPU time, and the kernels' count and GPU time a step."""
+        from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        cuda = self.device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
             for _ in range(steps):
                 self.step()
-            if self.device.type == "cuda":
+            if cuda:
                 torch.cuda.synchronize(self.device)
-        ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-        return [{"name": e.key, "count": e.count, "self_cpu_us": e.self_cpu_time_total}
-                for e in ops[:top]]
+        events = prof.key_averages()
+        ops = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)
+        out = {"host": [{"name": e.key, "count": e.count, "self_cpu_us": e.self_cpu_time_total}
+                        for e in ops[:top]]}
+        if cuda:
+            on_gpu = sorted((e for e in events if e.device_type == DeviceType.CUDA),
+                            key=lambda e: e.self_device_time_total, reverse=True)
+            out["kernels"] = [{"name": e.key[:160], "count": e.count,
+                               "gpu_us": e.self_device_time_total} for e in on_gpu[:kernels]]
+            out["kernels_per_step"] = sum(e.count for e in on_gpu) / steps
+            out["gpu_us_per_step"] = sum(e.self_device_time_total for e in on_gpu) / steps
+        return out
 
     def trace(self) -> Trace:
         values = torch.stack(self.losses).float().tolist()
@@ -991,12 +1007,16 @@ class Workbench:
             rounds = time_rounds(runners, steps, round_steps, failed) if runners else 0
             out.update(failed)
             for provider, runner in runners.items():
-                profile = None
+                profile: dict = {}
                 if args.profile:
                     try:
-                        profile = runner.profile(PROFILE_STEPS, PROFILE_TOP)
+                        got = runner.profile(PROFILE_STEPS, PROFILE_TOP, PROFILE_KERNELS)
+                        profile = {"profile_top": got["host"]}
+                        if "kernels" in got:
+                            profile.update(profile_kernels=got["kernels"], **{
+                                k: got[k] for k in ("kernels_per_step", "gpu_us_per_step")})
                     except Exception as e:  # the profile is extra: its failure is recorded
-                        profile = f"{type(e).__name__}: {e}"[:300]
+                        profile = {"profile_top": f"{type(e).__name__}: {e}"[:300]}
                 trace = runner.trace()
                 step_ms = statistics.median(trace.turn_ms)
                 p25, p75 = _quartiles({"step_ms": step_ms, "turns_ms": trace.turn_ms})
@@ -1008,8 +1028,7 @@ class Workbench:
                     "tokens_per_s": size.batch * size.seq / (step_ms * 1e-3),
                     "first_step_s": trace.first_step_s, "peak_gib": trace.peak_gib,
                     "fused_adamw": trace.fused_adamw, "config_s": runner.wall_s,
-                    **({"profile_steps": PROFILE_STEPS, "profile_top": profile}
-                       if args.profile else {}),
+                    **({"profile_steps": PROFILE_STEPS, **profile} if args.profile else {}),
                     **compare(trace, ref, trained)}
             runners.clear()
             runner = None  # the last one's model goes too
@@ -1047,7 +1066,8 @@ def main(argv: list[str] | None = None) -> dict:
                              "then timed in rounds; sequential: one provider after another, "
                              "each freed before the next (less memory)")
     parser.add_argument("--profile", action="store_true",
-                        help=f"the top {PROFILE_TOP} host ops of {PROFILE_STEPS} steps under "
+                        help=f"the top {PROFILE_TOP} host ops (and on a GPU the top "
+                             f"{PROFILE_KERNELS} kernels) of {PROFILE_STEPS} steps under "
                              f"torch.profiler after the timed ones, per row")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, eager")
     parser.add_argument("--compile-warmup", type=int, default=5,

@@ -140,6 +140,7 @@ def test_timing_modes_record_every_provider(tmp_path, timing):
         assert all(e["count"] > 0 and e["self_cpu_us"] >= 0 and e["name"] for e in top)
         assert [e["self_cpu_us"] for e in top] == sorted((e["self_cpu_us"] for e in top),
                                                          reverse=True)
+        assert "profile_kernels" not in r, "kernels are profiled on a GPU only"
 
 
 def test_batches_hold_no_special_ids():
