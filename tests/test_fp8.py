@@ -1208,3 +1208,19 @@ def test_cute_row_kernel_takes_a_delayed_scale_of_any_one_element_shape():
         assert tilenorm.fp8.explain(x, w, scaling="delayed").cute_forward is not None
     for out in outs[:2]:
         assert torch.equal(out.data.view(torch.uint8), outs[2].data.view(torch.uint8))
+
+
+def test_cute_fp8_kernel_refuses_an_odd_ring():
+    """Consecutive rows reduce in two shared-memory slots by their place in the ring: an odd
+    ring would put its last row and the next ring's first in one slot (a race)."""
+    if not cute.available():
+        pytest.skip("CuTe DSL not installed")
+    import cutlass
+
+    from tilenorm.kernels.cute_row_norm_fp8 import RowNormFp8Forward
+
+    bf16, e4m3 = cutlass.BFloat16, cutlass.Float8E4M3FN
+    for stages in (1, 3, 5):
+        with pytest.raises(ValueError, match="even"):
+            RowNormFp8Forward(bf16, bf16, e4m3, 448.0, 4096, 128, stages, 4, "row", False)
+    RowNormFp8Forward(bf16, bf16, e4m3, 448.0, 4096, 128, 4, 4, "row", False)

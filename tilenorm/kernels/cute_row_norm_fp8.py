@@ -74,8 +74,10 @@ class RowNormFp8Forward(RowKernel):
         self.block_lanes = BLOCK_COLS.get(scaling, self.vec) // self.vec
         if self.block_lanes < 1 or threads % max(self.block_lanes, 1):
             raise ValueError(f"{scaling} blocks are not whole vectors of a thread group")
-        if stages < 2:
-            raise ValueError(f"stages must be >= 2, got {stages}")
+        if stages < 2 or stages % 2:
+            # Consecutive rows reduce in two shared-memory slots by their place in the ring:
+            # an odd ring puts its last row and the next ring's first in one slot.
+            raise ValueError(f"stages must be even and >= 2, got {stages}")
         self.stages = stages
         self.ctas_per_sm = ctas_per_sm
         self.scaling = scaling
