@@ -12,12 +12,24 @@ shared memory in rank order (a fixed tree: every CTA gets the same bits, so a ro
 share one rstd), then scales and stores its slices. A second cluster barrier keeps every CTA
 resident until its peers have read its sums.
 
-For each shape and (cluster, threads, CTAs per SM): y and rstd poisoned, one launch checked
-against float64, a rerun bit-identical, then CUDA-graph time in rounds beside tilenorm's op
-and Quack; GB/s of the one-pass bytes against the copy bandwidth of the same process.
+Variants (``--kinds``): ``cluster``, the above (pull); ``push``, one row a cluster with the
+partials pushed by ``st.async`` into every peer's shared memory, x in registers
+(:class:`ClusterPushRmsNormForward`); ``smem`` / ``smem-cg``, the push reduction with x staged
+in shared memory by 16-byte ``cp.async`` (``.ca`` / ``.cg``) and read from there twice, 16384
+columns a CTA of 256 threads, 4 CTAs an SM: Quack's recipe (NOTES #66,
+:class:`ClusterSmemPushRmsNormForward`).
+
+For each shape and (cluster, threads, CTAs per SM, rows a cluster): y and rstd poisoned, one
+launch checked against float64, a rerun bit-identical, then CUDA-graph time in rounds beside
+tilenorm's op and Quack; GB/s of the one-pass bytes against the copy bandwidth of the same
+process.
 
     python bench/experiments/cute_cluster_forward_probe.py --out cluster.json
     python bench/experiments/cute_cluster_forward_probe.py --compile-only   # CPU, sm_90a
+
+``--compile-only`` needs no GPU: each variant's sm_90a cubin read by cuobjdump (registers,
+stack, spill stores / loads, shared-memory and cp.async instructions, shared bytes, the CTAs
+an SM its registers and shared memory allow).
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
 from cutlass._mlir.dialects import llvm  # noqa: E402
+from cutlass.cute.nvgpu import cpasync  # noqa: E402
 from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
 
 from bench.experiments import forward_probe_cases  # noqa: E402
@@ -54,6 +67,9 @@ CONFIGS = {
 #: stores at 64 registers, sm_90a); and 2 CTAs an SM, which does not have to.
 PUSH_CONFIGS = {n: [(n // 16384, 256, 4, 1), (n // 16384, 256, 2, 1)]
                 for n in (32768, 65536, 131072)}
+#: The cp.async cache modes the shared-memory variant takes.
+CACHE_MODES = {"always": cute.nvgpu.LoadCacheMode.ALWAYS,
+               "global": cute.nvgpu.LoadCacheMode.GLOBAL}
 #: Shared memory per SM on Hopper and Blackwell datacenter parts (228 KB).
 _SMEM_PER_SM = 233472
 
@@ -91,6 +107,10 @@ class ClusterRmsNormForward:
         self.reps = self.slice // (self.vec * threads)
         self.warps = threads // cute.arch.WARP_SIZE
         self.rows_per_cluster = rows_per_cluster
+        #: ``preferred_smem_carveout`` as passed (NOTES #64: the driver's unit is a
+        #: percentage; a few bytes of shared memory make it moot here), or None: the DSL
+        #: derives one that holds ``ctas_per_sm`` CTAs.
+        self.carveout = _SMEM_PER_SM
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mRstd: cute.Tensor,
@@ -98,7 +118,8 @@ class ClusterRmsNormForward:
         self.kernel(mX, mW, mY, mRstd, eps).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1],
             stream=stream, max_number_threads=[self.threads, 1, 1],
-            min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=_SMEM_PER_SM)
+            min_blocks_per_mp=self.ctas_per_sm,
+            **({} if self.carveout is None else {"preferred_smem_carveout": self.carveout}))
 
     @cute.jit
     def _thread_view(self, row: cute.Tensor, rank: Int32, tidx: Int32) -> cute.Tensor:
@@ -227,11 +248,132 @@ class ClusterPushRmsNormForward(ClusterRmsNormForward):
         cute.autovec_copy(y, self._thread_view(mY[row, None], rank, tidx))
 
 
+class ClusterSmemPushRmsNormForward(ClusterPushRmsNormForward):
+    """Quack's cluster forward recipe (bench/NOTES.md #66) in this probe's terms: one row a
+    cluster, each CTA's slice of x staged in SHARED memory by 16-byte ``cp.async`` (one
+    group; a thread reads back only the vectors it copied, so ``wait_group 0`` alone orders
+    them: no block barrier) and read from there twice, for the sum of squares and for the
+    output; the weight in registers (its loads issued while the copies fly); the partials
+    pushed with ``st.async`` as :class:`ClusterPushRmsNormForward`. 16384 columns a CTA
+    (32 KiB of bf16 x, ``cluster = N / 16384``) of 256 threads is Quack's shape: 128 KiB of x
+    in flight an SM at 4 CTAs. The x registers live only a vector at a time, which is what
+    lets 4 CTAs an SM (64 registers) hold without spilling where the register variant cannot.
+
+    Fixed order: warp ``w`` of CTA ``r`` pushes its partial into slot ``r * warps + w`` of
+    every CTA; each thread then sums, in rank order, each rank's warps in warp order, so
+    every CTA of the cluster (and every rerun) computes the same bits of the row's sum.
+
+    ``cache``: the ``cp.async`` cache mode, ``"always"`` (``.ca``, Quack's) or ``"global"``
+    (``.cg``, past L1)."""
+
+    def __init__(self, dtype, cols: int, cluster: int, threads: int, ctas_per_sm: int,
+                 rows_per_cluster: int = 1, cache: str = "always"):
+        super().__init__(dtype, cols, cluster, threads, ctas_per_sm, rows_per_cluster)
+        if cache not in CACHE_MODES:
+            raise ValueError(f"cache mode {cache!r} is not one of {sorted(CACHE_MODES)}")
+        self.cache = cache
+        # 33 KB a CTA: the carveout bounds the CTAs an SM holds, so the DSL derives it from
+        # ctas_per_sm (NOTES #64: 233472 is no valid percentage).
+        self.carveout = None
+
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory a CTA allocates: x's slice, the partial slots, the
+        mbarrier (each aligned as allocated)."""
+        x = self.slice * self.dtype.width // 8
+        parts = -(-self.warps * self.cluster * 4 // 16) * 16
+        return x + parts + 8
+
+    @cute.jit
+    def _vectors(self, piece: cute.Tensor, tidx: Int32) -> cute.Tensor:
+        """This thread's (vec, reps) elements of a ``slice``-long piece: one 16-byte vector a
+        rep, ``threads`` vectors apart (as :meth:`_thread_view`)."""
+        vectors = cute.zipped_divide(piece, (self.vec,))
+        blocks = cute.logical_divide(vectors, (None, self.threads))
+        return blocks[(None, (tidx, None))]
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mRstd: cute.Tensor,
+               eps: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        rank = cute.arch.block_in_cluster_idx()[0]
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        row = bidx // self.cluster
+
+        smem = cutlass.memory.SmemAllocator()
+        s_x = smem.allocate_tensor(self.dtype, cute.make_layout((self.slice,)), 128)
+        # Slot r * warps + w: warp w's partial from cluster CTA r.
+        parts = smem.allocate_tensor(Float32, cute.make_layout((self.cluster * self.warps,)),
+                                     16)
+        mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((1,)), 8)
+        if tidx == 0:
+            cute.arch.mbarrier_init(mbar.iterator, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.cluster_arrive_relaxed()
+
+        # x's slice to shared memory: 16-byte cp.async, one group.
+        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=CACHE_MODES[self.cache]),
+                                  self.dtype, num_bits_per_copy=128)
+        t_s = self._vectors(s_x, tidx)
+        cute.copy(g2s, self._thread_view(mX[row, None], rank, tidx), t_s)
+        cute.arch.cp_async_commit_group()
+        # The weight into registers while the copies fly.
+        shape = (self.vec, self.reps)
+        w_in = cute.make_rmem_tensor(shape, self.dtype)
+        cute.autovec_copy(self._thread_view(mW, rank, tidx), w_in)
+        if tidx == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator,
+                                                    self.warps * self.cluster * 4)
+        cute.arch.cp_async_wait_group(0)
+
+        # Sum of squares, a vector at a time, in a fixed order.
+        x_v = cute.make_rmem_tensor((self.vec,), self.dtype)
+        part = Float32(0.0)
+        for k in cutlass.range_constexpr(self.reps):
+            cute.autovec_copy(t_s[None, k], x_v)
+            x = x_v.load().to(Float32)
+            part = part + (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        part = cute.arch.warp_reduction(part, operator.add)
+
+        cute.arch.cluster_wait()  # every peer's mbarrier initialised
+        if lane < self.cluster:
+            cute.arch.store_async_dsmem(parts.iterator + (rank * self.warps + warp),
+                                        float_bits(part), mbar.iterator, lane)
+        cute.arch.mbarrier_wait(mbar.iterator, 0)
+        total = Float32(0.0)
+        for r in cutlass.range_constexpr(self.cluster):
+            own = parts[r * self.warps]
+            for i in cutlass.range_constexpr(1, self.warps):
+                own = own + parts[r * self.warps + i]
+            total = own if r == 0 else total + own
+        rstd = cute.math.rsqrt(total * Float32(1.0 / self.cols) + eps)
+        if rank == 0 and tidx == 0:
+            mRstd[row] = rstd
+
+        # x read again from shared memory, a vector at a time, scaled and stored.
+        t_y = self._thread_view(mY[row, None], rank, tidx)
+        y_v = cute.make_rmem_tensor((self.vec,), self.dtype)
+        for k in cutlass.range_constexpr(self.reps):
+            cute.autovec_copy(t_s[None, k], x_v)
+            y_v.store((x_v.load().to(Float32) * rstd * w_in[None, k].load().to(Float32))
+                      .to(self.dtype))
+            cute.autovec_copy(y_v, t_y[None, k])
+
+
+def make_kernel(kind: str, dtype, cols: int, config: tuple[int, int, int, int]):
+    """The kernel object of variant ``kind`` (:data:`KINDS`) at ``config``."""
+    cls, extra = KINDS[kind]
+    return cls(dtype, cols, *config, **extra)
+
+
 def compile_kernel(dtype, cols: int, config: tuple[int, int, int, int],
-                   arch: str | None = None, push: bool = False):
-    """Compiled for every row count; called as ``fn(x, w, y, rstd, eps, grid)``."""
-    kernel = (ClusterPushRmsNormForward if push else ClusterRmsNormForward)(dtype, cols,
-                                                                             *config)
+                   arch: str | None = None, kind: str = "cluster",
+                   dump_dir: str | None = None):
+    """Compiled for every row count; called as ``fn(x, w, y, rstd, eps, grid)``. ``arch``
+    compiles without a GPU (a kernel without a carveout is told an SM's shared memory, as
+    the schedule probe does); ``dump_dir`` keeps the cubin there."""
+    kernel = make_kernel(kind, dtype, cols, config)
     rows = cute.sym_int()
     x, y = (cute.runtime.make_fake_tensor(dtype, (rows, cols), stride=(cols, 1),
                                           assumed_align=16) for _ in range(2))
@@ -239,45 +381,138 @@ def compile_kernel(dtype, cols: int, config: tuple[int, int, int, int],
     rstd = cute.runtime.make_fake_tensor(Float32, (rows,), stride=(1,), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
-    return cute.compile(kernel, x, w, y, rstd, Float32(EPS), Int32(1), stream, options=options)
+    if dump_dir:
+        options += f" --keep-cubin --dump-dir {dump_dir}"
+    undo = lambda: None  # noqa: E731
+    if arch:
+        from bench.experiments.cute_forward_schedule_probe import _device_free_compile
+        undo = _device_free_compile(kernel.carveout)
+    try:
+        return cute.compile(kernel, x, w, y, rstd, Float32(EPS), Int32(1), stream,
+                            options=options)
+    finally:
+        undo()
 
 
-def variants(n: int) -> list[tuple[bool, tuple[int, int, int, int]]]:
-    """(push, config) of every kernel timed at width ``n``."""
-    return [(False, c) for c in CONFIGS[n]] + [(True, c) for c in PUSH_CONFIGS[n]]
+def variants(n: int, kinds=None) -> list[tuple[str, tuple[int, int, int, int]]]:
+    """(kind, config) of every kernel timed at width ``n``, of ``kinds`` (all by default)."""
+    out = ([("cluster", c) for c in CONFIGS[n]] + [("push", c) for c in PUSH_CONFIGS[n]]
+           + [(k, c) for k in SMEM_KINDS for c in SMEM_CONFIGS[n]])
+    return [(k, c) for k, c in out if kinds is None or k in kinds]
 
 
-def candidates(n: int) -> list[forward_probe_cases.Candidate]:
-    """Both reductions at each of width ``n``'s configurations."""
-    def maker(push, config):
+def candidates(n: int, kinds=None) -> list[forward_probe_cases.Candidate]:
+    """Every variant of width ``n`` (of ``kinds``), named ``"<kind> <config>"``."""
+    def maker(kind, config):
         def make(x, w, y, rstd):
-            fn = compile_kernel(cutlass.BFloat16, n, config, push=push)
+            fn = compile_kernel(cutlass.BFloat16, n, config, kind=kind)
             grid = -(-x.shape[0] // config[3]) * config[0]
             return lambda: fn(x, w, y, rstd, EPS, grid)
         return make
 
-    return [(f"{'push' if push else 'cluster'} {config}", maker(push, config))
-            for push, config in variants(n)]
+    return [(f"{kind} {config}", maker(kind, config)) for kind, config in variants(n, kinds)]
+
+
+def compile_only(widths, kinds, arch: str) -> None:
+    """Every variant compiled for ``arch`` without a GPU, its cubin read by cuobjdump:
+    registers, stack bytes, spill stores / loads (``STL`` / ``LDL``), shared-memory loads and
+    ``cp.async`` (``LDS`` / ``LDGSTS``), 16-byte global loads / stores, static shared bytes
+    (cuobjdump's: the 1 KB sm_90 reserves) and the dynamic bytes a CTA allocates; and the
+    CTAs an SM the registers and shared memory allow (65536 registers, 228 KB, 2048
+    threads)."""
+    import re
+    import tempfile
+    import time
+
+    from bench.experiments.cute_forward_schedule_probe import resources
+
+    print(f"{'variant':>34} {'regs':>5} {'stack':>6} {'STL/LDL':>8} {'LDS':>4} "
+          f"{'LDGSTS':>6} {'LDG/STG.128':>11} {'static':>7} {'dynamic':>8} {'CTAs/SM':>7} "
+          f"{'s':>5}")
+    failed = 0
+    for n in widths:
+        for kind, config in variants(n, kinds):
+            label = f"{n} {kind} {config}"
+            with tempfile.TemporaryDirectory() as tmp:
+                t0 = time.time()
+                try:
+                    compile_kernel(cutlass.BFloat16, n, config, arch, kind=kind, dump_dir=tmp)
+                except Exception as e:
+                    failed += 1
+                    print(f"{label:>34} FAILED {type(e).__name__}: {e}", flush=True)
+                    continue
+                seconds = time.time() - t0
+                cubins = sorted(Path(tmp).rglob("*.cubin"))
+                if not cubins:
+                    print(f"{label:>34} compiled in {seconds:.1f} s, no cubin kept")
+                    continue
+                r = resources(cubins[0])
+                sass = ""
+                if r.get("spill_stores") is not None:
+                    from bench.kernel_resources import cubin_resources, find_cuobjdump
+                    sass = cubin_resources(cubins[0], find_cuobjdump())[1]
+            kernel = make_kernel(kind, cutlass.BFloat16, n, config)
+            dynamic = kernel.shared_bytes() if hasattr(kernel, "shared_bytes") else 0
+            threads = config[1]
+            fits = None
+            if r.get("registers") is not None and r.get("shared") is not None:
+                regs_cta = -(-r["registers"] * threads // 256) * 256  # warp allocation unit
+                fits = min(65536 // regs_cta, 2048 // threads,
+                           _SMEM_PER_SM // (r["shared"] + dynamic))
+            lds = len(re.findall(r"\bLDS(\.\S+)?\b", sass)) if sass else "?"
+            ldgsts = len(re.findall(r"\bLDGSTS\b", sass)) if sass else "?"
+
+            def show(key, r=r):
+                return "?" if r.get(key) is None else str(r[key])
+
+            flag = "  SPILLS" if r.get("stack") or r.get("spill_stores") else ""
+            print(f"{label:>34} {show('registers'):>5} {show('stack'):>6} "
+                  f"{show('spill_stores') + '/' + show('spill_loads'):>8} {lds:>4} "
+                  f"{ldgsts:>6} {show('ldg128') + '/' + show('stg128'):>11} "
+                  f"{show('shared'):>7} {dynamic:>8} {fits if fits else '?':>7} "
+                  f"{seconds:5.1f}{flag}", flush=True)
+    if failed:
+        raise SystemExit(f"{failed} variant(s) failed to compile")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--widths", default=",".join(map(str, CONFIGS)))
+    parser.add_argument("--kinds", default=",".join(KINDS),
+                        help="variants to build, comma-separated, of: " + ", ".join(KINDS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--compile-only", action="store_true",
-                        help="compile every configuration for --arch, no GPU")
+                        help="compile every configuration for --arch, no GPU, and print what "
+                             "its cubin holds")
     parser.add_argument("--arch", default="sm_90a")
     args = parser.parse_args()
     widths = [int(n) for n in args.widths.split(",")]
+    kinds = [k.strip() for k in args.kinds.split(",")]
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        parser.error(f"unknown kinds {unknown}: take {list(KINDS)}")
     if args.compile_only:
-        for n in widths:
-            for push, config in variants(n):
-                compile_kernel(cutlass.BFloat16, n, config, args.arch, push=push)
-                print(f"compiled {n} {'push' if push else 'cluster'} {config} for "
-                      f"{args.arch}")
+        compile_only(widths, kinds, args.arch)
         return
-    forward_probe_cases.run(widths, candidates, args.rounds, args.out)
+    if args.out is None:
+        parser.error("--out is required (unless --compile-only)")
+    forward_probe_cases.run(widths, lambda n: candidates(n, kinds), args.rounds, args.out)
+
+
+#: Variant name -> (kernel class, extra constructor arguments).
+KINDS = {
+    "cluster": (ClusterRmsNormForward, {}),
+    "push": (ClusterPushRmsNormForward, {}),
+    "smem": (ClusterSmemPushRmsNormForward, {"cache": "always"}),
+    "smem-cg": (ClusterSmemPushRmsNormForward, {"cache": "global"}),
+}
+#: The shared-memory variants.
+SMEM_KINDS = ("smem", "smem-cg")
+#: The shared-memory variant's configs: Quack's shape (16384 columns a CTA of 256 threads,
+#: 4 CTAs an SM, one row a cluster).
+SMEM_CONFIGS = {n: [(n // 16384, 256, 4, 1)] for n in (32768, 65536, 131072)}
+
 
 if __name__ == "__main__":
     main()
