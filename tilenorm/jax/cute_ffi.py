@@ -1,0 +1,217 @@
+"""The CuTe DSL forward as an XLA FFI custom call (bench/NOTES.md #68): for one compiled
+variant (a :class:`tilenorm.launch.cute.ForwardKey` on one architecture), the DSL's export
+of the compiled kernel (an object whose one entry takes the TVM-FFI safe-call ABI, the cubin
+inside) linked with ``cute_ffi_calls.cc``, the XLA FFI handler that calls it on XLA's
+stream, into a library of its own.
+
+A library is built on first use into :func:`tilenorm.launch.build.cache_root` (beside the
+FFI module of :mod:`tilenorm.jax.native`), once per variant, architecture, sources and
+toolchain (the DSL, TVM-FFI and jaxlib versions, Python, the compiler); building one
+compiles the kernel (~4 s) and the handler. Each is loaded with ctypes and registered as a
+custom-call target of its own, :func:`target`. Nothing here needs a GPU: the CPU tests build
+and call the libraries (:data:`HOST_HANDLER`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from dataclasses import astuple
+from pathlib import Path
+
+from tilenorm.launch import build as launch_build
+from tilenorm.launch import cute
+
+SOURCE = Path(__file__).with_name("cute_ffi_calls.cc")
+#: Files whose text goes into what a library holds beyond its key: the handler, the kernel
+#: and the module that compiles it.
+_PACKAGE = Path(__file__).resolve().parent.parent
+BUILD_SOURCES = (SOURCE, _PACKAGE / "kernels" / "cute_row_norm_forward.py",
+                 _PACKAGE / "kernels" / "cute_rows.py", _PACKAGE / "launch" / "cute.py")
+#: The XLA FFI handler of every library (each is loaded on its own, so the names agree).
+HANDLER = "tilenorm_cute_forward"
+#: The same call for XLA's CPU backend: the CPU tests' way into the exported entry's argument
+#: checks (see ``cute_ffi_calls.cc``); never registered for CUDA.
+HOST_HANDLER = "tilenorm_cute_forward_without_gpu"
+#: The custom-call targets, one per library: this prefix and its build key.
+TARGET_PREFIX = "tilenorm_cute_forward_"
+#: The distributions whose versions a built library depends on.
+_VERSIONED = ("nvidia-cutlass-dsl-libs-base", "apache-tvm-ffi", "jaxlib")
+
+
+def arch_name(arch: tuple[int, int]) -> str:
+    """The DSL's ``--gpu-arch`` for a compute capability: the architecture-specific target
+    (``sm_90a``) from Hopper on, as the ahead-of-time builds use (``cute.AOT_ARCHS``)."""
+    major, minor = arch
+    return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def build_key(key: cute.ForwardKey, arch: str) -> str:
+    """A short hash of the variant, the architecture, the sources and the toolchain."""
+    versions = " ".join(f"{d} {_version(d)}" for d in _VERSIONED)
+    return launch_build.source_key(BUILD_SOURCES, f"{astuple(key)} {arch} {versions}")
+
+
+def target_name(key: cute.ForwardKey, arch: str) -> str:
+    """The custom-call target of the variant's library."""
+    return TARGET_PREFIX + build_key(key, arch)
+
+
+def library_path(key: cute.ForwardKey, arch: str) -> Path:
+    return (launch_build.cache_root() / f"jax-cute-{build_key(key, arch)}"
+            / "tilenorm_cute_forward.so")
+
+
+# --- the toolchain ---------------------------------------------------------------------------
+
+
+def _runtime_library() -> Path:
+    """The DSL's runtime (``libcute_dsl_runtime.so``), the one its own JIT loads."""
+    from cutlass.base_dsl.env_manager import get_prefix_dsl_libs
+
+    for path in (get_prefix_dsl_libs("CUTE_DSL") or "").split(os.pathsep):
+        if Path(path).name == "libcute_dsl_runtime.so" and Path(path).is_file():
+            return Path(path)
+    raise RuntimeError("the CuTe DSL's runtime library (libcute_dsl_runtime.so) was not found")
+
+
+@functools.cache
+def _link_inputs() -> tuple[str, ...]:
+    """The include and link flags of TVM-FFI and the DSL runtime. The library is linked
+    against the very files the DSL and ``tvm_ffi`` load, so that the process holds one copy of
+    each: TVM-FFI's stream (``TVMFFIEnvSetStream``) is per copy."""
+    import jax
+    from tvm_ffi import libinfo
+
+    tvm_lib = Path(libinfo.find_libtvm_ffi())
+    runtime = _runtime_library()
+    includes = dict.fromkeys([jax.ffi.include_dir(), libinfo.find_include_path(),
+                              libinfo.find_dlpack_include_path()])
+    return (*(f"-isystem{path}" for path in includes),
+            str(runtime), str(tvm_lib),
+            f"-Wl,-rpath,{runtime.parent}", f"-Wl,-rpath,{tvm_lib.parent}")
+
+
+@functools.cache
+def unavailable() -> str | None:
+    """Why no library can be built in this process (None: one can): the DSL and TVM-FFI, the
+    DSL's runtime library, a C++ compiler. ``TILENORM_NATIVE=0`` turns it off, as it does the
+    FFI module."""
+    if os.environ.get("TILENORM_NATIVE", "1") == "0":
+        return "TILENORM_NATIVE=0"
+    if not cute.available():
+        return "the CuTe DSL (nvidia-cutlass-dsl-libs-cu13, apache-tvm-ffi) is not installed"
+    if shutil.which(launch_build.compiler()) is None:
+        return f"no C++ compiler ({launch_build.compiler()!r} not found; set CXX)"
+    try:
+        _link_inputs()
+    except (RuntimeError, OSError, ImportError) as error:
+        return str(error)
+    return None
+
+
+# --- building --------------------------------------------------------------------------------
+
+
+def _defines(key: cute.ForwardKey, entry: str) -> list[str]:
+    return [f"-DTILENORM_CUTE_ENTRY={entry}",
+            f"-DTILENORM_CUTE_HAS_RESIDUAL={int(key.has_residual)}",
+            f"-DTILENORM_CUTE_HAS_WEIGHT={int(key.weight_dtype is not None)}",
+            f"-DTILENORM_CUTE_HAS_BIAS={int(key.has_bias)}",
+            f"-DTILENORM_CUTE_LAYER_NORM={int(key.layer_norm)}"]
+
+
+#: The library's exported symbols (a linker version script): its handlers and the call
+#: counter; the exported object's own symbols stay inside it.
+_EXPORTS = ("{ global: " + HANDLER + "; " + HOST_HANDLER + "; tilenorm_cute_forward_calls; "
+            "local: *; };\n")
+
+
+def _export_object(key: cute.ForwardKey, arch: str, path: Path, name: str) -> None:
+    """Compile the variant for ``arch`` (no GPU needed) and export it to the object ``path``,
+    its entry ``__tvm_ffi_<name>``; written beside and moved into place complete."""
+    compiled = cute.compile_forward(key, arch)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        out = Path(tmp) / path.name
+        compiled.export_to_c(str(out), function_name=name)
+        os.replace(out, path)
+
+
+def build(key: cute.ForwardKey, arch: str, verbose: bool = False) -> Path:
+    """Build the variant's library into the cache (once): export the kernel, then compile
+    the handler and link the two. ``RuntimeError`` where a step fails (the DSL's own errors
+    are wrapped)."""
+    reason = unavailable()
+    if reason is not None:
+        raise RuntimeError(reason)
+    target = library_path(key, arch)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # The entry's name is unique to the build, so that a symbol of one library never stands
+    # in for another's, whatever the loader does.
+    name = f"tilenorm_cute_forward_{build_key(key, arch)}"
+    obj = target.with_name("forward.o")
+    if not obj.exists():
+        try:
+            _export_object(key, arch, obj, name)
+        except Exception as error:  # the DSL's compile errors are its own classes
+            raise RuntimeError(f"compiling the CuTe DSL forward {key} for {arch} failed: "
+                               f"{type(error).__name__}: {error}") from error
+    exports = target.with_name("exports.map")
+    if not exports.exists():
+        with tempfile.NamedTemporaryFile("w", dir=target.parent, delete=False) as f:
+            f.write(_EXPORTS)
+        os.replace(f.name, exports)
+    flags = ["-O2", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden",
+             *_defines(key, f"__tvm_ffi_{name}"), str(obj), *_link_inputs(),
+             f"-Wl,--version-script={exports}"]
+    return launch_build.build_library(SOURCE, target, flags, f"the CuTe DSL forward {key}",
+                                      verbose)
+
+
+@functools.cache
+def library(key: cute.ForwardKey, arch: str) -> ctypes.CDLL:
+    """The variant's library, loaded (built first where needed)."""
+    lib = ctypes.CDLL(str(build(key, arch, verbose=True)))
+    lib.tilenorm_cute_forward_calls.restype = ctypes.c_int64
+    lib.tilenorm_cute_forward_calls.argtypes = []
+    return lib
+
+
+@functools.cache
+def target(key: cute.ForwardKey, arch: str) -> str:
+    """The variant's custom-call target, registered with XLA for CUDA (built and loaded
+    first, once a process); ``RuntimeError`` or ``OSError`` where that fails."""
+    import jax
+
+    from tilenorm.jax import native
+
+    name = target_name(key, arch)
+    lib = library(key, arch)
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, HANDLER)),
+                                platform=native.FFI_PLATFORM)
+    _registered[name] = lib
+    return name
+
+
+#: The libraries of the registered targets, by target name.
+_registered: dict[str, ctypes.CDLL] = {}
+
+
+def calls_run(name: str) -> int:
+    """How many calls of a registered target reached its kernel in this process (0 for a
+    target not registered here)."""
+    lib = _registered.get(name)
+    return 0 if lib is None else lib.tilenorm_cute_forward_calls()
