@@ -94,13 +94,32 @@ def test_a_family_whose_modules_are_missing_is_not_runnable():
     assert validation.CUTILE_NORM.runnable()
 
 
+#: Host code in a family's digest: the C++ of a call path that only a GPU runs end to end
+#: (the XLA FFI handler of JAX's CuTe DSL forward), validated with the kernels it calls.
+GPU_ONLY_HOST_CODE = {"jax/cute_ffi_calls.cc"}
+
+
 def test_digest_covers_the_kernels_folder_and_the_measured_settings():
-    """Host code outside tilenorm/kernels and the settings files (settings.py,
-    settings_fp8.py) can change without a GPU re-run; every kernel file is in some family."""
+    """Host code outside tilenorm/kernels, the settings files (settings.py, settings_fp8.py)
+    and the GPU-only call paths named above can change without a GPU re-run; every kernel
+    file is in some family."""
     kernel_files = {f"kernels/{p.name}" for p in (validation.PACKAGE_DIR / "kernels").glob(
         "*.py") if p.name != "__init__.py"}
     sources = {s for family in validation.FAMILIES for s in family.sources}
-    assert sources == kernel_files | {"settings.py", "settings_fp8.py"}
+    assert {s for s in sources if s.startswith("kernels/")} == kernel_files
+    assert sources == kernel_files | {"settings.py", "settings_fp8.py"} | GPU_ONLY_HOST_CODE
+    for source in GPU_ONLY_HOST_CODE:
+        assert (validation.PACKAGE_DIR / source).is_file(), source
+
+
+def test_jax_cute_forward_is_a_family_of_its_own():
+    """JAX's CuTe DSL forward call is validated apart from the kernel's torch path: its
+    handler, the kernel it calls (and the module that kernel imports) and the settings."""
+    family = validation.CUTE_JAX_FORWARD
+    assert family in validation.FAMILIES and family.name == "cute/jax-forward"
+    assert set(family.sources) == {"jax/cute_ffi_calls.cc", "kernels/cute_row_norm_forward.py",
+                                   "kernels/cute_rows.py", "settings.py"}
+    assert family.digest() != validation.CUTE_NORM.digest()
 
 
 def test_a_family_holds_the_kernel_modules_its_kernels_import():
@@ -110,6 +129,8 @@ def test_a_family_holds_the_kernel_modules_its_kernels_import():
 
     for family in validation.FAMILIES:
         for source in family.sources:
+            if not source.endswith(".py"):  # host C++: it imports no kernel module
+                continue
             tree = ast.parse((validation.PACKAGE_DIR / source).read_text())
             imported = {node.module for node in ast.walk(tree)
                         if isinstance(node, ast.ImportFrom) and node.module}

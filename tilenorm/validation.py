@@ -73,7 +73,28 @@ CUTE_NORM_FP8 = KernelFamily(
     "cute/norm-fp8", "CuTe DSL",
     ("kernels/cute_row_norm_fp8.py", "kernels/cute_rows.py", "settings_fp8.py"),
     _cute_installed)
-FAMILIES = (CUTILE_NORM, CUTE_NORM, CUTILE_NORM_FP8, CUTE_NORM_FP8)
+
+
+def _cute_jax_installed() -> bool:
+    """The CuTe DSL and a jaxlib with its CUDA plugin (looked up, not imported): a GPU run
+    without them skips the JAX tests."""
+    import importlib.util
+
+    return _cute_installed() and any(
+        importlib.util.find_spec(name) is not None
+        for name in ("jax_cuda13_plugin", "jax_cuda12_plugin"))
+
+
+#: The CuTe DSL forward called from JAX (issue 18): an XLA FFI handler that hands XLA's
+#: buffers and stream to the kernel's TVM-FFI export (bench/NOTES.md #68). Its C++ is in the
+#: digest beside the kernel and its settings: the CPU tests build it and call it up to the
+#: kernel's load, but only a GPU runs the launch (XLA's stream, the buffers' device memory).
+CUTE_JAX_FORWARD = KernelFamily(
+    "cute/jax-forward", "CuTe DSL",
+    ("jax/cute_ffi_calls.cc", "kernels/cute_row_norm_forward.py", "kernels/cute_rows.py",
+     "settings.py"),
+    _cute_jax_installed)
+FAMILIES = (CUTILE_NORM, CUTE_NORM, CUTILE_NORM_FP8, CUTE_NORM_FP8, CUTE_JAX_FORWARD)
 
 
 @functools.cache
