@@ -1,10 +1,15 @@
-"""The kernel path for CUDA: tilenorm's cuTile kernels as XLA FFI custom calls.
+"""The kernel path for CUDA: tilenorm's cuTile kernels, and the CuTe DSL forward, as XLA FFI
+custom calls.
 
 When a call is traced for CUDA and :func:`tilenorm.dispatch.decide` covers its shard, the
 forward (backward) here prepares the shard's kernel launches through
 :mod:`tilenorm.launch` (a cubin per operand layout, its parameter block written once; this
 needs the GPU, at trace time), registers them with the FFI module
 (:mod:`tilenorm.jax.native`) and emits one custom call that launches them on XLA's stream.
+Where the torch side runs the CuTe DSL forward (x of 64 MiB and more at the widths it was
+measured to gain), the forward is instead the custom call of that kernel's own library
+(:mod:`tilenorm.jax.cute_ffi`), once its family (``cute/jax-forward``) is validated on a GPU
+or experimental kernels are on.
 
 The kernels index every operand as dense (rows, heads, cols) arrays: the shard's operands are
 reshaped to that (free for the usual layouts; the vmapped dimensions of a batching rule's
@@ -28,8 +33,10 @@ import functools
 import importlib.util
 import math
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -37,10 +44,15 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tilenorm import dispatch as kernel_dispatch
+from tilenorm import validation
 from tilenorm.arguments import dres_apart
 from tilenorm.jax import dispatch
 from tilenorm.jax.spec import NormSpec
 from tilenorm.layout import contiguous_strides, view_strides
+from tilenorm.planner import CuteForwardPlan
+
+if TYPE_CHECKING:
+    from tilenorm.launch.cute import ForwardKey
 
 #: The slices of the placeholder result, 16 bytes each: more than the operands any kernel
 #: leaves unused.
@@ -232,9 +244,15 @@ def _dtype(t) -> np.dtype | None:
 
 def forward(spec: NormSpec, decision: kernel_dispatch.Decision, x, residual, weight, bias):
     """``(y, h, mean, rstd)`` of one shard as :func:`tilenorm.jax.reference.forward`, by the
-    forward kernel."""
+    forward kernel: the CuTe DSL forward where the decision has it, the call's operands
+    allow it and its library builds (:func:`cute_forward_variant`), else cuTile's."""
     from tilenorm.jax import native
 
+    variant = cute_forward_variant(spec, decision, x, residual, weight, bias)
+    if variant is not None:
+        target = _cute_target(variant[1], decision.device.arch)
+        if target is not None:
+            return _cute_forward(spec, variant[0], target, x, residual, weight, bias)
     s = _Shape3.of(spec, x.shape)
     call = _Call()
     call.operand("x", s.to_kernel(x))
@@ -258,6 +276,89 @@ def forward(spec: NormSpec, decision: kernel_dispatch.Decision, x, residual, wei
     h = s.from_kernel(out.pop(0), x.shape) if residual is not None else None
     mean = s.from_kernel(out.pop(0), stat_shape, stats=True) if spec.layer_norm else None
     rstd = s.from_kernel(out.pop(0), stat_shape, stats=True)
+    return y, h, mean, rstd
+
+
+# --- the CuTe DSL forward ---------------------------------------------------------------------
+
+
+def _name(dtype) -> str:
+    return np.dtype(dtype).name
+
+
+def cute_forward_variant(spec: NormSpec, decision: kernel_dispatch.Decision, x, residual,
+                         weight, bias) -> tuple[CuteForwardPlan, ForwardKey] | None:
+    """``(plan, key)`` of the CuTe DSL forward for this shard, or None where cuTile's runs:
+    :func:`tilenorm.dispatch.forward_kernel` on the call's facts, as the torch side decides
+    (y and h in x's dtype, parameters in x's dtype or fp32, a bias only with a weight of its
+    dtype). JAX's operands are dense: the kernel reads them as (rows, cols), a free
+    reshape."""
+    if decision.cute_forward is None:
+        return None
+    x_dtype = np.dtype(x.dtype)
+    same_dtypes = (
+        np.dtype(spec.out_dtype) == x_dtype
+        and (residual is None
+             or np.dtype(residual.dtype) == np.dtype(spec.h_dtype) == x_dtype)
+        and (weight is None or np.dtype(weight.dtype) in (x_dtype, _FLOAT32))
+        and (bias is None or weight is None or np.dtype(bias.dtype) == np.dtype(weight.dtype)))
+    plan = kernel_dispatch.forward_kernel(decision, kernel_dispatch.ForwardFacts(
+        same_dtypes=same_dtypes, bias_without_weight=bias is not None and weight is None,
+        dense=True))
+    if not isinstance(plan, CuteForwardPlan):
+        return None
+    from tilenorm.launch import cute
+
+    key = cute.ForwardKey.of(plan, x_dtype.name,
+                             None if weight is None else _name(weight.dtype),
+                             bias is not None, spec.layer_norm, spec.offset != 0,
+                             residual is not None)
+    return plan, key
+
+
+@functools.lru_cache(maxsize=256)
+def _cute_target(key: ForwardKey, arch: tuple[int, int]) -> str | None:
+    """The variant's custom-call target, built and registered once a process; None (with a
+    warning, once) where its library cannot be built: cuTile's forward runs instead. A
+    failure is cached too, so that a trace does not compile the kernel again to fail."""
+    from tilenorm.jax import cute_ffi
+
+    try:
+        return cute_ffi.target(key, cute_ffi.arch_name(arch))
+    except (RuntimeError, OSError, AttributeError) as error:
+        warnings.warn(f"tilenorm: the CuTe DSL forward's XLA FFI call for {key} is "
+                      f"unavailable ({error}); cuTile's forward runs", RuntimeWarning,
+                      stacklevel=2)
+        return None
+
+
+def _cute_forward(spec: NormSpec, plan: CuteForwardPlan, target: str, x, residual, weight,
+                  bias):
+    """``(y, h, mean, rstd)`` of one shard by the CuTe DSL forward's custom call: x and the
+    residual as (rows, cols), the parameters as (cols,), the statistics (rows,)."""
+    rows, cols = plan.rows, plan.cols
+    if math.prod(x.shape) != rows * cols:
+        raise ValueError(f"tilenorm: the CuTe DSL forward was planned for {rows} x {cols}, "
+                         f"the shard is {x.shape}")
+    operands = [x.reshape(rows, cols)]
+    if residual is not None:
+        operands.append(residual.reshape(rows, cols))
+    operands += [p.reshape(cols) for p in (weight, bias) if p is not None]
+    results = [jax.ShapeDtypeStruct((rows, cols), np.dtype(spec.out_dtype))]
+    if residual is not None:
+        results.append(jax.ShapeDtypeStruct((rows, cols), np.dtype(spec.h_dtype)))
+    if spec.layer_norm:
+        results.append(jax.ShapeDtypeStruct((rows,), _FLOAT32))
+    results.append(jax.ShapeDtypeStruct((rows,), _FLOAT32))
+    operands, results = _varying_alike(operands, results)
+    out = list(jax.ffi.ffi_call(target, results)(
+        *operands, eps=np.float32(spec.eps), offset=np.float32(spec.offset),
+        grid=np.int64(plan.grid)))
+    stat_shape = x.shape[:x.ndim - spec.dims]
+    y = out.pop(0).reshape(x.shape)
+    h = out.pop(0).reshape(x.shape) if residual is not None else None
+    mean = out.pop(0).reshape(stat_shape) if spec.layer_norm else None
+    rstd = out.pop(0).reshape(stat_shape)
     return y, h, mean, rstd
 
 
@@ -388,13 +489,46 @@ def unavailable() -> str | None:
 
 
 def covers(problem: kernel_dispatch.Problem) -> kernel_dispatch.Decision:
-    """:func:`tilenorm.dispatch.decide`, where the FFI module is available, without its CuTe
-    DSL plans: the FFI calls launch cuTile's kernels only (bench/NOTES.md #68)."""
+    """:func:`tilenorm.dispatch.decide`, where the FFI module is available, without the CuTe
+    DSL backward (the backward's FFI call launches cuTile's kernels) and with the CuTe DSL
+    forward only where its own call may run (:func:`_cute_forward_plan`)."""
     reason = unavailable()
     if reason is not None:
         return kernel_dispatch.Decision(op=problem.op, reason=reason)
-    return dataclasses.replace(kernel_dispatch.decide(problem), cute_forward=None,
-                               cute_backward=None)
+    decision = kernel_dispatch.decide(problem)
+    if not decision.uses_kernel:
+        return decision
+    cute_forward, why = _cute_forward_plan(problem, decision)
+    return dataclasses.replace(decision, cute_forward=cute_forward, cute_backward=None,
+                               reason=decision.reason + why)
+
+
+def _cute_forward_plan(problem: kernel_dispatch.Problem, decision: kernel_dispatch.Decision
+                       ) -> tuple[CuteForwardPlan | None, str]:
+    """The decision's CuTe DSL forward where JAX may run it, and what to add to its reason.
+    Its XLA FFI call (:mod:`tilenorm.jax.cute_ffi`) is a family of its own,
+    :data:`tilenorm.validation.CUTE_JAX_FORWARD`: it runs once a GPU run validated it, or
+    where experimental kernels are allowed, and only where its libraries can be built."""
+    plan = decision.cute_forward
+    if plan is None:
+        return None, ""
+    family = validation.CUTE_JAX_FORWARD
+    record = validation.validation_record(family)
+    if record is None and not problem.allow_experimental:
+        return None, (f"; the CuTe DSL forward's XLA FFI call ({family.name}) is experimental "
+                      f"(not yet validated on a GPU at this source) and experimental kernels "
+                      f"are off, so cuTile's forward runs (TILENORM_EXPERIMENTAL=1 enables "
+                      f"it)")
+    from tilenorm.jax import cute_ffi
+
+    reason = cute_ffi.unavailable()
+    if reason is not None:
+        return None, (f"; the CuTe DSL forward's XLA FFI call cannot be built ({reason}), so "
+                      f"cuTile's forward runs")
+    status = ("experimental" if record is None
+              else f"stable (validated on {record['device']}, {record['date']}, commit "
+                   f"{record['commit']})")
+    return plan, f"; the CuTe DSL forward runs as an XLA FFI call ({family.name} {status})"
 
 
 def kernel_path(covers: Callable = covers) -> dispatch.KernelPath:

@@ -1,0 +1,409 @@
+"""The CuTe DSL forward of tilenorm.jax's kernel path (issue 18, bench/NOTES.md #68), on the
+CPU: each compiled variant exported for sm_90a and linked with its XLA FFI handler
+(:mod:`tilenorm.jax.cute_ffi`), the routing that picks it on a made-up H100, the gate of its
+kernel family (``cute/jax-forward``), and the call itself up to the kernel's load: through
+XLA's CPU backend the handler hands the exported entry the DLTensors of the kernel path's
+operands and results, and the entry's own checks of every array (dtype, shape, strides,
+device, alignment) pass before it stops where a GPU is needed. The GPU tests are in
+tests/test_jax_kernel_path.py (``test_cute_forward_*``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import re
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+jax = pytest.importorskip("jax")
+
+import jax.numpy as jnp  # noqa: E402
+
+import tilenorm  # noqa: E402
+import tilenorm.jax as tj  # noqa: E402
+from tilenorm import dispatch as kernel_dispatch  # noqa: E402
+from tilenorm import validation  # noqa: E402
+from tilenorm.device import DeviceInfo  # noqa: E402
+from tilenorm.jax import checks, cute_ffi, kernels, native  # noqa: E402
+from tilenorm.jax import dispatch as jax_dispatch  # noqa: E402
+from tilenorm.launch import cute  # noqa: E402
+from tilenorm.planner import plan_cute_forward  # noqa: E402
+from tilenorm.settings import SM90  # noqa: E402
+
+needs_cute = pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+#: The host calls pass host memory as CUDA's: where a GPU is, the kernel would launch on it.
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(),
+                            reason="calls the entry with host memory: only without a GPU")
+pytestmark = needs_cute
+
+FAKE_H100 = DeviceInfo(index=0, name="made-up H100", sm_count=132, arch=(9, 0),
+                       l2_bytes=50 << 20)
+ARCH = "sm_90a"
+WIDTH = min(SM90.cute_forward["rms_norm"])
+BF16, FP16, FP32 = jnp.bfloat16, jnp.float16, jnp.float32
+#: What the entry's own argument checks say (the DSL's messages): none may reach XLA.
+ARGUMENT_ERRORS = ("Mismatched", "Misaligned", "Expects", "Out of bound", "TypeError",
+                   "ValueError")
+
+
+def _key(op="rms_norm", cols=WIDTH, dtype="bfloat16", weight="float32", bias=False,
+         offset=False, residual=False, rows=9) -> tuple:
+    plan = plan_cute_forward(rows, cols, itemsize=2, arch=(9, 0), op=op)
+    return plan, cute.ForwardKey.of(plan, dtype, weight, bias, op == "layer_norm", offset,
+                                    residual)
+
+
+# --- the library -----------------------------------------------------------------------------
+
+
+def test_arch_names_are_the_architecture_specific_targets():
+    assert cute_ffi.arch_name((9, 0)) == "sm_90a"
+    assert cute_ffi.arch_name((10, 0)) == "sm_100a"
+    assert cute_ffi.arch_name((8, 0)) == "sm_80"
+
+
+def test_build_key_names_the_variant_and_architecture():
+    _, key = _key()
+    _, other = _key(residual=True)
+    assert cute_ffi.build_key(key, ARCH) == cute_ffi.build_key(key, ARCH)
+    assert len({cute_ffi.build_key(key, ARCH), cute_ffi.build_key(other, ARCH),
+                cute_ffi.build_key(key, "sm_100a")}) == 3
+    assert cute_ffi.target_name(key, ARCH).startswith(cute_ffi.TARGET_PREFIX)
+
+
+def test_library_builds_once_without_a_gpu_and_exports_only_its_handlers(tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.setenv("TILENORM_CACHE_DIR", str(tmp_path))
+    assert cute_ffi.unavailable() is None
+    _, key = _key(op="layer_norm", dtype="float16", weight="float16", bias=True)
+    path = cute_ffi.build(key, ARCH)
+    assert path.is_relative_to(tmp_path) and path.is_file()
+    built = path.stat().st_mtime_ns
+    assert cute_ffi.build(key, ARCH) == path and path.stat().st_mtime_ns == built
+    lib = ctypes.CDLL(str(path))
+    for name in (cute_ffi.HANDLER, cute_ffi.HOST_HANDLER, "tilenorm_cute_forward_calls"):
+        assert getattr(lib, name)
+    # The exported object's entry and its internals stay inside the library.
+    entry = f"__tvm_ffi_tilenorm_cute_forward_{cute_ffi.build_key(key, ARCH)}"
+    with pytest.raises(AttributeError):
+        getattr(lib, entry)
+    lib.tilenorm_cute_forward_calls.restype = ctypes.c_int64
+    assert lib.tilenorm_cute_forward_calls() == 0
+
+
+def test_unavailable_says_why(monkeypatch):
+    cute_ffi.unavailable.cache_clear()
+    try:
+        monkeypatch.setenv("TILENORM_NATIVE", "0")
+        assert cute_ffi.unavailable() == "TILENORM_NATIVE=0"
+        cute_ffi.unavailable.cache_clear()
+        monkeypatch.delenv("TILENORM_NATIVE")
+        monkeypatch.setenv("CXX", "/nonexistent/c++")
+        assert "no C++ compiler" in cute_ffi.unavailable()
+        with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+            cute_ffi.build(_key()[1], ARCH)
+    finally:
+        cute_ffi.unavailable.cache_clear()
+
+
+# --- routing on a made-up H100 ---------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_h100(monkeypatch):
+    """Decide as if the shard lived on an H100 (the decision needs only its properties)."""
+    monkeypatch.setattr(kernel_dispatch, "device_info", lambda index: FAKE_H100)
+    kernel_dispatch.decide.cache_clear()
+    yield
+    kernel_dispatch.decide.cache_clear()
+
+
+def _records(monkeypatch, jax_forward: bool):
+    """Every family validated but ``cute/jax-forward`` (validated with ``jax_forward``)."""
+    record = {"device": "made-up H100", "date": "2026-01-01", "commit": "abc"}
+
+    def validation_record(family):
+        if family is validation.CUTE_JAX_FORWARD and not jax_forward:
+            return None
+        return record
+    monkeypatch.setattr(validation, "validation_record", validation_record)
+
+
+def _problem(rows, cols=WIDTH, allow=False, op="rms_norm", dtypes=("bfloat16", "float32")):
+    return kernel_dispatch.Problem(op, "cuda", 0, dtypes, rows, 1, cols, False,
+                                   rows * cols - 1, allow)
+
+
+#: Rows of bf16 x that hold the smallest x the torch side runs the CuTe DSL forward for.
+MIN_ROWS = kernel_dispatch.CUTE_FORWARD_MIN_BYTES // (2 * WIDTH)
+
+
+def test_covers_keeps_the_cute_forward_only_where_its_family_may_run(fake_h100, monkeypatch):
+    _records(monkeypatch, jax_forward=False)
+    off = kernels.covers(_problem(MIN_ROWS))
+    assert off.uses_kernel and off.cute_forward is None and off.cute_backward is None
+    assert "cute/jax-forward" in off.reason and "experimental" in off.reason
+    on = kernels.covers(_problem(MIN_ROWS, allow=True))
+    assert on.cute_forward == kernel_dispatch.decide(_problem(MIN_ROWS, allow=True)).cute_forward
+    assert on.cute_forward is not None and on.cute_backward is None
+    assert "runs as an XLA FFI call (cute/jax-forward experimental)" in on.reason
+    # where the torch side keeps cuTile's forward, so does JAX
+    assert kernels.covers(_problem(MIN_ROWS - 1, allow=True)).cute_forward is None
+    assert kernels.covers(_problem(MIN_ROWS, cols=WIDTH + 8, allow=True)).cute_forward is None
+    _records(monkeypatch, jax_forward=True)
+    kernel_dispatch.decide.cache_clear()
+    stable = kernels.covers(_problem(MIN_ROWS))
+    assert stable.cute_forward is not None and "cute/jax-forward stable" in stable.reason
+
+
+def test_covers_keeps_cutile_where_no_library_can_be_built(fake_h100, monkeypatch):
+    _records(monkeypatch, jax_forward=True)
+    monkeypatch.setattr(cute_ffi, "unavailable", lambda: "no C++ compiler")
+    decision = kernels.covers(_problem(MIN_ROWS))
+    assert decision.cute_forward is None and "no C++ compiler" in decision.reason
+
+
+def _spec(x, w, b, r, layer_norm=False, offset=0.0, out_dtype=None, stream=None):
+    return checks.forward_spec("layer_norm" if layer_norm else "rms_norm", x, w, b, r, None,
+                               offset, False, r is not None, out_dtype, stream, None)
+
+
+def _sds(shape, dtype):
+    return None if dtype is None else jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.mark.parametrize("x,w,b,r,out,stream,layer_norm,expected", [
+    (BF16, FP32, None, None, None, None, False, ("bfloat16", "float32", False, False)),
+    (BF16, BF16, None, BF16, None, None, False, ("bfloat16", "bfloat16", False, True)),
+    (FP16, None, None, None, None, None, False, ("float16", None, False, False)),
+    (BF16, FP32, FP32, BF16, None, None, True, ("bfloat16", "float32", True, True)),
+    (BF16, FP16, None, None, None, None, False, None),  # weight in another 2-byte dtype
+    (BF16, FP32, None, None, FP32, None, False, None),  # y not in x's dtype
+    (BF16, FP32, None, FP32, None, None, False, None),  # residual not in x's dtype
+    (BF16, FP32, None, BF16, None, FP32, False, None),  # h not in x's dtype
+    (BF16, None, FP32, None, None, None, True, None),  # a bias without a weight
+    (BF16, FP32, BF16, None, None, None, True, None),  # bias and weight apart
+], ids=["fp32-weight", "prenorm", "no-weight", "ln-bias-prenorm", "fp16-weight",
+        "fp32-out", "fp32-residual", "fp32-stream", "bias-alone", "bias-dtype"])
+def test_variant_follows_the_call_facts(fake_h100, monkeypatch, x, w, b, r, out, stream,
+                                        layer_norm, expected):
+    """The CuTe forward runs for the operands the torch side runs it for
+    (:func:`tilenorm.dispatch.forward_kernel`), as the compiled variant of their dtypes."""
+    _records(monkeypatch, jax_forward=True)
+    shape = (MIN_ROWS, WIDTH)
+    xs, rs = _sds(shape, x), _sds(shape, r)
+    ws, bs = _sds((WIDTH,), w), _sds((WIDTH,), b)
+    found = []
+
+    def decide(x, w, b, r):  # on tracers, as a traced call decides
+        spec = _spec(x, w, b, r, layer_norm, out_dtype=out, stream=stream)
+        decision = kernels.covers(jax_dispatch._problem(spec, x, r, w, b))
+        found.append((decision, kernels.cute_forward_variant(spec, decision, x, r, w, b)))
+
+    jax.eval_shape(decide, xs, ws, bs, rs)
+    ((decision, variant),) = found
+    if expected is None:
+        assert variant is None
+        return
+    assert decision.cute_forward is not None
+    plan, key = variant
+    assert plan is decision.cute_forward
+    assert (key.dtype, key.weight_dtype, key.has_bias, key.has_residual) == expected
+    assert key.layer_norm == layer_norm and key.cols == WIDTH and not key.has_offset
+
+
+# --- lowering for CUDA -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def cute_routed(fake_h100, monkeypatch):
+    """The installed kernel path on a made-up H100 with experimental kernels on and the CuTe
+    forward from any size (the recipes of cuTile's backward unlaunchable, as in
+    tests/test_jax_gpu.py: preparing one loads a cubin on the GPU)."""
+    from tests.test_jax_gpu import _unlaunchable_recipe
+
+    monkeypatch.setattr(kernel_dispatch, "CUTE_FORWARD_MIN_BYTES", 0)
+    monkeypatch.setattr(kernels, "launch_recipe", _unlaunchable_recipe)
+    kernels._forward_recipes.cache_clear()
+    kernels._backward_recipes.cache_clear()
+    native.register_targets()
+    previous = tj.set_kernel_path(kernels.kernel_path())
+    with tilenorm.experimental():
+        yield
+    tj.set_kernel_path(previous)
+    kernels._forward_recipes.cache_clear()
+    kernels._backward_recipes.cache_clear()
+
+
+def _lowered_for_cuda(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _cute_calls(text: str) -> list[str]:
+    return re.findall(rf"custom_call @({cute_ffi.TARGET_PREFIX}[0-9a-f]+)\(", text)
+
+
+@pytest.mark.parametrize("layer_norm", [False, True], ids=["rms-gemma", "ln-bias"])
+def test_lowered_step_runs_the_cute_forward_and_cutiles_backward(cute_routed, layer_norm):
+    x = jax.ShapeDtypeStruct((3, 5, WIDTH), BF16)
+    w = jax.ShapeDtypeStruct((WIDTH,), FP32)
+
+    def loss(x, w, r):
+        if layer_norm:
+            y, h = tj.layer_norm(x, w, w, residual=r, prenorm=True)
+        else:
+            y, h = tj.rms_norm(x, w, residual=r, prenorm=True, offset=1.0)
+        return jnp.sum(y.astype(FP32)) + jnp.sum(h.astype(FP32))
+
+    text = _lowered_for_cuda(jax.grad(loss, (0, 1, 2)), x, w, x)
+    (target,) = _cute_calls(text)
+    assert f"custom_call @{native.FORWARD_TARGET}(" not in text
+    assert text.count(f"custom_call @{native.BACKWARD_TARGET}(") == 1
+    plan, key = _key("layer_norm" if layer_norm else "rms_norm", bias=layer_norm,
+                     offset=not layer_norm, residual=True, rows=15)
+    assert target == cute_ffi.target_name(key, ARCH)
+    call = next(line for line in text.splitlines() if f"@{target}(" in line)
+    assert f"grid = {plan.grid} : i64" in call
+    assert re.search(r"offset = 1\.0+e\+00 : f32" if not layer_norm else
+                     r"offset = 0\.0+e\+00 : f32", call)
+    results = "(tensor<15x{0}xbf16>, tensor<15x{0}xbf16>, {1}tensor<15xf32>)".format(
+        WIDTH, "tensor<15xf32>, " if layer_norm else "")
+    assert call.endswith(results), call
+
+
+@pytest.mark.parametrize("transform", ["vmap", "shard_map", "checkpoint"])
+def test_transformed_forward_lowers_to_the_cute_call(cute_routed, transform):
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    x = jax.ShapeDtypeStruct((4, 6, WIDTH), BF16)
+    w = jax.ShapeDtypeStruct((WIDTH,), BF16)
+
+    def norm(x, w):
+        return tj.rms_norm(x, w)
+
+    forwards = 1
+    if transform == "vmap":  # the vmapped dimension is more rows: one call of 24
+        fn = jax.vmap(norm, (0, None))
+    elif transform == "shard_map":
+        mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+        fn = jax.shard_map(norm, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))
+    else:
+        fn, forwards = jax.checkpoint(norm), 2
+    step = jax.value_and_grad(lambda x, w: jnp.sum(fn(x, w).astype(FP32)), (0, 1))
+    text = _lowered_for_cuda(step, x, w)
+    assert len(_cute_calls(text)) == forwards
+    assert text.count(f"custom_call @{native.BACKWARD_TARGET}(") == 1
+
+
+def test_a_library_that_fails_to_build_leaves_cutiles_forward(cute_routed, monkeypatch):
+    def fail(key, arch):
+        raise RuntimeError("compiling the CuTe DSL forward failed: test")
+
+    monkeypatch.setattr(cute_ffi, "target", fail)
+    kernels._cute_target.cache_clear()
+    try:
+        x = jax.ShapeDtypeStruct((7, WIDTH), FP16)
+        with pytest.warns(RuntimeWarning, match="cuTile's forward runs"):
+            text = _lowered_for_cuda(tj.rms_norm, x)
+        assert not _cute_calls(text) and f"custom_call @{native.FORWARD_TARGET}(" in text
+        with warnings.catch_warnings():  # the failure is remembered: no second build
+            warnings.simplefilter("error")
+            _lowered_for_cuda(lambda x: tj.rms_norm(x, eps=1e-5), x)
+    finally:
+        kernels._cute_target.cache_clear()
+
+
+# --- the call through XLA's CPU backend, up to the kernel's load ------------------------------
+
+
+@functools.cache
+def _host_target(key: cute.ForwardKey) -> str:
+    """The variant's handler for XLA's CPU backend (``HOST_HANDLER``), registered once."""
+    name = cute_ffi.target_name(key, ARCH) + "_host"
+    handler = getattr(cute_ffi.library(key, ARCH), cute_ffi.HOST_HANDLER)
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handler), platform="cpu")
+    return name
+
+
+@pytest.fixture
+def cute_on_cpu(fake_h100, monkeypatch):
+    """The kernel path for XLA's CPU backend whose forward is the CuTe call's host handler:
+    the kernel path's own routing, operands and results, the entry's own checks."""
+    monkeypatch.setattr(kernel_dispatch, "CUTE_FORWARD_MIN_BYTES", 0)
+    monkeypatch.setattr(kernels, "_cute_target",
+                        lambda key, arch: _host_target(key) if arch == (9, 0) else None)
+    previous = tj.set_kernel_path(tj.KernelPath("cpu", kernels.covers, kernels.forward,
+                                                kernels.backward))
+    with tilenorm.experimental():
+        yield jax.devices("cpu")[0]
+    tj.set_kernel_path(previous)
+
+
+def _reaches_the_kernel_load(run) -> str:
+    """Run ``run``: the handler's error, which must be the kernel's load (no GPU here), not
+    one of the entry's argument checks."""
+    with pytest.raises(Exception, match="the CuTe DSL forward failed") as info:
+        jax.block_until_ready(run())
+    message = str(info.value)
+    assert re.search("cuda", message, re.IGNORECASE), message
+    assert not any(word in message for word in ARGUMENT_ERRORS), message
+    return message
+
+
+VARIANTS = {  # (op, x dtype, weight dtype, bias, residual, offset, width, shape)
+    "rms-bf16-fp32-weight": ("rms_norm", BF16, FP32, False, False, 0.0, WIDTH, (3, 3)),
+    "rms-bf16-prenorm-gemma": ("rms_norm", BF16, BF16, False, True, 1.0, 8192, (5,)),
+    "rms-fp16-no-weight": ("rms_norm", FP16, None, False, False, 0.0, 16384, (2, 1, 1)),
+    "ln-fp16-bias-prenorm": ("layer_norm", FP16, FP16, True, True, 0.0, WIDTH, (11,)),
+    "ln-bf16-fp32-params": ("layer_norm", BF16, FP32, True, False, 0.0, 8192, (4, 2)),
+}
+
+
+@no_gpu
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_host_call_passes_every_argument_check_of_the_kernel(cute_on_cpu, name):
+    op, dtype, w_dtype, has_bias, has_residual, offset, cols, rows = VARIANTS[name]
+    device = cute_on_cpu
+    rng = np.random.default_rng(0)
+
+    def arr(shape, dt):
+        return jax.device_put(jnp.asarray(rng.standard_normal(shape), dt), device)
+
+    x = arr(rows + (cols,), dtype)
+    r = arr(rows + (cols,), dtype) if has_residual else None
+    w = arr((cols,), w_dtype) if w_dtype is not None else None
+    b = arr((cols,), w_dtype) if has_bias else None
+
+    def norm(x, w, b, r):
+        if op == "layer_norm":
+            return tj.layer_norm_forward(x, w, b, residual=r)
+        return tj.rms_norm_forward(x, w, offset=offset, residual=r)
+
+    text = jax.jit(norm).lower(x, w, b, r).as_text()
+    assert len(re.findall(r"custom_call @tilenorm_cute_forward_[0-9a-f]+_host\(", text)) == 1
+    assert native.FORWARD_TARGET not in text
+    _reaches_the_kernel_load(lambda: jax.jit(norm)(x, w, b, r))
+
+
+@no_gpu
+def test_the_kernels_own_checks_reach_xla_as_errors(cute_on_cpu):
+    """A weight of another dtype than the compiled variant's: the entry's message, through
+    the handler, is the error XLA raises; so is a call with an operand missing."""
+    plan, key = _key(rows=4)
+    target = _host_target(key)
+    x = jnp.zeros((4, WIDTH), BF16)
+    w = jnp.ones((WIDTH,), BF16)  # the variant takes fp32
+    spec = _spec(x, w.astype(FP32), None, None)
+    with pytest.raises(Exception, match="Mismatched Tensor.*expected dtype=float32"):
+        jax.block_until_ready(jax.jit(lambda x, w: kernels._cute_forward(
+            spec, plan, target, x, None, w, None))(x, w))
+    results = [jax.ShapeDtypeStruct((4, WIDTH), BF16), jax.ShapeDtypeStruct((4,), FP32)]
+    with pytest.raises(Exception, match="other operands or results"):
+        jax.block_until_ready(jax.ffi.ffi_call(target, results)(
+            x, eps=np.float32(1e-6), offset=np.float32(0), grid=np.int64(plan.grid)))
+    assert cute_ffi.calls_run(target) == 0  # not a registered CUDA target
