@@ -17,6 +17,9 @@ Every test runs on two backends (the ``backend`` fixture):
   emulation of the kernels, which also checks that the layouts the launches were prepared with
   are the shapes and dtypes of the call's operands and results. It checks the layout plumbing
   and these tests themselves where there is no GPU.
+
+The CuTe DSL forward's own custom call (``cute/jax-forward``, ``test_cute_forward_*`` at the
+end) runs on the GPU only.
 """
 
 from __future__ import annotations
@@ -48,10 +51,13 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+import tilenorm  # noqa: E402
 import tilenorm.jax as tj  # noqa: E402
+from tilenorm import dispatch as kernel_dispatch  # noqa: E402
 from tilenorm.arguments import dres_apart  # noqa: E402
-from tilenorm.jax import kernels, native, sharding  # noqa: E402
+from tilenorm.jax import cute_ffi, kernels, native, sharding  # noqa: E402
 from tilenorm.jax.dispatch import varying_axes  # noqa: E402
+from tilenorm.launch import cute  # noqa: E402
 from tilenorm.testing import float64_norm  # noqa: E402
 
 F32 = np.dtype(np.float32)
@@ -257,7 +263,8 @@ def backend(request, monkeypatch):
 class Case:
     """One call: x's shape and dtype, LayerNorm (with a bias) or RMSNorm, a fused residual
     add (with ``prenorm=True``: h is an output) of a residual of ``residual`` dtype stored in
-    ``stream`` (default the residual's), a weight per head, Gemma's offset."""
+    ``stream`` (default the residual's), a weight per head, Gemma's offset, the weight's and
+    bias's dtype."""
 
     name: str
     shape: tuple[int, ...]
@@ -267,6 +274,7 @@ class Case:
     stream: object = None
     per_head: bool = False
     offset: float = 0.0
+    param: object = jnp.float32
 
     @property
     def eps(self) -> float:
@@ -291,8 +299,8 @@ class Case:
     def inputs(self, backend, rng):
         """Fresh random (x, w, b, r, dy, dh) on the backend's device."""
         x = rand(rng, self.shape, self.dtype)
-        w = rand(rng, self.pshape, jnp.float32, 1.0, 0.3)
-        b = rand(rng, self.pshape, jnp.float32, 0.0, 0.2) if self.layer_norm else None
+        w = rand(rng, self.pshape, self.param, 1.0, 0.3)
+        b = rand(rng, self.pshape, self.param, 0.0, 0.2) if self.layer_norm else None
         r = rand(rng, self.shape, self.residual) if self.prenorm else None
         dy = rand(rng, self.shape, self.dtype)
         dh = rand(rng, self.shape, self.stream or self.residual) if self.prenorm else None
@@ -668,3 +676,196 @@ def test_flax_modules_run_the_kernel_path(backend, api, kind):
     assert _rel(grads[0], ref.dweight) <= GRAD_TOL[FP32], seed
     if layer_norm:
         assert _rel(grads[1], ref.dbias) <= GRAD_TOL[FP32], seed
+
+
+# --- the CuTe DSL forward: its own XLA FFI call (cute/jax-forward) --------------------------
+#
+# Where the torch side runs the CuTe DSL forward (x of 64 MiB and more at the widths of the
+# settings' ``cute_forward`` table), the kernel path's forward is the custom call of that
+# kernel's own library (tilenorm.jax.cute_ffi); the backward stays cuTile's. These run on the
+# GPU only (the emulation above replaces the cuTile calls' launches, which this call has
+# none of): tests/test_jax_cute_forward.py checks the rest on the CPU.
+
+needs_cute = pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+CUTE_TARGET = re.compile(rf"stablehlo\.custom_call @({cute_ffi.TARGET_PREFIX}[0-9a-f]+)\(")
+
+
+def _cuda_backend() -> Backend:
+    return Backend("cuda", _cuda_device(), r"stablehlo\.custom_call @{}\(")
+
+
+@pytest.fixture
+def cute_forward_runs(monkeypatch):
+    """Experimental kernels on (the family runs by default once a GPU run validates it) and
+    the CuTe DSL forward from any size of x, so that small shapes take it; yields the custom
+    call targets that the kernel path's CuTe forward emitted (a spy)."""
+    emitted = []
+    emit = kernels._cute_forward
+
+    def spy(spec, plan, target, *operands):
+        emitted.append(target)
+        return emit(spec, plan, target, *operands)
+
+    monkeypatch.setattr(kernels, "_cute_forward", spy)
+    monkeypatch.setattr(kernel_dispatch, "CUTE_FORWARD_MIN_BYTES", 0)
+    kernel_dispatch.decide.cache_clear()
+    with tilenorm.experimental():
+        yield emitted
+    kernel_dispatch.decide.cache_clear()
+
+
+def _one_cute_call(text: str) -> str:
+    """The one CuTe forward target the program calls, where it calls no cuTile forward."""
+    targets = CUTE_TARGET.findall(text)
+    assert len(targets) == 1, targets
+    assert f"custom_call @{native.FORWARD_TARGET}(" not in text
+    return targets[0]
+
+
+def _cute_forward_fn(case):
+    """The launch-level forward of a case: ``(y, h, mean, rstd)``."""
+    def forward(x, w, b, r):
+        if case.layer_norm:
+            return tj.layer_norm_forward(x, w, b, case.eps, residual=r)
+        y, h, rstd = tj.rms_norm_forward(x, w, case.eps, offset=case.offset, residual=r)
+        return y, h, None, rstd
+    return forward
+
+
+def _routed(case) -> bool:
+    """Whether the settings route the case's width to the CuTe forward (on Hopper)."""
+    from tilenorm.settings import SM90
+
+    return case.shape[-1] in SM90.cute_forward["layer_norm" if case.layer_norm else "rms_norm"]
+
+
+def _row_errors(out, ref) -> np.ndarray:
+    """Each row's relative error (a row that no CTA wrote is garbage, whatever the rest)."""
+    out = np.asarray(out, np.float64).reshape(-1, np.shape(out)[-1])
+    ref = np.asarray(ref, np.float64).reshape(out.shape)
+    return np.linalg.norm(out - ref, axis=1) / np.linalg.norm(ref, axis=1)
+
+
+CUTE_CASES = [  # every width of the table; fp32 parameters unless ``param``
+    Case("cute-rms-bf16-odd-rows", (3, 1001, 4096), BF16),  # a last CTA of one row
+    Case("cute-rms-bf16-weight-prenorm", (555, 8192), BF16, residual=BF16, param=BF16),
+    Case("cute-rms-fp16-prenorm-gemma", (2, 501, 4096), FP16, residual=FP16, offset=1.0),
+    Case("cute-rms-bf16-16384", (129, 16384), BF16),
+    Case("cute-rms-bf16-32768-prenorm", (33, 32768), BF16, residual=BF16),
+    Case("cute-ln-bf16", (777, 4096), BF16, layer_norm=True),
+    Case("cute-ln-fp16-5120", (301, 5120), FP16, layer_norm=True, param=FP16),
+    Case("cute-ln-bf16-prenorm", (257, 8192), BF16, layer_norm=True, residual=BF16),
+]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_cute
+@pytest.mark.parametrize("case", CUTE_CASES, ids=[c.name for c in CUTE_CASES])
+def test_cute_forward_values_statistics_and_bit_identical_reruns(cute_forward_runs, case):
+    assert _routed(case), case.name
+    rng, seed = fresh_rng()
+    x, w, b, r, _, _ = case.inputs(_cuda_backend(), rng)
+    decision = case.explain(x, w, b, r)
+    assert decision.uses_kernel and decision.kernels.cute_forward is not None, str(decision)
+    forward = jax.jit(_cute_forward_fn(case))
+    target = _one_cute_call(forward.lower(x, w, b, r).as_text())
+    assert cute_forward_runs and set(cute_forward_runs) == {target}
+    before = cute_ffi.calls_run(target)
+    first = jax.block_until_ready(forward(x, w, b, r))
+    for _ in range(2):  # the same bits: each row is one CTA's, in a fixed order
+        assert _identical(forward(x, w, b, r), first), seed
+    assert cute_ffi.calls_run(target) - before == 3, "the CuTe forward's handler ran"
+    y, h, mean, rstd = first
+    if case.prenorm:  # the residual stream: x + r in float32, rounded once
+        assert h.dtype == case.dtype
+        exact = (np.asarray(x, np.float32) + np.asarray(r, np.float32)).astype(case.dtype)
+        assert np.array_equal(np.asarray(h), exact), seed
+    # the statistics describe h as stored (rounded to x's dtype; x itself without a
+    # residual), so the reference is h's
+    ref = case.float64(h, w, b, None)
+    assert y.dtype == case.dtype and y.shape == case.shape
+    assert _rel(y, ref.y) <= TOL[case.dtype], seed
+    assert _row_errors(y, ref.y).max() <= 2 * TOL[case.dtype], seed
+    assert rstd.dtype == F32 and rstd.shape == case.shape[:-1]
+    rstd_err = np.abs(np.asarray(rstd, np.float64) / ref.rstd.numpy() - 1)
+    assert rstd_err.max() <= 1e-5, (seed, float(rstd_err.max()))
+    if case.layer_norm:
+        assert mean.dtype == F32 and mean.shape == case.shape[:-1]
+        # relative to each row's spread: the mean of a centered row is near 0
+        assert _rel(mean, ref.mean, 1 / ref.rstd) <= 1e-5, seed
+    else:
+        assert mean is None
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_cute
+@pytest.mark.parametrize("case", [CUTE_CASES[1], CUTE_CASES[2], CUTE_CASES[7]],
+                         ids=lambda c: c.name)
+def test_cute_forward_feeds_cutiles_backward(cute_forward_runs, case):
+    """value_and_grad: the CuTe forward's h, mean and rstd are what cuTile's backward
+    reads; outputs and gradients against float64, reruns bit-identical."""
+    rng, seed = fresh_rng()
+    args = case.inputs(_cuda_backend(), rng)
+    step = jax.jit(_vjp_step(case.norm, case.prenorm))
+    text = step.lower(*args).as_text()
+    _one_cute_call(text)
+    assert text.count(f"custom_call @{native.BACKWARD_TARGET}(") == 1
+    (y, h), grads = first = step(*args)
+    ref = case.float64(*args)
+    assert _rel(y, ref.y) <= TOL[case.dtype], seed
+    assert _rel(h, ref.h) <= TOL[case.dtype], seed
+    _check_grads(case, grads, ref, seed)
+    assert _identical(step(*args), first), seed
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_cute
+def test_cute_forward_under_vmap_and_shard_map_is_the_plain_call(cute_forward_runs):
+    """The vmapped dimension is more rows, a one-device shard_map the same shard: the same
+    kernel over the same rows, so the same bits."""
+    rng, seed = fresh_rng()
+    backend = _cuda_backend()
+    case = Case("cute-rms-bf16", (4, 100, 4096), BF16, param=BF16)
+    x, w, _, _, _, _ = case.inputs(backend, rng)
+
+    def norm(x, w):
+        return tj.rms_norm(x, w, case.eps)
+
+    plain = jax.jit(norm)(x, w)
+    mesh = backend.mesh()
+    variants = {
+        "vmap": jax.vmap(norm, (0, None)),
+        "shard_map": jax.shard_map(norm, mesh=mesh, in_specs=(P("data"), P()),
+                                   out_specs=P("data")),
+    }
+    for name, fn in variants.items():
+        _one_cute_call(jax.jit(fn).lower(x, w).as_text())
+        assert _identical(jax.jit(fn)(x, w), plain), (name, seed)
+    assert _rel(plain, case.float64(x, w, None, None).y) <= TOL[BF16], seed
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_cute
+def test_cute_forward_from_the_size_the_torch_side_takes_it():
+    """Without the fixture's lower bound: x of 64 MiB takes the CuTe forward (a row less
+    keeps cuTile's), as on the torch side."""
+    rng, seed = fresh_rng()
+    cols = 4096
+    rows = kernel_dispatch.CUTE_FORWARD_MIN_BYTES // (2 * cols)
+    fn = jax.jit(lambda x, w: tj.rms_norm(x, w, 1e-6))
+    backend = _cuda_backend()
+    w = backend.put(rand(rng, (cols,), BF16, 1.0, 0.3))
+    smaller = jax.ShapeDtypeStruct((rows - 1, cols), BF16)
+    with tilenorm.experimental():
+        kernel_dispatch.decide.cache_clear()
+        assert not CUTE_TARGET.search(fn.lower(smaller, w).as_text())
+        x = backend.put(rand(rng, (rows, cols), BF16))
+        _one_cute_call(fn.lower(x, w).as_text())
+        y = fn(x, w)
+    ref = float64_norm(torch.from_numpy(np.asarray(x, np.float64)),
+                       torch.from_numpy(np.asarray(w, np.float64)), None, 1e-6)
+    assert _rel(y, ref.y) <= TOL[BF16], seed
