@@ -50,9 +50,12 @@ N, fp32; no atomics, no M x N temporary). A fixed-order column sum reduces it: t
 ``tilenorm/kernels/cutile_column_sums.py``; this probe checks with ``partial.double().sum(0)``
 and times with ``torch.sum(partial, 0)`` (deterministic, but not the product's reduction).
 
-Grid: ``clusters = CTAs per SM x cuOccupancyMaxActiveClusters(C)`` (the DSL's
-``HardwareInfo``, which assumes one CTA an SM): a persistent grid larger than what is
-co-resident would run its last clusters after the others.
+Grid: as many clusters as are co-resident, ``cuOccupancyMaxActiveClusters`` of the kernel's
+own cubin (else the DSL's ``HardwareInfo`` count at one CTA an SM times CTAs per SM, a lower
+bound): a persistent grid larger than what is co-resident would run its last clusters after
+the others; the count is in the record (``clusters``, ``clusters_from``). A first launch that
+has not returned in ``HANG_S`` seconds (a cluster that never completes a row) dumps the stack
+and exits, the record so far written.
 
     python bench/experiments/cute_cluster_backward_probe.py --out bwd.json       # GPU
     python bench/experiments/cute_cluster_backward_probe.py --compile-only       # CPU, sm_90a
@@ -75,6 +78,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import functools
 import json
 import operator
@@ -148,6 +152,9 @@ CONFIGS = {n: default_configs(n) for n in (32768, 65536, 131072)}
 #: Relative errors against float64 above which a case is recorded as a failure (still timed):
 #: dx is bf16 (~2e-3 rms rounding); dweight is fp32 sums of exact bf16 products.
 TOLERANCE = {"dx": 1e-2, "dweight": 1e-4}
+#: Seconds a first launch may take before the process dumps its stack and exits (a kernel
+#: that never completes a row would otherwise hold the device until the command's limit).
+HANG_S = 60
 #: Registers an SM, threads an SM (sm_90).
 _REGS_PER_SM, _THREADS_PER_SM = 65536, 2048
 
@@ -489,13 +496,54 @@ def must_move_bytes(m: int, n: int) -> int:
 
 
 @functools.cache
-def max_clusters(cluster: int, ctas_per_sm: int) -> int:
-    """Clusters of ``cluster`` CTAs co-resident at ``ctas_per_sm`` CTAs an SM: the driver's
-    count at one CTA an SM (``cuOccupancyMaxActiveClusters`` of an empty kernel with an SM's
-    shared memory, through the DSL's ``HardwareInfo``) times ``ctas_per_sm``."""
+def max_clusters_estimate(cluster: int, ctas_per_sm: int) -> int:
+    """A lower bound of the clusters of ``cluster`` CTAs co-resident at ``ctas_per_sm`` CTAs
+    an SM: the driver's count at one CTA an SM (``cuOccupancyMaxActiveClusters`` of an empty
+    kernel with an SM's shared memory, the DSL's ``HardwareInfo``) times ``ctas_per_sm``."""
     from cutlass.utils import HardwareInfo
 
     return ctas_per_sm * HardwareInfo().get_max_active_clusters(cluster)
+
+
+def max_clusters(fn, kernel: ClusterRmsNormBackward) -> tuple[int, str]:
+    """(clusters co-resident, how it was found) of compiled ``fn``: the driver's
+    ``cuOccupancyMaxActiveClusters`` of its own cubin (``--keep-cubin``) at its block, cluster
+    and dynamic shared memory; else :func:`max_clusters_estimate`."""
+    try:
+        from cuda.bindings import driver
+
+        def check(result):
+            if result[0] != driver.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"CUDA driver error {result[0]}")
+            return result[1] if len(result) == 2 else None
+
+        library = check(driver.cuLibraryLoadData(fn.artifacts.CUBIN, None, None, 0, None,
+                                                 None, 0))
+        func = check(driver.cuKernelGetFunction(
+            check(driver.cuLibraryEnumerateKernels(1, library))[0]))
+        smem = kernel.shared_bytes()
+        check(driver.cuFuncSetAttribute(
+            func, driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem))
+        config = driver.CUlaunchConfig()
+        config.blockDimX, config.blockDimY, config.blockDimZ = kernel.threads, 1, 1
+        config.gridDimX, config.gridDimY, config.gridDimZ = kernel.cluster, 1, 1
+        config.sharedMemBytes = smem
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        value = driver.CUlaunchAttributeValue()
+        value.clusterDim.x, value.clusterDim.y, value.clusterDim.z = kernel.cluster, 1, 1
+        attr.value = value
+        config.numAttrs = 1
+        config.attrs = [attr]
+        found = check(driver.cuOccupancyMaxActiveClusters(func, config))
+        if found > 0:
+            return found, "cuOccupancyMaxActiveClusters of the kernel"
+    except Exception as e:
+        print(f"occupancy of the kernel failed ({type(e).__name__}: {e}); estimating",
+              flush=True)
+    return (max_clusters_estimate(kernel.cluster, kernel.ctas_per_sm),
+            "HardwareInfo x CTAs per SM")
 
 
 def reference(x, dy, w):
@@ -516,7 +564,8 @@ def reference(x, dy, w):
     return dx, dweight
 
 
-def measure_width(n: int, configs, rounds: int, record: dict, copy: float, cache: str) -> None:
+def measure_width(n: int, configs, rounds: int, record: dict, copy: float, cache: str,
+                  save) -> None:
     import torch
 
     import tilenorm
@@ -538,8 +587,10 @@ def measure_width(n: int, configs, rounds: int, record: dict, copy: float, cache
         name = config.label()
         try:
             c = config.cluster
-            fn = compile_kernel(n, config, cache=cache)
-            clusters = min(max_clusters(c, config.ctas_per_sm), m)
+            with tempfile.TemporaryDirectory() as tmp:
+                fn = compile_kernel(n, config, dump_dir=tmp, cache=cache)
+            resident, source = max_clusters(fn, make_kernel(n, config, cache=cache))
+            clusters = min(resident, m)
             grid = clusters * c
             dx = torch.full_like(x, float("nan"))
             partial = torch.full((clusters, n), float("nan"), device="cuda")
@@ -554,8 +605,11 @@ def measure_width(n: int, configs, rounds: int, record: dict, copy: float, cache
                 torch.sum(partial, 0, out=dw32)
                 dw.copy_(dw32)
 
+            save()  # a hang (a cluster that never completes a row) exits with the record
+            faulthandler.dump_traceback_later(HANG_S, exit=True)
             kernel()
             torch.cuda.synchronize()
+            faulthandler.cancel_dump_traceback_later()
             first_dx, first_partial = dx.clone(), partial.clone()
             if first_dx.isnan().any() or first_partial.isnan().any():
                 raise AssertionError(f"{name}: not every element of dx / partial written")
@@ -571,7 +625,8 @@ def measure_width(n: int, configs, rounds: int, record: dict, copy: float, cache
             bad = {k: v for k, v in errs.items() if not v <= TOLERANCE[k]}
             if bad:
                 record["failures"].append(f"{n} {name}: errors {bad} above {TOLERANCE}")
-            extra = {"config": config._asdict(), "clusters": clusters, "grid": grid}
+            extra = {"config": config._asdict(), "clusters": clusters, "grid": grid,
+                     "clusters_resident": resident, "clusters_from": source}
             cases.append((f"probe {name}", kernel, errs, extra))
             cases.append((f"probe {name} + sum", with_sum, errs, extra))
         except Exception as e:
@@ -631,9 +686,12 @@ def run(widths, wanted, rounds: int, out: Path, cache: str) -> None:
               "copy_gbps": copy, "cache": cache, "bytes": "3*M*N*2 + N*2 + M*4",
               "rows": [], "failures": []}
     print(f"{record['device']}: copy {copy:.0f} GB/s", flush=True)
-    for n in widths:
-        measure_width(n, configs_for(n, wanted), rounds, record, copy, cache)
+    def save():
         out.write_text(json.dumps(record, indent=1) + "\n")
+
+    for n in widths:
+        measure_width(n, configs_for(n, wanted), rounds, record, copy, cache, save)
+        save()
         torch.cuda.empty_cache()
     for failure in record["failures"]:
         print("FAILED", failure)
