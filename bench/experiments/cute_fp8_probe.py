@@ -11,13 +11,18 @@ under CUDA-graph replay. GB/s are of the one-pass bytes (``bench_fp8.bytes_moved
 the copy bandwidth of the same run.
 
     TILENORM_EXPERIMENTAL=1 python bench/experiments/cute_fp8_probe.py --out probe.json
+
+``--compile-only sm_90a`` needs no GPU: it compiles the shipped kernel (and ``--variant``'s)
+at ``--configs`` for ``--scalings`` and prints each cubin's registers and spills.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -173,10 +178,66 @@ def op_row(m, n, scaling, record, x, w, scale) -> None:
           flush=True)
 
 
+@contextlib.contextmanager
+def _keeping_cubins(dump_dir: str):
+    """Every ``cute.compile`` inside keeps its cubin in ``dump_dir`` (the launch module's
+    compile takes no such option)."""
+    import cutlass.cute as dsl
+
+    compile_ = dsl.compile
+
+    def keeping(*args, options: str = "", **kwargs):
+        return compile_(*args, options=f"{options} --keep-cubin --dump-dir {dump_dir}",
+                        **kwargs)
+    dsl.compile = keeping
+    try:
+        yield
+    finally:
+        dsl.compile = compile_
+
+
+def compile_only(arch: str, shapes, configs: dict, scalings: list[str],
+                 variant: str | None) -> None:
+    """Compile the shipped kernel and ``variant`` at each shape's configurations for
+    ``arch`` without a GPU and print registers, stack bytes and spill stores / loads
+    (``STL`` / ``LDL`` in the SASS): what two CTAs of 256 threads at 16384 columns (128
+    registers a thread) need (issue 19)."""
+    from bench.kernel_resources import cubin_resources, cuobjdump
+
+    tool = cuobjdump()
+    classes = {"shipped": None}
+    if variant:
+        from bench.experiments.cute_fp8_variants import VARIANTS
+
+        classes[variant] = VARIANTS[variant]
+    print(f"{'shape':>12} {'config':>14} {'scaling':>8} {'kernel':>22} {'regs':>5} "
+          f"{'stack':>6} {'STL/LDL':>9}")
+    for m, n in shapes:
+        for config in configs.get(n, []):
+            for scaling in scalings:
+                key = cute.Fp8ForwardKey(m, "bfloat16", "bfloat16", "float8_e4m3fn", scaling,
+                                         False, n, *config)
+                for name, kernel_class in classes.items():
+                    with tempfile.TemporaryDirectory() as tmp:
+                        try:
+                            with _keeping_cubins(tmp):
+                                cute.compile_fp8_forward(key, arch, kernel_class=kernel_class)
+                            r = cubin_resources(sorted(Path(tmp).rglob("*.cubin"))[0], tool)[0]
+                        except Exception as e:
+                            print(f"{m}x{n:<6} {str(config):>14} {scaling:>8} {name:>22} "
+                                  f"FAILED {type(e).__name__}: {e}", flush=True)
+                            continue
+                    flag = "  SPILLS" if r["stack"] or r["spill_stores"] else ""
+                    print(f"{m}x{n:<6} {str(config):>14} {scaling:>8} {name:>22} "
+                          f"{r['registers']:>5} {r['stack']:>6} "
+                          f"{r['spill_stores']:>4}/{r['spill_loads']:<4}{flag}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=bench_fp8.DEFAULT_SHAPES)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, help="the record (JSON); required but with "
+                                                 "--compile-only")
     parser.add_argument("--configs", type=json.loads,
                         help='JSON {"cols": [[threads, stages, ctas], ...]} replacing CONFIGS')
     parser.add_argument("--scalings", default=",".join(SCALINGS[1:]),
@@ -185,11 +246,25 @@ def main() -> None:
                         help="also time block scaling with row-major scales (NOTES #57)")
     parser.add_argument("--variant", help="also time this kernel variant of "
                                           "bench/experiments/cute_fp8_variants.py (NOTES #58)")
+    parser.add_argument("--variant-configs", type=json.loads,
+                        help='JSON {"cols": [[threads, stages, ctas], ...]}: time --variant '
+                             "at these instead of the shipped kernel's best row configuration")
     parser.add_argument("--runtime-rows", action="store_true",
                         help="also time each scaling compiled for any row count (NOTES #59)")
+    parser.add_argument("--compile-only", metavar="ARCH",
+                        help="no GPU: compile for ARCH (e.g. sm_90a) at --configs for "
+                             "--scalings and print registers and spills")
     args = parser.parse_args()
     configs = {int(k): [tuple(c) for c in v] for k, v in (args.configs or {}).items()}
     configs = {**CONFIGS, **configs}
+    variant_configs = {int(k): [tuple(c) for c in v]
+                       for k, v in (args.variant_configs or {}).items()}
+    if args.compile_only:
+        compile_only(args.compile_only, common.parse_shapes(args.shapes), configs,
+                     args.scalings.split(","), args.variant)
+        return
+    if args.out is None:
+        parser.error("--out is required (but with --compile-only)")
     tilenorm.set_experimental(True)
     info = device_info(torch.cuda.current_device())
     copy = common.copy_gbps()
@@ -220,8 +295,9 @@ def main() -> None:
                     measure(m, n, scaling, tuple(best["config"]), info, record, x, w, scale,
                             row_major_blocks=True)
                 if args.variant:
-                    measure(m, n, scaling, tuple(best["config"]), info, record, x, w, scale,
-                            variant=args.variant)
+                    for config in variant_configs.get(n, [tuple(best["config"])]):
+                        measure(m, n, scaling, config, info, record, x, w, scale,
+                                variant=args.variant)
                 if args.runtime_rows:
                     measure(m, n, scaling, tuple(best["config"]), info, record, x, w, scale,
                             runtime_rows=True)
