@@ -352,8 +352,11 @@ class ClusterRmsNormBackward:
                         for i in cutlass.range_constexpr(1, self.warps):
                             own = own + parts[r * self.warps + i, s]
                         total = own if r == 0 else total + own
-                    # The slot's reads before any later st.async into it (async proxy).
+                    # The slot's reads before any later st.async into it (async proxy); the
+                    # warp's sync orders every lane's reads before the lanes below cluster
+                    # push the next row (a shuffle alone orders no memory).
                     cute.arch.fence_view_async_shared()
+                    cute.arch.sync_warp()
                     c = total * inv_n
                     # Pass 2: dx from shared memory again.
                     t_dx = self._thread_view(mdX[row, None], rank, tidx)
