@@ -568,7 +568,7 @@ def reference(x, dy, w):
 
 
 def measure_width(n: int, configs, rounds: int, record: dict, copy: float, cache: str,
-                  save) -> None:
+                  save, reruns: int = 5) -> None:
     import torch
 
     import tilenorm
@@ -618,13 +618,30 @@ def measure_width(n: int, configs, rounds: int, record: dict, copy: float, cache
                 raise AssertionError(f"{name}: not every element of dx / partial written")
             errs = {"dx": rel_error(dx, ref_dx),
                     "dweight": rel_error(partial.double().sum(0), ref_dw)}
-            dx.fill_(float("nan"))
-            partial.fill_(float("nan"))
-            kernel()
-            torch.cuda.synchronize()
-            if not (torch.equal(first_dx, dx) and torch.equal(first_partial, partial)):
-                raise AssertionError(f"{name}: a rerun is not bit-identical")
+            for _ in range(reruns):
+                dx.fill_(float("nan"))
+                partial.fill_(float("nan"))
+                kernel()
+                torch.cuda.synchronize()
+                if not (torch.equal(first_dx, dx) and torch.equal(first_partial, partial)):
+                    raise AssertionError(f"{name}: a rerun is not bit-identical")
             del first_dx, first_partial
+            # Partial trips: fewer rows than clusters, and one past two rounds of them.
+            for rows in sorted({1, max(1, clusters - 1), 2 * clusters + 1} - {m}):
+                if rows > m:
+                    continue
+                few = min(resident, rows)
+                dx_few = torch.full_like(x[:rows], float("nan"))
+                partial_few = torch.full((few, n), float("nan"), device="cuda")
+                faulthandler.dump_traceback_later(HANG_S, exit=True)
+                fn(x[:rows], dy[:rows], w, rstd[:rows], dx_few, partial_few, few * c)
+                torch.cuda.synchronize()
+                faulthandler.cancel_dump_traceback_later()
+                want_dx, want_dw = reference(x[:rows], dy[:rows], w)
+                got = {"dx": rel_error(dx_few, want_dx),
+                       "dweight": rel_error(partial_few.double().sum(0), want_dw)}
+                if not all(v <= TOLERANCE[k] for k, v in got.items()):
+                    raise AssertionError(f"{name}: {rows} rows: errors {got}")
             bad = {k: v for k, v in errs.items() if not v <= TOLERANCE[k]}
             if bad:
                 record["failures"].append(f"{n} {name}: errors {bad} above {TOLERANCE}")
@@ -678,7 +695,7 @@ def measure_width(n: int, configs, rounds: int, record: dict, copy: float, cache
               f"dw err {errs.get('dweight', float('nan')):.1e}", flush=True)
 
 
-def run(widths, wanted, rounds: int, out: Path, cache: str) -> None:
+def run(widths, wanted, rounds: int, out: Path, cache: str, reruns: int) -> None:
     import torch
 
     from bench.common import git_commit
@@ -693,7 +710,7 @@ def run(widths, wanted, rounds: int, out: Path, cache: str) -> None:
         out.write_text(json.dumps(record, indent=1) + "\n")
 
     for n in widths:
-        measure_width(n, configs_for(n, wanted), rounds, record, copy, cache, save)
+        measure_width(n, configs_for(n, wanted), rounds, record, copy, cache, save, reruns)
         save()
         torch.cuda.empty_cache()
     for failure in record["failures"]:
@@ -710,6 +727,8 @@ def main() -> None:
     parser.add_argument("--cache", choices=sorted(CACHE_MODES), default="global",
                         help="cp.async cache mode (.cg past L1 by default)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--reruns", type=int, default=5,
+                        help="reruns each compared bit for bit with the first")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--compile-only", action="store_true",
                         help="compile every configuration for --arch, no GPU, and print what "
@@ -723,7 +742,7 @@ def main() -> None:
         return
     if args.out is None:
         parser.error("--out is required (unless --compile-only)")
-    run(widths, wanted, args.rounds, args.out, args.cache)
+    run(widths, wanted, args.rounds, args.out, args.cache, args.reruns)
 
 
 if __name__ == "__main__":
