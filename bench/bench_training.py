@@ -673,14 +673,21 @@ def _key(entry: dict) -> tuple:
 
 
 def put(record: dict, part: str, entry: dict) -> None:
-    """Add a row, failure or skip to the record, replacing what an earlier run writing the same
-    file recorded for that configuration; a skip leaves an earlier run's row in place."""
+    """Add a row, failure or skip to the record, with the commit that wrote it (a record
+    written over several calls may hold several), replacing what an earlier run writing the
+    same file recorded for that configuration; a skip leaves an earlier run's row in place."""
     key = _key(entry)
     if part == "skipped" and any(_key(r) == key for r in record["rows"]):
         return
     for name in ("rows", "failures", "skipped"):
         record[name] = [e for e in record[name] if _key(e) != key]
-    record[part].append(entry)
+    record[part].append({**entry, "commit": record["commit"]})
+
+
+def commits(record: dict) -> str:
+    """The commits that wrote the record's rows (the record's own where a row names none)."""
+    seen = dict.fromkeys(r.get("commit") or record["commit"] for r in record["rows"])
+    return ", ".join(seen) or record["commit"]
 
 
 def _versions() -> dict:
@@ -811,7 +818,7 @@ def print_tables(record: dict) -> None:
     groups = _groups(record["rows"])
     copy_gbps = record["copy_gbps"]
     print(f"\n{record['device']} ({'-' if copy_gbps is None else f'{copy_gbps:.0f}'} GB/s copy), "
-          f"{record['dtype']}, commit {record['commit']}; the median of each provider's "
+          f"{record['dtype']}, commit {commits(record)}; the median of each provider's "
           f"timed steps ({record['args']['steps'] or 'the size default'}), timed "
           f"{record['args'].get('timing', 'sequential')}")
     for title, column, fmt in (("step ms", "step_ms", "{:.2f}"),
@@ -907,7 +914,7 @@ def plot(record: dict, path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
     for ax in list(axes.flat)[len(groups):]:
         ax.axis("off")
-    fig.suptitle(f"Training step, {record['device']}, {record['dtype']}, {record['commit']}, "
+    fig.suptitle(f"Training step, {record['device']}, {record['dtype']}, {commits(record)}, "
                  f"timed {record['args'].get('timing', 'sequential')} (ms on the bars)",
                  fontsize=11)
     fig.tight_layout()

@@ -141,6 +141,7 @@ def test_timing_modes_record_every_provider(tmp_path, timing):
         assert [e["self_cpu_us"] for e in top] == sorted((e["self_cpu_us"] for e in top),
                                                          reverse=True)
         assert "profile_kernels" not in r, "kernels are profiled on a GPU only"
+        assert r["commit"] == record["commit"], "each row names the commit that wrote it"
 
 
 def test_batches_hold_no_special_ids():
