@@ -89,6 +89,16 @@ class ForwardFacts:
     bias_without_weight: bool
     dense: bool
 
+    @classmethod
+    def of(cls, x: str, out: str, weight: str | None, bias: str | None,
+           residual: str | None, h: str | None, dense: bool) -> ForwardFacts:
+        """The facts from the call's dtypes by name (None for an absent operand; ``h`` the
+        dtype h is stored in): the rule every framework's call applies."""
+        return cls(same_dtypes=(out == x and (residual is None or residual == h == x)
+                                and (weight is None or weight in (x, "float32"))
+                                and (bias is None or weight is None or bias == weight)),
+                   bias_without_weight=bias is not None and weight is None, dense=dense)
+
 
 @dataclass(frozen=True)
 class BackwardFacts:

@@ -296,15 +296,14 @@ def cute_forward_variant(spec: NormSpec, decision: kernel_dispatch.Decision, x, 
     if decision.cute_forward is None:
         return None
     x_dtype = np.dtype(x.dtype)
-    same_dtypes = (
-        np.dtype(spec.out_dtype) == x_dtype
-        and (residual is None
-             or np.dtype(residual.dtype) == np.dtype(spec.h_dtype) == x_dtype)
-        and (weight is None or np.dtype(weight.dtype) in (x_dtype, _FLOAT32))
-        and (bias is None or weight is None or np.dtype(bias.dtype) == np.dtype(weight.dtype)))
-    plan = kernel_dispatch.forward_kernel(decision, kernel_dispatch.ForwardFacts(
-        same_dtypes=same_dtypes, bias_without_weight=bias is not None and weight is None,
-        dense=True))
+
+    def name(t) -> str | None:
+        return None if t is None else _name(t.dtype)
+
+    facts = kernel_dispatch.ForwardFacts.of(
+        x_dtype.name, _name(spec.out_dtype), name(weight), name(bias), name(residual),
+        None if residual is None else _name(spec.h_dtype), dense=True)
+    plan = kernel_dispatch.forward_kernel(decision, facts)
     if not isinstance(plan, CuteForwardPlan):
         return None
     from tilenorm.launch import cute

@@ -470,12 +470,14 @@ def forward_facts(x, weight, bias, residual, out_dtype: torch.dtype,
                   residual_dtype: torch.dtype | None, copies: bool) -> ForwardFacts:
     """What the CuTe DSL forward needs of a call's operands (:func:`dispatch.forward_kernel`);
     ``copies``: the kernels would read x or the residual from a contiguous copy."""
-    return ForwardFacts(
-        same_dtypes=(out_dtype == x.dtype
-                     and (residual is None or residual.dtype == residual_dtype == x.dtype)
-                     and (weight is None or weight.dtype in (x.dtype, torch.float32))
-                     and (bias is None or weight is None or bias.dtype == weight.dtype)),
-        bias_without_weight=bias is not None and weight is None,
+    def name(dtype: torch.dtype | None) -> str | None:
+        return None if dtype is None else DTYPE_NAMES.get(dtype, str(dtype))
+
+    def of(t: torch.Tensor | None) -> str | None:
+        return None if t is None else name(t.dtype)
+
+    return ForwardFacts.of(
+        of(x), name(out_dtype), of(weight), of(bias), of(residual), name(residual_dtype),
         dense=not copies and x.is_contiguous()
         and (residual is None or residual.is_contiguous()))
 
