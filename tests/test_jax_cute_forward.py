@@ -25,6 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import tilenorm  # noqa: E402
 import tilenorm.jax as tj  # noqa: E402
+from tests.test_jax_gpu import _lowered_for_cuda, _unlaunchable_recipe  # noqa: E402
 from tilenorm import dispatch as kernel_dispatch  # noqa: E402
 from tilenorm import validation  # noqa: E402
 from tilenorm.device import DeviceInfo  # noqa: E402
@@ -224,8 +225,6 @@ def cute_routed(fake_h100, monkeypatch):
     """The installed kernel path on a made-up H100 with experimental kernels on and the CuTe
     forward from any size (the recipes of cuTile's backward unlaunchable, as in
     tests/test_jax_gpu.py: preparing one loads a cubin on the GPU)."""
-    from tests.test_jax_gpu import _unlaunchable_recipe
-
     monkeypatch.setattr(kernel_dispatch, "CUTE_FORWARD_MIN_BYTES", 0)
     monkeypatch.setattr(kernels, "launch_recipe", _unlaunchable_recipe)
     kernels._forward_recipes.cache_clear()
@@ -237,10 +236,6 @@ def cute_routed(fake_h100, monkeypatch):
     tj.set_kernel_path(previous)
     kernels._forward_recipes.cache_clear()
     kernels._backward_recipes.cache_clear()
-
-
-def _lowered_for_cuda(fn, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def _cute_calls(text: str) -> list[str]:
