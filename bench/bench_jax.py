@@ -51,6 +51,7 @@ import importlib.metadata
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -72,7 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tilenorm  # noqa: E402
 import tilenorm.jax as tj  # noqa: E402
 from bench import bench_rms_norm, common  # noqa: E402
-from tilenorm.jax import native  # noqa: E402
+from tilenorm.jax import cute_ffi, native  # noqa: E402
 
 EPS = bench_rms_norm.EPS
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
@@ -210,8 +211,12 @@ def compile_provider(provider: str, x, w, dy) -> tuple:
 
 def ffi_targets(fwd, step) -> list[str]:
     """tilenorm's FFI custom calls that the compiled programs hold: both where the kernel
-    path runs the forward and the step's backward."""
-    return ([native.FORWARD_TARGET] * (native.FORWARD_TARGET in fwd.as_text())
+    path runs the forward (cuTile's target, or a CuTe forward's ``cute_ffi.TARGET_PREFIX``)
+    and the step's backward."""
+    fwd_text = fwd.as_text()
+    cute_forward = re.search(re.escape(cute_ffi.TARGET_PREFIX) + r"\w+", fwd_text)
+    forward = [native.FORWARD_TARGET] if native.FORWARD_TARGET in fwd_text else []
+    return (forward + ([cute_forward.group(0)] if cute_forward else [])
             + [native.BACKWARD_TARGET] * (native.BACKWARD_TARGET in step.as_text()))
 
 

@@ -85,3 +85,23 @@ def test_torch_side_row_and_table(monkeypatch, capsys):
     table = capsys.readouterr().out
     ratio = 100 * (ours["fwd_ms"] / 0.5 - 1)
     assert f"{ratio:+.1f}%" in table
+
+
+def test_ffi_targets_name_the_cute_forward():
+    """A forward that runs the CuTe kernel holds a ``cute_ffi.TARGET_PREFIX`` call, not
+    cuTile's target: the row still counts as the kernel path (the H100 run at b22a35d
+    flagged such rows as the reference path)."""
+
+    class Compiled:
+        def __init__(self, text: str):
+            self.text = text
+
+        def as_text(self) -> str:
+            return self.text
+
+    cute_target = bench_jax.cute_ffi.TARGET_PREFIX + "0123abcd"
+    fwd = Compiled(f'custom_call_target="{cute_target}"')
+    step = Compiled(f'"{cute_target}" "{native.BACKWARD_TARGET}"')
+    calls = bench_jax.ffi_targets(fwd, step)
+    assert calls == [cute_target, native.BACKWARD_TARGET]
+    assert bench_jax.ffi_targets(Compiled(""), Compiled("")) == []
