@@ -71,13 +71,16 @@ def _fake(dtype, shape, stride, align: int):
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
 
 
-def _compile(kernel, arch: str | None, *operands):
+def _compile(kernel, arch: str | None, *operands, cubin_dir: str | None = None):
     """``cute.compile`` of ``kernel`` over ``operands`` and TVM-FFI's stream (the caller's
-    current one at a call), for ``arch`` without a GPU where given."""
+    current one at a call), for ``arch`` without a GPU where given; the cubin kept in
+    ``cubin_dir`` where given (for cuobjdump)."""
     import cutlass.cute as cute
 
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
+    if cubin_dir:
+        options += f" --keep-cubin --dump-dir {cubin_dir}"
     return cute.compile(kernel, *operands, stream, options=options)
 
 
@@ -108,8 +111,9 @@ class ForwardKey:
                    plan.cols, plan.threads, plan.rows_per_cta, plan.ctas_per_sm, plan.cluster)
 
 
-def compile_forward(key: ForwardKey, arch: str | None = None):
-    """Compile ``key``'s kernel (``arch`` as in :func:`compile_backward`). The result is
+def compile_forward(key: ForwardKey, arch: str | None = None, cubin_dir: str | None = None):
+    """Compile ``key``'s kernel (``arch`` as in :func:`compile_backward`; the cubin kept in
+    ``cubin_dir`` where given). The result is
     called as ``fn(x, residual, weight, bias, y, h, mean, rstd, eps, offset, grid)`` with
     DLPack arrays (None for the absent ones: residual and h together, mean for RMSNorm) on
     the current stream; x, residual, y and h are contiguous (rows, cols) in ``key.dtype``."""
@@ -143,7 +147,7 @@ def compile_forward(key: ForwardKey, arch: str | None = None):
     mean = _fake(Float32, (rows,), (1,), 4) if key.layer_norm else None
     rstd = _fake(Float32, (rows,), (1,), 4)
     return _compile(kernel, arch, x, residual, weight, bias, y, h, mean, rstd, Float32(1e-6),
-                    Float32(0.0), Int32(1))
+                    Float32(0.0), Int32(1), cubin_dir=cubin_dir)
 
 
 @dataclass(frozen=True)
