@@ -47,7 +47,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from tilenorm.kernels.cute_rows import SMEM_CARVEOUT, RowKernel
+from tilenorm.kernels.cute_row_norm_forward import NormForwardKernel
 
 #: Bytes of one pushed partial (an fp32).
 PARTIAL_BYTES = 4
@@ -59,35 +59,24 @@ def float_bits(value: Float32, *, loc=None, ip=None) -> Int32:
     return Int32(llvm.bitcast(T.i32(), Float32(value).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
-class ClusterRowNormForward(RowKernel):
+class ClusterRowNormForward(NormForwardKernel):
     """The kernel for one (dtypes, width, features, cluster, launch config); ``__call__``
     launches it on ``grid`` = rows x ``cluster`` CTAs, one row a cluster."""
 
     def __init__(self, dtype, weight_dtype, cols: int, threads: int, cluster: int,
                  ctas_per_sm: int, layer_norm: bool, has_bias: bool, has_offset: bool,
                  has_residual: bool, cache_mode=None):
-        self.dtype = dtype
-        self.weight_dtype = weight_dtype
-        self.cols = cols
-        self.threads = threads
-        self.cluster = cluster
-        self.vec = 128 // dtype.width
+        super().__init__(dtype, weight_dtype, cols, threads, ctas_per_sm, layer_norm,
+                         has_bias, has_offset, has_residual)
         if cluster < 1 or cols % cluster or (cols // cluster) % (self.vec * threads):
             raise ValueError(f"{cols} columns are not {cluster} slices of whole "
                              f"{self.vec}-element vectors of {threads} threads")
+        self.cluster = cluster
+        self.cluster_dims = [cluster, 1, 1]
         self.slice = cols // cluster
         self.reps = self.slice // (self.vec * threads)
-        if (has_offset or has_bias) and weight_dtype is None:
-            raise ValueError("a weight offset or a bias needs a weight (of the bias's dtype)")
-        self.ctas_per_sm = ctas_per_sm
-        self.layer_norm = layer_norm
-        self.has_weight = weight_dtype is not None
-        self.has_bias = has_bias
-        self.has_offset = has_offset
-        self.has_residual = has_residual
         #: The weight held in registers: in x's dtype only (see the module's docstring).
         self.hold_weight = self.has_weight and weight_dtype.width == dtype.width
-        self.warps = threads // cute.arch.WARP_SIZE
         #: Cluster reductions a row: LayerNorm's mean and variance, RMSNorm's sum of squares.
         self.reductions = 2 if layer_norm else 1
         #: ``cp.async``'s cache mode: ``.ca`` (Quack's; #75 timed ``.cg`` no faster).
@@ -99,16 +88,6 @@ class ClusterRowNormForward(RowKernel):
         staged = self.slice * self.dtype.width // 8 * (2 if self.has_residual else 1)
         parts = -(-self.reductions * self.cluster * self.warps * PARTIAL_BYTES // 16) * 16
         return staged + parts + 8 * self.reductions
-
-    @cute.jit
-    def __call__(self, mX: cute.Tensor, mR: cute.Tensor | None, mW: cute.Tensor | None,
-                 mB: cute.Tensor | None, mY: cute.Tensor, mH: cute.Tensor | None,
-                 mMean: cute.Tensor | None, mRstd: cute.Tensor, eps: Float32,
-                 offset: Float32, grid: Int32, stream):
-        self.kernel(mX, mR, mW, mB, mY, mH, mMean, mRstd, eps, offset).launch(
-            grid=[grid, 1, 1], block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1],
-            stream=stream, max_number_threads=[self.threads, 1, 1],
-            min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=SMEM_CARVEOUT)
 
     @cute.jit
     def _slice_view(self, row: cute.Tensor, rank: Int32, tidx: Int32) -> cute.Tensor:

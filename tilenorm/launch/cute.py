@@ -80,6 +80,7 @@ def _compile(kernel, arch: str | None, *operands, cubin_dir: str | None = None):
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
     if cubin_dir:
+        os.makedirs(cubin_dir, exist_ok=True)  # the DSL writes nothing to a missing folder
         options += f" --keep-cubin --dump-dir {cubin_dir}"
     return cute.compile(kernel, *operands, stream, options=options)
 
