@@ -75,7 +75,7 @@ class ClusterRowNormForward(NormForwardKernel):
         self.cluster_dims = [cluster, 1, 1]
         self.slice = cols // cluster
         self.reps = self.slice // (self.vec * threads)
-        #: The weight held in registers: in x's dtype only (see the module's docstring).
+        #: The weight held in registers: a 2-byte one only, as x's (the module's docstring).
         self.hold_weight = self.has_weight and weight_dtype.width == dtype.width
         #: Cluster reductions a row: LayerNorm's mean and variance, RMSNorm's sum of squares.
         self.reductions = 2 if layer_norm else 1
@@ -154,8 +154,8 @@ class ClusterRowNormForward(NormForwardKernel):
         # The weight into registers while the copies fly.
         shape = (self.vec, self.reps)
         w_view = self._slice_view(mW, rank, tidx) if const_expr(self.has_weight) else None
-        w_held = cute.make_rmem_tensor(shape, self.dtype) if const_expr(self.hold_weight) \
-            else None
+        w_held = (cute.make_rmem_tensor(shape, self.weight_dtype)
+                  if const_expr(self.hold_weight) else None)
         if const_expr(self.hold_weight):
             cute.autovec_copy(w_view, w_held)
         if tidx == 0:
