@@ -241,15 +241,19 @@ def test_every_variant_builds_for_hopper_and_blackwell(tmp_path):
 
 
 def check_forward(m, n, op="rms_norm", dtype=torch.bfloat16, w_dtype=torch.bfloat16,
-                  has_weight=True, has_bias=False, has_residual=False, offset=0.0):
+                  has_weight=True, has_bias=False, has_residual=False, offset=0.0,
+                  x_mean=None):
     """The kernel on poisoned outputs against float64: every element of y, h, mean and rstd
-    written and accurate, a rerun bit-identical."""
+    written and accurate, a rerun bit-identical. x is standard normal plus ``x_mean``
+    (default 0.5 for LayerNorm, 0 for RMSNorm)."""
     from tilenorm.device import device_info
 
     layer_norm = op == "layer_norm"
     eps = 1e-5 if layer_norm else 1e-6
     g, seed = fresh_generator("cuda")
-    x = (torch.randn(m, n, generator=g, device="cuda") + (0.5 if layer_norm else 0)).to(dtype)
+    if x_mean is None:
+        x_mean = 0.5 if layer_norm else 0.0
+    x = (torch.randn(m, n, generator=g, device="cuda") + x_mean).to(dtype)
     r = torch.randn(m, n, generator=g, device="cuda").to(dtype) if has_residual else None
     w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(w_dtype) if has_weight \
         else None
@@ -319,6 +323,15 @@ def test_cluster_forward_variants_match_float64(key):
                   w_dtype=names.get(key.weight_dtype, torch.bfloat16),
                   has_weight=key.weight_dtype is not None, has_bias=key.has_bias,
                   has_residual=key.has_residual, offset=1.0 if key.has_offset else 0.0)
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("n", [n for op, n in CLUSTER_ROUTED if op == "layer_norm"])
+def test_cluster_layer_norm_of_a_large_mean_keeps_the_variance_exact(n):
+    """Rows of mean 1000 and std 1: the cluster forward's mean is a cluster reduction of its
+    own before the centered row's (a one-pass E[x^2] - E[x]^2 would lose the variance)."""
+    check_forward(300, n, "layer_norm", has_bias=True, x_mean=1000.0)
 
 
 FEATURES = {
