@@ -97,11 +97,14 @@ def test_explain_names_the_kernels_each_direction_runs(fake_gpu, cols, names):
     split backward, or split in one direction only. The CuTe DSL forward, where it is
     installed and the width is in its table, comes first: a call takes it or cuTile's."""
     route = route_on_fake_gpu(1024, cols, allow=True)
-    cute_forward = (dispatch.CUTE_FORWARD_NAME,) if route.cute_forward else ()
+    cute_forward = (dispatch.cute_forward_name(route.cute_forward),) if route.cute_forward \
+        else ()
     assert route.kernels == (*cute_forward, *names, "column_sums"), route
     assert (route.cute_forward is not None) == (
         cute.available() and cols in SM90.cute_forward["rms_norm"]
         and 1024 * cols * 2 >= dispatch.CUTE_FORWARD_MIN_BYTES)
+    if cols == 65536 and route.cute_forward:  # a row across a cluster of CTAs
+        assert route.kernels[0] == dispatch.CUTE_CLUSTER_FORWARD_NAME
 
 
 def test_reference_for_unsupported_dtype_and_size(fake_gpu):

@@ -168,6 +168,28 @@ def test_covers_keeps_cutile_where_no_library_can_be_built(fake_h100, monkeypatc
     assert decision.cute_forward is None and "no C++ compiler" in decision.reason
 
 
+#: (op, width) of every cluster forward entry: rows held across a cluster of CTAs.
+CLUSTER_ROUTED = [(op, cols) for op, widths in SM90.cute_forward.items()
+                  for cols, entry in widths.items() if len(entry) == 4]
+
+
+@pytest.mark.parametrize(("op", "cols"), CLUSTER_ROUTED)
+def test_covers_never_takes_the_cluster_forward(fake_h100, monkeypatch, op, cols):
+    """The torch side runs the cluster forward for these widths; JAX keeps cuTile's forward
+    there (its exported entry's cluster launch was never run), saying why, whatever the
+    families' records say."""
+    for jax_forward in (False, True):
+        _records(monkeypatch, jax_forward=jax_forward)
+        kernel_dispatch.decide.cache_clear()
+        problem = _problem(4096, cols=cols, allow=True, op=op)
+        assert kernel_dispatch.decide(problem).cute_forward.cluster > 1
+        decision = kernels.covers(problem)
+        assert decision.uses_kernel and decision.cute_forward is None
+        assert kernel_dispatch.CUTE_CLUSTER_FORWARD_NAME in decision.reason
+        assert "cuTile's forward runs" in decision.reason
+        assert not any("CuTe" in name for name in decision.kernels)
+
+
 def _spec(x, w, b, r, layer_norm=False, offset=0.0, out_dtype=None, stream=None):
     return checks.forward_spec("layer_norm" if layer_norm else "rms_norm", x, w, b, r, None,
                                offset, False, r is not None, out_dtype, stream, None)

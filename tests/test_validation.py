@@ -122,6 +122,14 @@ def test_jax_cute_forward_is_a_family_of_its_own():
     assert family.digest() != validation.CUTE_NORM.digest()
 
 
+def test_the_cluster_forward_is_in_the_cute_family_only():
+    """The cluster forward (kernels/cute_cluster_norm_forward.py) runs from the torch ops'
+    CuTe DSL path; JAX keeps cuTile's forward for its widths, so its family leaves it out."""
+    source = "kernels/cute_cluster_norm_forward.py"
+    assert source in validation.CUTE_NORM.sources
+    assert [f for f in validation.FAMILIES if source in f.sources] == [validation.CUTE_NORM]
+
+
 def test_a_family_holds_the_kernel_modules_its_kernels_import():
     """A kernel module shared by several kernels (cute_rows.py) is in every family whose
     kernels import it, so that an edit there asks each of them for a GPU re-run."""

@@ -53,6 +53,7 @@ ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m
             "float8_e5m2": 1}
 #: The CuTe DSL kernels' names in decisions.
 CUTE_FORWARD_NAME = "RowNormForward (CuTe DSL)"
+CUTE_CLUSTER_FORWARD_NAME = "ClusterRowNormForward (CuTe DSL)"
 CUTE_BACKWARD_NAME = "RowNormBackward (CuTe DSL)"
 
 
@@ -142,7 +143,7 @@ class Decision:
         """Every kernel the decision may launch, in launch order."""
         if not self.uses_kernel:
             return ()
-        cute_forward = (CUTE_FORWARD_NAME,) if self.cute_forward else ()
+        cute_forward = (cute_forward_name(self.cute_forward),) if self.cute_forward else ()
         cute_backward = (CUTE_BACKWARD_NAME,) if self.cute_backward else ()
         return (cute_forward + kernel_names(self.forward) + kernel_names(self.backward)
                 + cute_backward + (REDUCE_KERNEL_NAME,))
@@ -166,7 +167,8 @@ class Decision:
             f"  forward:  {self.forward.describe()}",
         ]
         if self.cute_forward:
-            lines.append(f"  forward of contiguous, aligned rows in x's dtype (CuTe DSL): "
+            lines.append(f"  forward of contiguous, aligned rows in x's dtype "
+                         f"({cute_forward_name(self.cute_forward)}): "
                          f"{self.cute_forward.describe()}")
         lines.append(f"  backward: {self.backward.describe()}")
         if self.cute_backward:
@@ -174,6 +176,12 @@ class Decision:
                          f"or weight offset (CuTe DSL): {self.cute_backward.describe()}")
         lines.append(f"  why:      {self.reason}")
         return "\n".join(lines)
+
+
+def cute_forward_name(plan: CuteForwardPlan) -> str:
+    """The CuTe DSL forward kernel a plan launches: the cluster forward for a row held across
+    a cluster of CTAs, else the one-CTA-a-row forward."""
+    return CUTE_CLUSTER_FORWARD_NAME if plan.cluster > 1 else CUTE_FORWARD_NAME
 
 
 def _family_status(family: KernelFamily) -> str:

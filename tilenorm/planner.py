@@ -322,7 +322,7 @@ def plan_cute_backward(rows: int, cols: int, *, itemsize: int, sm_count: int,
 
 
 def _cute_entry(s: RowNormSettings, table: dict, op: Op, rows: int, cols: int, itemsize: int,
-                heads: int, max_offset: int | None) -> tuple[int, int, int] | None:
+                heads: int, max_offset: int | None) -> tuple[int, ...] | None:
     """A CuTe DSL kernel's ``table`` entry for the shape, or None where cuTile's runs: widths
     and element sizes the settings do not list, several heads, no rows, offsets past 32 bits
     (the kernels index with 32)."""
@@ -339,7 +339,9 @@ def _cute_entry(s: RowNormSettings, table: dict, op: Op, rows: int, cols: int, i
 class CuteForwardPlan:
     """The CuTe DSL forward's launch over ``rows`` rows of ``cols`` columns: a one-shot grid,
     CTA ``b`` of ``grid`` taking rows ``[b * rows_per_cta, (b + 1) * rows_per_cta)`` with
-    ``threads`` threads; ``ctas_per_sm`` is the residency the compile keeps registers for."""
+    ``threads`` threads; ``ctas_per_sm`` is the residency the compile keeps registers for.
+    With ``cluster`` > 1 (the cluster forward, one row a cluster) a row is held across
+    ``cluster`` CTAs: CTA ``b`` takes a slice of row ``b // cluster``."""
 
     rows: int
     cols: int
@@ -347,22 +349,32 @@ class CuteForwardPlan:
     rows_per_cta: int
     ctas_per_sm: int
     grid: int
+    cluster: int = 1
 
     @classmethod
-    def of(cls, rows: int, cols: int, entry: tuple[int, int, int]) -> CuteForwardPlan:
-        """The plan of a settings table's (threads, rows a CTA, CTAs per SM) ``entry``."""
-        threads, rows_per_cta, ctas_per_sm = entry
+    def of(cls, rows: int, cols: int, entry: tuple[int, ...]) -> CuteForwardPlan:
+        """The plan of a settings table's (threads, rows a CTA, CTAs per SM[, cluster])
+        ``entry``."""
+        threads, rows_per_cta, ctas_per_sm, *rest = entry
+        cluster = rest[0] if rest else 1
         if rows < 1 or rows_per_cta < 1:
             raise ValueError(f"rows and rows_per_cta must be positive, got {rows}, "
                              f"{rows_per_cta}")
+        if cluster > 1 and rows_per_cta != 1:
+            raise ValueError(f"a cluster forward takes one row a cluster, got {rows_per_cta}")
         return cls(rows=rows, cols=cols, threads=threads, rows_per_cta=rows_per_cta,
-                   ctas_per_sm=ctas_per_sm, grid=cdiv(rows, rows_per_cta))
+                   ctas_per_sm=ctas_per_sm, grid=cdiv(rows, rows_per_cta) * cluster,
+                   cluster=cluster)
 
     def program_rows(self, program: int) -> range:
-        start = program * self.rows_per_cta
+        start = program // self.cluster * self.rows_per_cta
         return range(start, min(start + self.rows_per_cta, self.rows))
 
     def describe(self) -> str:
+        if self.cluster > 1:
+            return (f"CuTe DSL cluster forward, one-shot grid {self.grid}: a row across a "
+                    f"cluster of {self.cluster} CTAs of {self.threads} threads "
+                    f"({self.ctas_per_sm} per SM), its slices staged in shared memory")
         return (f"CuTe DSL, one-shot grid {self.grid} of {self.rows_per_cta} rows a CTA, "
                 f"{self.threads} threads a row ({self.ctas_per_sm} per SM)")
 

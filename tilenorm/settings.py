@@ -18,6 +18,16 @@ from dataclasses import dataclass, field
 Hint = tuple[int, int, "int | None", bool]
 
 
+#: Columns a CTA of the cluster forward holds (#75).
+CLUSTER_SLICE_COLS = 16384
+
+
+def _cluster_forward(cols: int) -> tuple[int, int, int, int]:
+    """The cluster forward's entry for ``cols`` columns: (threads, rows a CTA, CTAs per SM,
+    cluster), ``cols / CLUSTER_SLICE_COLS`` CTAs a row (#75)."""
+    return (256, 1, 4, cols // CLUSTER_SLICE_COLS)
+
+
 @dataclass(frozen=True, eq=False)
 class RowNormSettings:
     """One architecture's settings. Compared and hashed by identity: plans are cached per
@@ -99,11 +109,16 @@ class RowNormSettings:
     #: whole before reducing them, the hardware handing CTAs to SMs as they free up: 99.5-99.8%
     #: of copy bandwidth on an H100 where cuTile's persistent forward sits at 94% (#65);
     #: 5120 one row a CTA and 32768 RMSNorm only: more rows, threads or LayerNorm's fp32
-    #: weight and bias beside them spill and fall below cuTile (#69). Widths absent here
-    #: were not measured to gain.
+    #: weight and bias beside them spill and fall below cuTile (#69). Wider rows, and
+    #: LayerNorm's at 32768, run the cluster forward: entries (threads, 1 row, CTAs per SM,
+    #: cluster), a row across ``cluster`` CTAs of 16384 columns each, 256 threads, 4 CTAs an
+    #: SM (Quack's shape), 102% of copy on an H100 at 32768-131072 where cuTile's chunked
+    #: forward reads every row twice at 66% (#75). Widths absent here were not measured to
+    #: gain.
     cute_forward: dict = field(default_factory=lambda: {
         op: {4096: (128, 2, 4), 5120: (128, 1, 4), 8192: (256, 2, 2), 16384: (512, 2, 1),
-             **({32768: (512, 1, 1)} if op == "rms_norm" else {})}
+             32768: (512, 1, 1) if op == "rms_norm" else _cluster_forward(32768),
+             65536: _cluster_forward(65536), 131072: _cluster_forward(131072)}
         for op in ("rms_norm", "layer_norm")})
     #: Element sizes the CuTe kernels take: bf16 and fp16, eight to a 16-byte vector.
     cute_itemsizes: tuple[int, ...] = (2,)

@@ -16,8 +16,9 @@ Variants (``--kinds``): ``cluster``, the above (pull); ``push``, one row a clust
 partials pushed by ``st.async`` into every peer's shared memory, x in registers
 (:class:`ClusterPushRmsNormForward`); ``smem`` / ``smem-cg``, the push reduction with x staged
 in shared memory by 16-byte ``cp.async`` (``.ca`` / ``.cg``) and read from there twice, 16384
-columns a CTA of 256 threads, 4 CTAs an SM: Quack's recipe (NOTES #66,
-:class:`ClusterSmemPushRmsNormForward`).
+columns a CTA of 256 threads, 4 CTAs an SM: Quack's recipe (NOTES #66), shipped as
+``ClusterRowNormForward`` (tilenorm/kernels/cute_cluster_norm_forward.py, #75), which these
+kinds build (:func:`smem_kernel`).
 
 For each shape and (cluster, threads, CTAs per SM, rows a cluster): y and rstd poisoned, one
 launch checked against float64, a rerun bit-identical, then CUDA-graph time in rounds beside
@@ -49,11 +50,14 @@ import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
 from cutlass._mlir.dialects import llvm  # noqa: E402
-from cutlass.cute.nvgpu import cpasync  # noqa: E402
 from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
 
 from bench.experiments import forward_probe_cases  # noqa: E402
 from bench.experiments.forward_probe_cases import EPS  # noqa: E402
+from tilenorm.kernels.cute_cluster_norm_forward import (  # noqa: E402
+    ClusterRowNormForward,
+    float_bits,
+)
 
 #: Width -> (cluster, threads, CTAs per SM, rows a cluster) candidates: each CTA's slice whole
 #: 16-byte vectors of its threads.
@@ -80,12 +84,6 @@ def load_peer_f32(smem_ptr, rank, *, loc=None, ip=None) -> Float32:
     (``ld.shared::cluster``: a DSMEM tensor takes no loads in the DSL)."""
     peer = cute.arch.map_dsmem_ptr(smem_ptr, rank, loc=loc, ip=ip)
     return Float32(llvm.load(T.f32(), peer.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip))
-
-
-@dsl_user_op
-def float_bits(value: Float32, *, loc=None, ip=None) -> Int32:
-    """The bits of an fp32 as an i32 (``st.async`` stores i32 words)."""
-    return Int32(llvm.bitcast(T.i32(), Float32(value).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
 
 
 class ClusterRmsNormForward:
@@ -248,123 +246,25 @@ class ClusterPushRmsNormForward(ClusterRmsNormForward):
         cute.autovec_copy(y, self._thread_view(mY[row, None], rank, tidx))
 
 
-class ClusterSmemPushRmsNormForward(ClusterPushRmsNormForward):
-    """Quack's cluster forward recipe (bench/NOTES.md #66) in this probe's terms: one row a
-    cluster, each CTA's slice of x staged in SHARED memory by 16-byte ``cp.async`` (one
-    group; a thread reads back only the vectors it copied, so ``wait_group 0`` alone orders
-    them: no block barrier) and read from there twice, for the sum of squares and for the
-    output; the weight in registers (its loads issued while the copies fly); the partials
-    pushed with ``st.async`` as :class:`ClusterPushRmsNormForward`. 16384 columns a CTA
-    (32 KiB of bf16 x, ``cluster = N / 16384``) of 256 threads is Quack's shape: 128 KiB of x
-    in flight an SM at 4 CTAs. The x registers live only a vector at a time, which is what
-    lets 4 CTAs an SM (64 registers) hold without spilling where the register variant cannot.
-
-    Fixed order: warp ``w`` of CTA ``r`` pushes its partial into slot ``r * warps + w`` of
-    every CTA; each thread then sums, in rank order, each rank's warps in warp order, so
-    every CTA of the cluster (and every rerun) computes the same bits of the row's sum.
-
-    ``cache``: the ``cp.async`` cache mode, ``"always"`` (``.ca``, Quack's) or ``"global"``
-    (``.cg``, past L1)."""
-
-    def __init__(self, dtype, cols: int, cluster: int, threads: int, ctas_per_sm: int,
-                 rows_per_cluster: int = 1, cache: str = "always"):
-        super().__init__(dtype, cols, cluster, threads, ctas_per_sm, rows_per_cluster)
-        if cache not in CACHE_MODES:
-            raise ValueError(f"cache mode {cache!r} is not one of {sorted(CACHE_MODES)}")
-        self.cache = cache
-        # 33 KB a CTA: the carveout bounds the CTAs an SM holds, so the DSL derives it from
-        # ctas_per_sm (NOTES #64: 233472 is no valid percentage).
-        self.carveout = None
-
-    def shared_bytes(self) -> int:
-        """Dynamic shared memory a CTA allocates: x's slice, the partial slots, the
-        mbarrier (each aligned as allocated)."""
-        x = self.slice * self.dtype.width // 8
-        parts = -(-self.warps * self.cluster * 4 // 16) * 16
-        return x + parts + 8
-
-    @cute.jit
-    def _vectors(self, piece: cute.Tensor, tidx: Int32) -> cute.Tensor:
-        """This thread's (vec, reps) elements of a ``slice``-long piece: one 16-byte vector a
-        rep, ``threads`` vectors apart (as :meth:`_thread_view`)."""
-        vectors = cute.zipped_divide(piece, (self.vec,))
-        blocks = cute.logical_divide(vectors, (None, self.threads))
-        return blocks[(None, (tidx, None))]
-
-    @cute.kernel
-    def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mRstd: cute.Tensor,
-               eps: Float32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        rank = cute.arch.block_in_cluster_idx()[0]
-        lane = cute.arch.lane_idx()
-        warp = cute.arch.warp_idx()
-        row = bidx // self.cluster
-
-        smem = cutlass.memory.SmemAllocator()
-        s_x = smem.allocate_tensor(self.dtype, cute.make_layout((self.slice,)), 128)
-        # Slot r * warps + w: warp w's partial from cluster CTA r.
-        parts = smem.allocate_tensor(Float32, cute.make_layout((self.cluster * self.warps,)),
-                                     16)
-        mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((1,)), 8)
-        if tidx == 0:
-            cute.arch.mbarrier_init(mbar.iterator, 1)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.cluster_arrive_relaxed()
-
-        # x's slice to shared memory: 16-byte cp.async, one group.
-        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=CACHE_MODES[self.cache]),
-                                  self.dtype, num_bits_per_copy=128)
-        t_s = self._vectors(s_x, tidx)
-        cute.copy(g2s, self._thread_view(mX[row, None], rank, tidx), t_s)
-        cute.arch.cp_async_commit_group()
-        # The weight into registers while the copies fly.
-        shape = (self.vec, self.reps)
-        w_in = cute.make_rmem_tensor(shape, self.dtype)
-        cute.autovec_copy(self._thread_view(mW, rank, tidx), w_in)
-        if tidx == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(mbar.iterator,
-                                                    self.warps * self.cluster * 4)
-        cute.arch.cp_async_wait_group(0)
-
-        # Sum of squares, a vector at a time, in a fixed order.
-        x_v = cute.make_rmem_tensor((self.vec,), self.dtype)
-        part = Float32(0.0)
-        for k in cutlass.range_constexpr(self.reps):
-            cute.autovec_copy(t_s[None, k], x_v)
-            x = x_v.load().to(Float32)
-            part = part + (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        part = cute.arch.warp_reduction(part, operator.add)
-
-        cute.arch.cluster_wait()  # every peer's mbarrier initialised
-        if lane < self.cluster:
-            cute.arch.store_async_dsmem(parts.iterator + (rank * self.warps + warp),
-                                        float_bits(part), mbar.iterator, lane)
-        cute.arch.mbarrier_wait(mbar.iterator, 0)
-        total = Float32(0.0)
-        for r in cutlass.range_constexpr(self.cluster):
-            own = parts[r * self.warps]
-            for i in cutlass.range_constexpr(1, self.warps):
-                own = own + parts[r * self.warps + i]
-            total = own if r == 0 else total + own
-        rstd = cute.math.rsqrt(total * Float32(1.0 / self.cols) + eps)
-        if rank == 0 and tidx == 0:
-            mRstd[row] = rstd
-
-        # x read again from shared memory, a vector at a time, scaled and stored.
-        t_y = self._thread_view(mY[row, None], rank, tidx)
-        y_v = cute.make_rmem_tensor((self.vec,), self.dtype)
-        for k in cutlass.range_constexpr(self.reps):
-            cute.autovec_copy(t_s[None, k], x_v)
-            y_v.store((x_v.load().to(Float32) * rstd * w_in[None, k].load().to(Float32))
-                      .to(self.dtype))
-            cute.autovec_copy(y_v, t_y[None, k])
+def smem_kernel(dtype, cols: int, cluster: int, threads: int, ctas_per_sm: int,
+                rows_per_cluster: int = 1, cache: str = "always") -> ClusterRowNormForward:
+    """Quack's cluster forward recipe (bench/NOTES.md #66), as shipped: the product kernel
+    (:class:`~tilenorm.kernels.cute_cluster_norm_forward.ClusterRowNormForward`, x staged in
+    shared memory by ``cp.async``, the partials pushed with ``st.async``), RMSNorm with a
+    weight in x's dtype; ``cache`` the ``cp.async`` cache mode, ``"always"`` (``.ca``,
+    Quack's) or ``"global"`` (``.cg``, past L1)."""
+    if rows_per_cluster != 1:
+        raise ValueError("the shared-memory variant takes one row a cluster")
+    if cache not in CACHE_MODES:
+        raise ValueError(f"cache mode {cache!r} is not one of {sorted(CACHE_MODES)}")
+    return ClusterRowNormForward(dtype, dtype, cols, threads, cluster, ctas_per_sm, False,
+                                 False, False, False, cache_mode=CACHE_MODES[cache])
 
 
 def make_kernel(kind: str, dtype, cols: int, config: tuple[int, int, int, int]):
     """The kernel object of variant ``kind`` (:data:`KINDS`) at ``config``."""
-    cls, extra = KINDS[kind]
-    return cls(dtype, cols, *config, **extra)
+    make, extra = KINDS[kind]
+    return make(dtype, cols, *config, **extra)
 
 
 def compile_kernel(dtype, cols: int, config: tuple[int, int, int, int],
@@ -383,13 +283,20 @@ def compile_kernel(dtype, cols: int, config: tuple[int, int, int, int],
     options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
     if dump_dir:
         options += f" --keep-cubin --dump-dir {dump_dir}"
+    shipped = isinstance(kernel, ClusterRowNormForward)
     undo = lambda: None  # noqa: E731
-    if arch:
+    if arch and not shipped:
         from bench.experiments.cute_forward_schedule_probe import _device_free_compile
         undo = _device_free_compile(kernel.carveout)
     try:
-        return cute.compile(kernel, x, w, y, rstd, Float32(EPS), Int32(1), stream,
-                            options=options)
+        if not shipped:
+            return cute.compile(kernel, x, w, y, rstd, Float32(EPS), Int32(1), stream,
+                                options=options)
+        # The product kernel's operands: no residual, bias, h or mean; no offset.
+        fn = cute.compile(kernel, x, None, w, None, y, None, None, rstd, Float32(EPS),
+                          Float32(0.0), Int32(1), stream, options=options)
+        return lambda x, w, y, rstd, eps, grid: fn(x, None, w, None, y, None, None, rstd,
+                                                   eps, 0.0, grid)
     finally:
         undo()
 
@@ -504,8 +411,8 @@ def main() -> None:
 KINDS = {
     "cluster": (ClusterRmsNormForward, {}),
     "push": (ClusterPushRmsNormForward, {}),
-    "smem": (ClusterSmemPushRmsNormForward, {"cache": "always"}),
-    "smem-cg": (ClusterSmemPushRmsNormForward, {"cache": "global"}),
+    "smem": (smem_kernel, {"cache": "always"}),
+    "smem-cg": (smem_kernel, {"cache": "global"}),
 }
 #: The shared-memory variants.
 SMEM_KINDS = ("smem", "smem-cg")

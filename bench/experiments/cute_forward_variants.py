@@ -86,7 +86,7 @@ def case(n: int, variant: str, g: torch.Generator):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", required=True,
-                    help='JSON {width: [[threads, rows a CTA, CTAs an SM], ...]}')
+                    help='JSON {width: [[threads, rows a CTA, CTAs an SM(, cluster)], ...]}')
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", type=Path, required=True)

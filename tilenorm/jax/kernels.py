@@ -507,10 +507,16 @@ def _cute_forward_plan(problem: kernel_dispatch.Problem, decision: kernel_dispat
     """The decision's CuTe DSL forward where JAX may run it, and what to add to its reason.
     Its XLA FFI call (:mod:`tilenorm.jax.cute_ffi`) is a family of its own,
     :data:`tilenorm.validation.CUTE_JAX_FORWARD`: it runs once a GPU run validated it, or
-    where experimental kernels are allowed, and only where its libraries can be built."""
+    where experimental kernels are allowed, and only where its libraries can be built. The
+    cluster forward (a row across a cluster of CTAs) has no such call: its cluster launch
+    through the exported entry was never run, so cuTile's forward runs those rows."""
     plan = decision.cute_forward
     if plan is None:
         return None, ""
+    if plan.cluster > 1:
+        return None, (f"; the CuTe DSL forward for this width is "
+                      f"{kernel_dispatch.cute_forward_name(plan)}, which has no XLA FFI call, "
+                      f"so cuTile's forward runs")
     family = validation.CUTE_JAX_FORWARD
     record = validation.validation_record(family)
     if record is None and not problem.allow_experimental:

@@ -37,27 +37,23 @@ from cutlass import Float32, Int32, const_expr
 from tilenorm.kernels.cute_rows import SMEM_CARVEOUT, RowKernel
 
 
-class RowNormForward(RowKernel):
-    """The kernel for one (dtypes, width, features, launch config); ``__call__`` launches it on
-    ``grid`` CTAs of ``rows_per_cta`` rows each."""
+class NormForwardKernel(RowKernel):
+    """What the CuTe DSL forwards (this one and the cluster forward,
+    cute_cluster_norm_forward.py) share: their dtypes and features, their operands, and the
+    launch on ``grid`` CTAs (in clusters of ``cluster_dims`` where set)."""
 
-    def __init__(self, dtype, weight_dtype, cols: int, threads: int, rows_per_cta: int,
-                 ctas_per_sm: int, layer_norm: bool, has_bias: bool, has_offset: bool,
-                 has_residual: bool):
+    #: The launch's cluster shape; None: no clusters.
+    cluster_dims: list[int] | None = None
+
+    def __init__(self, dtype, weight_dtype, cols: int, threads: int, ctas_per_sm: int,
+                 layer_norm: bool, has_bias: bool, has_offset: bool, has_residual: bool):
+        if (has_offset or has_bias) and weight_dtype is None:
+            raise ValueError("a weight offset or a bias needs a weight (of the bias's dtype)")
         self.dtype = dtype
         self.weight_dtype = weight_dtype
         self.cols = cols
         self.threads = threads
         self.vec = 128 // dtype.width
-        if cols % (self.vec * threads):
-            raise ValueError(f"{cols} columns are not whole {self.vec}-element vectors of "
-                             f"{threads} threads")
-        self.reps = cols // (self.vec * threads)
-        if rows_per_cta < 1:
-            raise ValueError(f"rows_per_cta must be >= 1, got {rows_per_cta}")
-        if (has_offset or has_bias) and weight_dtype is None:
-            raise ValueError("a weight offset or a bias needs a weight (of the bias's dtype)")
-        self.rows_per_cta = rows_per_cta
         self.ctas_per_sm = ctas_per_sm
         self.layer_norm = layer_norm
         self.has_weight = weight_dtype is not None
@@ -72,9 +68,27 @@ class RowNormForward(RowKernel):
                  mMean: cute.Tensor | None, mRstd: cute.Tensor, eps: Float32,
                  offset: Float32, grid: Int32, stream):
         self.kernel(mX, mR, mW, mB, mY, mH, mMean, mRstd, eps, offset).launch(
-            grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream,
-            max_number_threads=[self.threads, 1, 1], min_blocks_per_mp=self.ctas_per_sm,
-            preferred_smem_carveout=SMEM_CARVEOUT)
+            grid=[grid, 1, 1], block=[self.threads, 1, 1], cluster=self.cluster_dims,
+            stream=stream, max_number_threads=[self.threads, 1, 1],
+            min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=SMEM_CARVEOUT)
+
+
+class RowNormForward(NormForwardKernel):
+    """The kernel for one (dtypes, width, features, launch config); ``__call__`` launches it on
+    ``grid`` CTAs of ``rows_per_cta`` rows each."""
+
+    def __init__(self, dtype, weight_dtype, cols: int, threads: int, rows_per_cta: int,
+                 ctas_per_sm: int, layer_norm: bool, has_bias: bool, has_offset: bool,
+                 has_residual: bool):
+        super().__init__(dtype, weight_dtype, cols, threads, ctas_per_sm, layer_norm,
+                         has_bias, has_offset, has_residual)
+        if cols % (self.vec * threads):
+            raise ValueError(f"{cols} columns are not whole {self.vec}-element vectors of "
+                             f"{threads} threads")
+        self.reps = cols // (self.vec * threads)
+        if rows_per_cta < 1:
+            raise ValueError(f"rows_per_cta must be >= 1, got {rows_per_cta}")
+        self.rows_per_cta = rows_per_cta
 
     @cute.jit
     def _row_sum(self, v, sums: cute.Tensor, slot: int, lane: Int32, warp: Int32) -> Float32:

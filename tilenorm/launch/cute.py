@@ -1,4 +1,5 @@
 """The CuTe DSL kernels (:mod:`tilenorm.kernels.cute_row_norm_forward`,
+:mod:`~tilenorm.kernels.cute_cluster_norm_forward`,
 :mod:`~tilenorm.kernels.cute_row_norm_backward`, :mod:`~tilenorm.kernels.cute_row_norm_fp8`):
 compiled per launch plan and called through TVM-FFI, which takes DLPack arrays (torch tensors
 among them) and launches on the caller's current stream.
@@ -70,20 +71,27 @@ def _fake(dtype, shape, stride, align: int):
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
 
 
-def _compile(kernel, arch: str | None, *operands):
+def _compile(kernel, arch: str | None, *operands, cubin_dir: str | None = None):
     """``cute.compile`` of ``kernel`` over ``operands`` and TVM-FFI's stream (the caller's
-    current one at a call), for ``arch`` without a GPU where given."""
+    current one at a call), for ``arch`` without a GPU where given; the cubin kept in
+    ``cubin_dir`` where given (for cuobjdump)."""
     import cutlass.cute as cute
 
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = "--enable-tvm-ffi" + (f" --gpu-arch {arch}" if arch else "")
+    if cubin_dir:
+        os.makedirs(cubin_dir, exist_ok=True)  # the DSL writes nothing to a missing folder
+        options += f" --keep-cubin --dump-dir {cubin_dir}"
     return cute.compile(kernel, *operands, stream, options=options)
 
 
 @dataclass(frozen=True)
 class ForwardKey:
     """What selects a compiled variant of the forward; dtypes by name. The row count is not
-    one of them: it only bounds which rows a CTA takes (one kernel for every row count)."""
+    one of them: it only bounds which rows a CTA takes (one kernel for every row count).
+    ``cluster`` > 1 selects the cluster forward
+    (:class:`~tilenorm.kernels.cute_cluster_norm_forward.ClusterRowNormForward`): a row
+    across that many CTAs, one row a cluster (``rows_per_cta`` 1)."""
 
     dtype: str
     weight_dtype: str | None
@@ -95,16 +103,18 @@ class ForwardKey:
     threads: int
     rows_per_cta: int
     ctas_per_sm: int
+    cluster: int = 1
 
     @classmethod
     def of(cls, plan: CuteForwardPlan, dtype: str, weight_dtype: str | None, has_bias: bool,
            layer_norm: bool, has_offset: bool, has_residual: bool) -> ForwardKey:
         return cls(dtype, weight_dtype, has_bias, layer_norm, has_offset, has_residual,
-                   plan.cols, plan.threads, plan.rows_per_cta, plan.ctas_per_sm)
+                   plan.cols, plan.threads, plan.rows_per_cta, plan.ctas_per_sm, plan.cluster)
 
 
-def compile_forward(key: ForwardKey, arch: str | None = None):
-    """Compile ``key``'s kernel (``arch`` as in :func:`compile_backward`). The result is
+def compile_forward(key: ForwardKey, arch: str | None = None, cubin_dir: str | None = None):
+    """Compile ``key``'s kernel (``arch`` as in :func:`compile_backward`; the cubin kept in
+    ``cubin_dir`` where given). The result is
     called as ``fn(x, residual, weight, bias, y, h, mean, rstd, eps, offset, grid)`` with
     DLPack arrays (None for the absent ones: residual and h together, mean for RMSNorm) on
     the current stream; x, residual, y and h are contiguous (rows, cols) in ``key.dtype``."""
@@ -112,14 +122,20 @@ def compile_forward(key: ForwardKey, arch: str | None = None):
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
-    from tilenorm.kernels.cute_row_norm_forward import RowNormForward
-
     dtypes = _dtypes()
     dtype = dtypes[key.dtype]
     weight_dtype = None if key.weight_dtype is None else dtypes[key.weight_dtype]
-    kernel = RowNormForward(dtype, weight_dtype, key.cols, key.threads, key.rows_per_cta,
-                            key.ctas_per_sm, key.layer_norm, key.has_bias, key.has_offset,
-                            key.has_residual)
+    features = (key.layer_norm, key.has_bias, key.has_offset, key.has_residual)
+    if key.cluster > 1:
+        from tilenorm.kernels.cute_cluster_norm_forward import ClusterRowNormForward
+
+        kernel = ClusterRowNormForward(dtype, weight_dtype, key.cols, key.threads,
+                                       key.cluster, key.ctas_per_sm, *features)
+    else:
+        from tilenorm.kernels.cute_row_norm_forward import RowNormForward
+
+        kernel = RowNormForward(dtype, weight_dtype, key.cols, key.threads, key.rows_per_cta,
+                                key.ctas_per_sm, *features)
     rows = cute.sym_int()
 
     def row_major():
@@ -132,7 +148,7 @@ def compile_forward(key: ForwardKey, arch: str | None = None):
     mean = _fake(Float32, (rows,), (1,), 4) if key.layer_norm else None
     rstd = _fake(Float32, (rows,), (1,), 4)
     return _compile(kernel, arch, x, residual, weight, bias, y, h, mean, rstd, Float32(1e-6),
-                    Float32(0.0), Int32(1))
+                    Float32(0.0), Int32(1), cubin_dir=cubin_dir)
 
 
 @dataclass(frozen=True)
@@ -213,7 +229,8 @@ def aot_keys(all_dtypes: bool = False) -> list[BackwardKey]:
 def aot_forward_keys(all_dtypes: bool = False) -> list[ForwardKey]:
     """Every variant the settings' CuTe DSL forward entries can run in bf16 (and fp16 with
     ``all_dtypes``): each weight dtype (or none), with and without a residual; LayerNorm with
-    and without a bias, RMSNorm with and without the Gemma offset (which needs a weight)."""
+    and without a bias, RMSNorm with and without the Gemma offset (which needs a weight);
+    the cluster forward's entries with theirs."""
     dtypes = ("bfloat16", "float16") if all_dtypes else ("bfloat16",)
     return [ForwardKey(dtype, weight_dtype, has_bias, op == "layer_norm", has_offset,
                        has_residual, cols, *config)
