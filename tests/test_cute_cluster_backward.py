@@ -295,7 +295,7 @@ def check_cluster_backward(m, n, dtype=torch.bfloat16, w_dtype=torch.bfloat16,
 def test_matches_float64(m, n):
     """Row counts: one, fewer than the clusters, ragged, as many as the clusters (one row
     each) and past them (clusters take several, a trip of two rows left half full)."""
-    clusters = _plan(10**6, n).clusters
+    clusters = _plan(2**31 // n, n).clusters
     rows = {"clusters": clusters, "2 clusters + 1": 2 * clusters + 1}.get(m) or int(m)
     p = check_cluster_backward(rows, n)
     assert p.clusters == min(rows, clusters)
@@ -405,3 +405,26 @@ def test_max_active_clusters_is_what_the_device_holds():
         two = max_active_clusters(info.index, cluster, 256, 2)
         assert 0 < one <= two <= 2 * info.sm_count // cluster, (cluster, one, two)
         assert one <= info.sm_count // cluster
+
+
+@gpu
+@needs_cute
+def test_stand_in_counts_the_clusters_the_routed_kernels_hold():
+    """The plan's cluster count (the empty stand-in's) is the driver's count for each routed
+    kernel's own cubin (read as the probe reads it)."""
+    from bench.experiments.cute_cluster_backward_probe import (
+        Config,
+        compile_kernel,
+        make_kernel,
+        max_clusters,
+    )
+    from tilenorm.device import max_active_clusters
+
+    device = torch.cuda.current_device()
+    for cols, (cluster, threads, stages, ctas) in TABLE["rms_norm"].items():
+        config = Config(cluster, threads, stages, ctas)
+        with tempfile.TemporaryDirectory() as tmp:
+            fn = compile_kernel(cols, config, dump_dir=tmp)
+        found, source = max_clusters(fn, make_kernel(cols, config))
+        assert source.startswith("cuOccupancyMaxActiveClusters"), source
+        assert max_active_clusters(device, cluster, threads, ctas) == found, cols
