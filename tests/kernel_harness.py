@@ -28,6 +28,30 @@ def poisoned(shape, dtype):
     return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
 
 
+def check_graph_replay_matches_eager(run) -> None:
+    """``run()`` (launches on torch's current stream, returns a tuple of tensors or None) run
+    eagerly, then captured in a CUDA graph (after a warm-up on a side stream) whose outputs
+    are poisoned before the replay: the replay's outputs equal the eager ones bit for bit."""
+    eager = run()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    for t in captured:
+        if t is not None:
+            t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, eager, strict=True):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert torch.equal(got, want)
+
+
 def plans(rows, heads, cols, itemsize, per_head, max_offset=None, op="rms_norm"):
     info = device_info(torch.cuda.current_device())
     return [plan_row_norm(rows, cols, heads=heads, per_head_weight=per_head, itemsize=itemsize,

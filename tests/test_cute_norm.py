@@ -6,7 +6,14 @@ import pytest
 import torch
 
 import tilenorm
-from tests.kernel_harness import DGAMMA_TOL_FP32, OUT_TOL, fresh_generator, poisoned, rel
+from tests.kernel_harness import (
+    DGAMMA_TOL_FP32,
+    OUT_TOL,
+    check_graph_replay_matches_eager,
+    fresh_generator,
+    poisoned,
+    rel,
+)
 from tilenorm import dispatch
 from tilenorm.device import DeviceInfo
 from tilenorm.launch import cute
@@ -217,24 +224,8 @@ def test_cuda_graph_replay_matches_eager_bit_for_bit():
     dy = torch.randn_like(x)
     with tilenorm.experimental():
         _, h, mean, rstd = tilenorm.layer_norm_forward(x, w, b)
-        eager = tilenorm.layer_norm_backward(dy, h, w, b, mean, rstd)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            tilenorm.layer_norm_backward(dy, h, w, b, mean, rstd)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = tilenorm.layer_norm_backward(dy, h, w, b, mean, rstd)
-        for t in captured:
-            if t is not None:
-                t.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-    for got, want in zip(captured, eager, strict=True):
-        assert (got is None) == (want is None)
-        if got is not None:
-            assert torch.equal(got, want)
+        check_graph_replay_matches_eager(
+            lambda: tilenorm.layer_norm_backward(dy, h, w, b, mean, rstd))
 
 
 @gpu

@@ -51,8 +51,11 @@ def test_explain_on_cpu_names_the_reference_and_why():
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """Decide as if x lived on an H100: the decision needs only the device's properties."""
+    """Decide as if x lived on an H100: the decision needs only the device's properties (and
+    how many clusters of a shape it holds at once: two of eight CTAs a GPC an SM)."""
     monkeypatch.setattr(dispatch, "device_info", lambda index: FAKE_H100)
+    monkeypatch.setattr(dispatch, "max_active_clusters",
+                        lambda index, cluster, threads, ctas_per_sm: 16 * ctas_per_sm)
     dispatch.decide.cache_clear()
     yield
     dispatch.decide.cache_clear()
@@ -99,7 +102,10 @@ def test_explain_names_the_kernels_each_direction_runs(fake_gpu, cols, names):
     route = route_on_fake_gpu(1024, cols, allow=True)
     cute_forward = (dispatch.cute_forward_name(route.cute_forward),) if route.cute_forward \
         else ()
-    assert route.kernels == (*cute_forward, *names, "column_sums"), route
+    cute_backward = (dispatch.CUTE_CLUSTER_BACKWARD_NAME,) if route.cute_backward else ()
+    assert route.kernels == (*cute_forward, *names, *cute_backward, "column_sums"), route
+    assert (route.cute_backward is not None) == (
+        cute.available() and cols in SM90.cute_cluster_backward["rms_norm"])
     assert (route.cute_forward is not None) == (
         cute.available() and cols in SM90.cute_forward["rms_norm"]
         and 1024 * cols * 2 >= dispatch.CUTE_FORWARD_MIN_BYTES)

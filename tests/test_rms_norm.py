@@ -693,11 +693,12 @@ def test_op_adds_gradient_parts(terms, residual_dtype):
 
 
 @gpu
-@pytest.mark.parametrize("op,n,residual", [("rms", 20000, False), ("rms", 65536, True),
+@pytest.mark.parametrize("op,n,residual", [("rms", 20000, False), ("rms", 49152, True),
                                            ("layer", 12288, False)])
 def test_ops_backward_of_rows_wider_than_one_tile(op, n, residual):
     """The column-split backward (row sums, then columns) through the ops, their C++ call
-    and its Python twin: against float64, and twice bit for bit."""
+    and its Python twin: against float64, and twice bit for bit (at widths the CuTe DSL
+    cluster backward does not take: tests/test_cute_cluster_backward.py has those)."""
     g, seed = fresh_generator("cuda")
     x = torch.randn(96, n, generator=g, device="cuda", dtype=torch.bfloat16)
     w = 1 + 0.5 * torch.randn(n, generator=g, device="cuda", dtype=torch.bfloat16)

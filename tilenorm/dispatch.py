@@ -14,7 +14,7 @@ import functools
 from dataclasses import dataclass
 
 from tilenorm import validation
-from tilenorm.device import DeviceInfo, device_info
+from tilenorm.device import DeviceInfo, device_info, max_active_clusters
 from tilenorm.launch import cute
 from tilenorm.launch.cutile import REDUCE_KERNEL_NAME, kernel_names
 from tilenorm.planner import (
@@ -22,6 +22,7 @@ from tilenorm.planner import (
     BlockPlan,
     ColumnAmaxPlan,
     CuteBackwardPlan,
+    CuteClusterBackwardPlan,
     CuteForwardPlan,
     CuteFp8ForwardPlan,
     MxSwizzlePlan,
@@ -29,6 +30,7 @@ from tilenorm.planner import (
     RowNormPlan,
     UnsupportedShape,
     plan_cute_backward,
+    plan_cute_cluster_backward,
     plan_cute_forward,
     plan_cute_fp8_forward,
     plan_fp8_column_amax,
@@ -55,6 +57,7 @@ ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m
 CUTE_FORWARD_NAME = "RowNormForward (CuTe DSL)"
 CUTE_CLUSTER_FORWARD_NAME = "ClusterRowNormForward (CuTe DSL)"
 CUTE_BACKWARD_NAME = "RowNormBackward (CuTe DSL)"
+CUTE_CLUSTER_BACKWARD_NAME = "ClusterRowNormBackward (CuTe DSL)"
 
 
 @dataclass(frozen=True)
@@ -105,9 +108,11 @@ class ForwardFacts:
 class BackwardFacts:
     """What one backward call brings beyond its problem: whether the forward had a fused
     residual add, whether the gradient that reached its h is an input, a weight offset,
-    whether dy, h and dx share x's dtype, whether h and dy are contiguous rows on
-    16-byte-aligned storage, the largest offset its operands reach, and in how many parts
-    y's gradient comes (a compiled graph's, which the cuTile kernels add up)."""
+    whether dy, h, dx (and that gradient) share x's dtype, whether h and dy (and that
+    gradient) are contiguous rows on 16-byte-aligned storage, the largest offset its operands
+    reach, in how many parts y's gradient comes (a compiled graph's, which the cuTile kernels
+    add up), and whether the residual's gradient is written apart from dx (a residual dtype
+    other than x's)."""
 
     has_residual: bool
     has_dres_in: bool
@@ -116,6 +121,7 @@ class BackwardFacts:
     dense_aligned: bool
     max_offset: int
     dy_terms: int = 1
+    dres_apart: bool = False
 
 
 @dataclass(frozen=True)
@@ -130,7 +136,7 @@ class Decision:
     family: KernelFamily | None = None
     forward: RowNormPlan | None = None
     backward: RowNormPlan | None = None
-    cute_backward: CuteBackwardPlan | None = None
+    cute_backward: CuteBackwardPlan | CuteClusterBackwardPlan | None = None
     device: DeviceInfo | None = None
     cute_forward: CuteForwardPlan | None = None
 
@@ -144,7 +150,11 @@ class Decision:
         if not self.uses_kernel:
             return ()
         cute_forward = (cute_forward_name(self.cute_forward),) if self.cute_forward else ()
-        cute_backward = (CUTE_BACKWARD_NAME,) if self.cute_backward else ()
+        cute_backward = ()
+        if self.cute_backward:
+            cute_backward = (CUTE_CLUSTER_BACKWARD_NAME
+                             if isinstance(self.cute_backward, CuteClusterBackwardPlan)
+                             else CUTE_BACKWARD_NAME,)
         return (cute_forward + kernel_names(self.forward) + kernel_names(self.backward)
                 + cute_backward + (REDUCE_KERNEL_NAME,))
 
@@ -171,7 +181,11 @@ class Decision:
                          f"({cute_forward_name(self.cute_forward)}): "
                          f"{self.cute_forward.describe()}")
         lines.append(f"  backward: {self.backward.describe()}")
-        if self.cute_backward:
+        if isinstance(self.cute_backward, CuteClusterBackwardPlan):
+            lines.append(f"  backward of contiguous, aligned rows, the residual's gradient "
+                         f"in x's dtype ({CUTE_CLUSTER_BACKWARD_NAME}): "
+                         f"{self.cute_backward.describe()}")
+        elif self.cute_backward:
             lines.append(f"  backward of contiguous, aligned rows without a fused residual "
                          f"or weight offset (CuTe DSL): {self.cute_backward.describe()}")
         lines.append(f"  why:      {self.reason}")
@@ -203,10 +217,22 @@ def _cute_may_run(p: Problem) -> bool:
             and all(d in (p.dtypes[0], "float32") for d in p.dtypes[1:]))
 
 
-def _cute_backward(p: Problem, info: DeviceInfo) -> CuteBackwardPlan | None:
-    """The CuTe DSL backward where the planner has one for the shape and it may run."""
+def _cute_backward(p: Problem, info: DeviceInfo
+                   ) -> CuteBackwardPlan | CuteClusterBackwardPlan | None:
+    """The CuTe DSL backward where the planner has one for the shape and it may run: the
+    cluster backward for rows too wide for one CTA, its grid the clusters co-resident on the
+    device, else the row backward."""
     if not _cute_may_run(p):
         return None
+
+    def resident_clusters(cluster: int, threads: int, ctas_per_sm: int) -> int:
+        return max_active_clusters(info.index, cluster, threads, ctas_per_sm)
+
+    cluster_plan = plan_cute_cluster_backward(
+        p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]], arch=info.arch, op=p.op,
+        resident_clusters=resident_clusters, heads=p.heads, max_offset=p.max_offset)
+    if cluster_plan is not None:
+        return cluster_plan
     return plan_cute_backward(p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]],
                               sm_count=info.sm_count, arch=info.arch, op=p.op, heads=p.heads,
                               max_offset=p.max_offset)
@@ -300,17 +326,21 @@ def forward_kernel(decision: Decision, call: ForwardFacts) -> CuteForwardPlan | 
 
 
 def backward_kernel(decision: Decision, call: BackwardFacts
-                    ) -> CuteBackwardPlan | RowNormPlan:
+                    ) -> CuteBackwardPlan | CuteClusterBackwardPlan | RowNormPlan:
     """The kernel plan that runs one backward call of a decision that uses kernels: the CuTe
-    DSL backward where it has a plan and the call allows it (no fused residual, no weight
-    offset, dx in x's dtype, contiguous rows on 16-byte-aligned storage, y's gradient in one
-    part), else the cuTile backward, with 64-bit offsets where the call's strided operands
+    DSL backward where it has a plan and the call allows it (dx in x's dtype, contiguous rows
+    on 16-byte-aligned storage, y's gradient in one part; for the row backward no fused
+    residual and no weight offset, for the cluster backward a residual's gradient only as dx
+    itself), else the cuTile backward, with 64-bit offsets where the call's strided operands
     pass 2^31 - 1."""
     cute_plan = decision.cute_backward
-    if (cute_plan is not None and not call.has_residual and not call.has_dres_in
-            and not call.has_offset and call.same_dtypes and call.dense_aligned
+    if (cute_plan is not None and call.same_dtypes and call.dense_aligned
             and call.dy_terms == 1):
-        return cute_plan
+        if isinstance(cute_plan, CuteClusterBackwardPlan):
+            if not call.dres_apart:
+                return cute_plan
+        elif not call.has_residual and not call.has_dres_in and not call.has_offset:
+            return cute_plan
     plan = decision.backward
     if plan.index_bits == 32 and call.max_offset > MAX_INT32_OFFSET:
         return dataclasses.replace(plan, index_bits=64)

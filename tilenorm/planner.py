@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -319,6 +320,73 @@ def plan_cute_backward(rows: int, cols: int, *, itemsize: int, sm_count: int,
     s = settings or settings_for(arch)
     entry = _cute_entry(s, s.cute_backward, op, rows, cols, itemsize, heads, max_offset)
     return None if entry is None else CuteBackwardPlan.of(rows, cols, entry, sm_count)
+
+
+@dataclass(frozen=True)
+class CuteClusterBackwardPlan:
+    """The CuTe DSL cluster RMSNorm backward's launch over ``rows`` rows of ``cols`` columns:
+    ``clusters`` clusters of ``cluster`` CTAs of ``threads`` threads (``ctas_per_sm``
+    resident per SM), cluster ``k`` taking rows ``k, k + clusters, ...`` with ``stages`` rows
+    staged in shared memory; cluster ``k`` writes partial-buffer row ``k``."""
+
+    rows: int
+    cols: int
+    cluster: int
+    threads: int
+    stages: int
+    ctas_per_sm: int
+    clusters: int
+
+    @classmethod
+    def of(cls, rows: int, cols: int, entry: tuple[int, int, int, int],
+           resident_clusters: int) -> CuteClusterBackwardPlan:
+        """The plan of a settings table's (cluster, threads, stages, CTAs per SM) ``entry``
+        with ``resident_clusters`` co-resident on the device: a persistent grid of more would
+        run its last clusters after the others, and one of more than ``rows`` would idle."""
+        if rows < 1 or resident_clusters < 1:
+            raise ValueError(f"rows and resident clusters must be positive, got {rows}, "
+                             f"{resident_clusters}")
+        cluster, threads, stages, ctas_per_sm = entry
+        return cls(rows=rows, cols=cols, cluster=cluster, threads=threads, stages=stages,
+                   ctas_per_sm=ctas_per_sm, clusters=min(rows, resident_clusters))
+
+    @property
+    def grid(self) -> int:
+        """CTAs launched: whole clusters."""
+        return self.clusters * self.cluster
+
+    @property
+    def partial_rows(self) -> int:
+        return self.clusters
+
+    def cluster_rows(self, cluster: int) -> range:
+        return range(cluster, self.rows, self.clusters)
+
+    def describe(self) -> str:
+        return (f"a row a cluster of {self.cluster} CTAs ({self.cols // self.cluster} columns "
+                f"a CTA, {self.threads} threads), {self.stages} rows staged in shared memory, "
+                f"persistent grid {self.clusters} clusters ({self.ctas_per_sm} CTAs per SM), "
+                f"partial buffer {self.clusters}x{self.cols} fp32")
+
+
+def plan_cute_cluster_backward(rows: int, cols: int, *, itemsize: int, arch: tuple[int, int],
+                               op: Op, resident_clusters: Callable[[int, int, int], int],
+                               heads: int = 1, max_offset: int | None = None,
+                               settings: RowNormSettings | None = None
+                               ) -> CuteClusterBackwardPlan | None:
+    """The CuTe DSL cluster backward for ``rows x heads`` vectors of ``cols`` elements, or
+    None where another backward runs (as :func:`plan_cute_backward`, from the settings'
+    ``cute_cluster_backward`` table). ``resident_clusters(cluster, threads, ctas_per_sm)``:
+    how many clusters of the entry's shape are co-resident on the device
+    (:func:`tilenorm.device.max_active_clusters`), asked only where an entry applies."""
+    s = settings or settings_for(arch)
+    entry = _cute_entry(s, s.cute_cluster_backward, op, rows, cols, itemsize, heads,
+                        max_offset)
+    if entry is None:
+        return None
+    cluster, threads, _, ctas_per_sm = entry
+    return CuteClusterBackwardPlan.of(rows, cols, entry,
+                                      resident_clusters(cluster, threads, ctas_per_sm))
 
 
 def _cute_entry(s: RowNormSettings, table: dict, op: Op, rows: int, cols: int, itemsize: int,

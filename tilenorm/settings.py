@@ -104,6 +104,12 @@ class RowNormSettings:
     #: loop cannot do: LayerNorm at 32768 x 4096 on an H200, 90.0% -> 98.2% of copy bandwidth
     #: for the row kernel (#38). Widths absent here were not measured to gain.
     cute_backward: dict = field(default_factory=lambda: {"layer_norm": {4096: (256, 2, 2)}})
+    #: RMSNorm backwards of rows too wide for one CTA that a cluster of CTAs holds, reading x
+    #: and dy once, per width: (CTAs a cluster, threads, row stages in shared memory, CTAs per
+    #: SM), the weight in registers. On an H100 (bf16), 59.9% -> 97.8% of copy bandwidth at
+    #: 2048 x 65536 and 58.1% -> 92.5% at 1024 x 131072 for the row kernel (#75).
+    cute_cluster_backward: dict = field(default_factory=lambda: {
+        "rms_norm": {65536: (8, 256, 2, 2), 131072: (8, 256, 2, 1)}})
     #: Forwards the CuTe DSL kernel runs instead of cuTile's, per op and row width:
     #: (threads, rows a CTA, CTAs per SM) of its one-shot grid, each CTA loading its rows
     #: whole before reducing them, the hardware handing CTAs to SMs as they free up: 99.5-99.8%

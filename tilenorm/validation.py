@@ -55,12 +55,13 @@ def _cute_installed() -> bool:
 CUTILE_NORM = KernelFamily(
     "cutile/norm", "cuTile",
     ("kernels/cutile_row_norm.py", "kernels/cutile_column_sums.py", "settings.py"))
-#: The CuTe DSL forwards (one CTA a row, and a row across a cluster) and backward; the
-#: backward hands its partial buffer to cuTile's reduction.
+#: The CuTe DSL forwards and backwards (a row a CTA, and a row across a cluster of CTAs);
+#: the backwards hand their partial buffers to cuTile's reduction.
 CUTE_NORM = KernelFamily(
     "cute/norm", "CuTe DSL",
     ("kernels/cute_row_norm_forward.py", "kernels/cute_cluster_norm_forward.py",
-     "kernels/cute_row_norm_backward.py", "kernels/cute_rows.py",
+     "kernels/cute_row_norm_backward.py", "kernels/cute_cluster_norm_backward.py",
+     "kernels/cute_rows.py",
      "kernels/cutile_column_sums.py", "settings.py"),
     _cute_installed)
 #: The FP8-output norms (issue 19): their kernels, the reduction their backward shares, and

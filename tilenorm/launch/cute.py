@@ -20,7 +20,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from tilenorm.planner import CuteBackwardPlan, CuteForwardPlan
+from tilenorm.planner import CuteBackwardPlan, CuteClusterBackwardPlan, CuteForwardPlan
 from tilenorm.settings import SM90
 
 #: What the kernels import: the CuTe DSL and the TVM-FFI path they are called through.
@@ -209,6 +209,64 @@ def compile_backward(key: BackwardKey, arch: str | None = None):
     return _compile(kernel, arch, x, dy, weight, mean, rstd, dx, partial, Int32(1))
 
 
+@dataclass(frozen=True)
+class ClusterBackwardKey:
+    """What selects a compiled variant of the cluster RMSNorm backward
+    (:mod:`tilenorm.kernels.cute_cluster_norm_backward`); dtypes by name. Neither the row
+    count nor the cluster count is one of them: one kernel for every row count and grid
+    (their loop bounds cost it no spills, #75)."""
+
+    dtype: str
+    weight_dtype: str | None
+    has_offset: bool
+    has_dres_in: bool
+    cols: int
+    cluster: int
+    threads: int
+    stages: int
+    ctas_per_sm: int
+
+    @classmethod
+    def of(cls, plan: CuteClusterBackwardPlan, dtype: str, weight_dtype: str | None,
+           has_offset: bool, has_dres_in: bool) -> ClusterBackwardKey:
+        return cls(dtype, weight_dtype, has_offset, has_dres_in, plan.cols, plan.cluster,
+                   plan.threads, plan.stages, plan.ctas_per_sm)
+
+    def kernel(self):
+        """The kernel object of this variant (the DSL imported)."""
+        _require_dsl()
+        from tilenorm.kernels.cute_cluster_norm_backward import ClusterRowNormBackward
+
+        dtypes = _dtypes()
+        return ClusterRowNormBackward(
+            dtypes[self.dtype], None if self.weight_dtype is None else dtypes[self.weight_dtype],
+            self.cols, self.cluster, self.threads, self.stages, self.ctas_per_sm,
+            self.has_offset, self.has_dres_in)
+
+
+def compile_cluster_backward(key: ClusterBackwardKey, arch: str | None = None,
+                             cubin_dir: str | None = None):
+    """Compile ``key``'s kernel (``arch`` as in :func:`compile_backward`; ``cubin_dir`` keeps
+    its cubin there). The result is called as ``fn(h, dy, weight, rstd, dres_in, dx, partial,
+    offset, grid)`` with DLPack arrays (None for the absent ones) on the current stream: h,
+    dy, dres_in and dx contiguous (rows, cols) in ``key.dtype``, ``partial`` (clusters, 1,
+    cols) fp32, ``grid`` a multiple of ``key.cluster``."""
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    kernel = key.kernel()
+    dtype, weight_dtype = kernel.dtype, kernel.weight_dtype
+    rows, clusters, cols = cute.sym_int(), cute.sym_int(), key.cols
+    h, dy, dx = (_fake(dtype, (rows, cols), (cols, 1), 16) for _ in range(3))
+    dres_in = _fake(dtype, (rows, cols), (cols, 1), 16) if key.has_dres_in else None
+    weight = None if weight_dtype is None else _fake(weight_dtype, (cols,), (1,), 16)
+    rstd = _fake(Float32, (rows,), (1,), 4)
+    partial = (None if weight_dtype is None
+               else _fake(Float32, (clusters, 1, cols), (cols, cols, 1), 16))
+    return _compile(kernel, arch, h, dy, weight, rstd, dres_in, dx, partial, Float32(0.0),
+                    Int32(1), cubin_dir=cubin_dir)
+
+
 #: Architectures the ahead-of-time build targets: Hopper and Blackwell datacenter parts.
 AOT_ARCHS = ("sm_90a", "sm_100a")
 #: Row count of the ahead-of-time builds (kernels are compiled per row count).
@@ -224,6 +282,19 @@ def aot_keys(all_dtypes: bool = False) -> list[BackwardKey]:
             for op, widths in SM90.cute_backward.items() for cols, config in widths.items()
             for dtype in dtypes for weight_dtype in (None, dtype, "float32")
             for has_bias in ((False, True) if op == "layer_norm" else (False,))]
+
+
+def aot_cluster_backward_keys(all_dtypes: bool = False) -> list[ClusterBackwardKey]:
+    """Every variant the settings' cluster backward entries can run in bf16 (and fp16 with
+    ``all_dtypes``): each weight dtype (or none), with and without the Gemma offset (which
+    needs a weight), with and without a residual's gradient added to dx."""
+    dtypes = ("bfloat16", "float16") if all_dtypes else ("bfloat16",)
+    return [ClusterBackwardKey(dtype, weight_dtype, has_offset, has_dres_in, cols, *config)
+            for widths in SM90.cute_cluster_backward.values()
+            for cols, config in widths.items()
+            for dtype in dtypes for weight_dtype in (None, dtype, "float32")
+            for has_offset in ((False, True) if weight_dtype else (False,))
+            for has_dres_in in (False, True)]
 
 
 def aot_forward_keys(all_dtypes: bool = False) -> list[ForwardKey]:
@@ -259,6 +330,13 @@ def compiled_backward(key: BackwardKey, arch: tuple[int, int] | None = None):
     """``key``'s kernel for the current GPU, compiled once per ``arch`` (as
     :func:`compiled_forward`)."""
     return compile_backward(key)
+
+
+@functools.lru_cache(maxsize=MAX_COMPILED)
+def compiled_cluster_backward(key: ClusterBackwardKey, arch: tuple[int, int] | None = None):
+    """``key``'s kernel for the current GPU, compiled once per ``arch`` (as
+    :func:`compiled_forward`)."""
+    return compile_cluster_backward(key)
 
 
 def _fp8_dtypes():

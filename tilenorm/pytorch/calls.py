@@ -25,7 +25,12 @@ from tilenorm.launch import cutile
 from tilenorm.launch.cutile import NormFeatures
 from tilenorm.launch.driver import ArrayLayout, DriverLaunch
 from tilenorm.layout import contiguous_strides, max_offset, view_3d, view_strides
-from tilenorm.planner import CuteBackwardPlan, CuteForwardPlan, RowNormPlan
+from tilenorm.planner import (
+    CuteBackwardPlan,
+    CuteClusterBackwardPlan,
+    CuteForwardPlan,
+    RowNormPlan,
+)
 from tilenorm.pytorch import native, reference
 
 #: Layouts remembered; past this the cache starts over (a long-running job with ever new
@@ -565,7 +570,7 @@ class BackwardCall:
     #: Which operands the kernels read from contiguous copies: dy, h, dres_in, dy2, dy3.
     copy: tuple[bool, ...] = (False,) * 5
     plan: RowNormPlan | None = None
-    cute: CuteBackwardPlan | None = None
+    cute: CuteBackwardPlan | CuteClusterBackwardPlan | None = None
     row_kernel: cutile.BoundKernel | None = None
     launch_first: object = None
     launch_row: object = None
@@ -597,7 +602,11 @@ class BackwardCall:
             dres = None if self.residual_dtype is None else dh.to(self.residual_dtype)
             return dx, dres, dweight, dbias
         dev = self.device
-        if self.cute is not None and not (h.data_ptr() | dy.data_ptr()) & 15:
+        if self.cute is not None and not (
+                h.data_ptr() | dy.data_ptr() | (0 if dres_in is None else dres_in.data_ptr())
+                ) & 15:
+            if isinstance(self.cute, CuteClusterBackwardPlan):
+                return self._run_cute_cluster(dy, dres_in, h, weight, rstd, offset)
             return self._run_cute(dy, h, weight, bias, mean, rstd)
         dx = torch.empty_like(h) if self.dx_like_h else torch.empty(
             h.shape, dtype=self.x_dtype, device=dev)
@@ -732,6 +741,34 @@ class BackwardCall:
                     self._reduce_through_cutile(stream, partial, dweight, dbias)
         return dx, None, dweight, dbias
 
+    def _run_cute_cluster(self, dy, dres_in, h, weight, rstd, offset: float):
+        """The CuTe DSL cluster RMSNorm backward on (rows, cols) views, the residual's
+        gradient (in x's dtype, the decision made sure) dx itself; its partial buffer is
+        reduced by cuTile's fixed-order kernel."""
+        from tilenorm.launch import cute
+
+        plan, dev = self.cute, self.device
+        rows, cols = plan.rows, plan.cols
+        dx = torch.empty(h.shape, dtype=h.dtype, device=dev)
+        dweight = None if weight is None else torch.empty_like(
+            weight, memory_format=torch.contiguous_format)
+        partial = None if weight is None else torch.empty(
+            (plan.partial_rows, 1, cols), dtype=torch.float32, device=dev)
+        key = cute.ClusterBackwardKey.of(
+            plan, DTYPE_NAMES[h.dtype], None if weight is None else DTYPE_NAMES[weight.dtype],
+            weight is not None and offset != 0, dres_in is not None)
+        with _on_device(dev):
+            fn = cute.compiled_cluster_backward(key, self.decision.device.arch)
+            fn(h.view(rows, cols), dy.view(rows, cols),
+               None if weight is None else _aligned(weight).view(cols), rstd.reshape(rows),
+               None if dres_in is None else dres_in.view(rows, cols), dx.view(rows, cols),
+               partial, float(offset), plan.grid)
+            if partial is not None:
+                stream = torch._C._cuda_getCurrentRawStream(dev.index)
+                if not self.cute_reduce(stream, partial.data_ptr(), dweight.data_ptr()):
+                    self._reduce_through_cutile(stream, partial, dweight, None)
+        return dx, None if self.residual_dtype is None else dx, dweight, None
+
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """``t`` with contiguous, 16-byte aligned storage (a copy only when it is not)."""
@@ -773,16 +810,19 @@ def build_backward(spec: NormSpec, dy, dres_in, h, weight, bias, offset: float,
         return call
     groups = (weight is not None) + (bias is not None)
     call.groups = groups
-    dense = not any(copy) and h.is_contiguous() and dy.is_contiguous()
+    dense = (not any(copy) and h.is_contiguous() and dy.is_contiguous()
+             and (dres_in is None or dres_in.is_contiguous()))
     facts = dict(has_residual=residual_dtype is not None, has_dres_in=dres_in is not None,
-                 has_offset=offset != 0, same_dtypes=x_dtype == h.dtype == dy.dtype,
-                 max_offset=max(offsets), dy_terms=1 + len(dy_more))
+                 has_offset=offset != 0,
+                 same_dtypes=(x_dtype == h.dtype == dy.dtype
+                              and (dres_in is None or dres_in.dtype == x_dtype)),
+                 max_offset=max(offsets), dy_terms=1 + len(dy_more), dres_apart=split)
     chosen = dispatch.backward_kernel(decision, BackwardFacts(dense_aligned=dense, **facts))
     # Unaligned storage is known only per call: the plan for it is the one without the CuTe
     # DSL kernel.
     plan = dispatch.backward_kernel(decision, BackwardFacts(dense_aligned=False, **facts))
     arch = decision.device.arch
-    if isinstance(chosen, CuteBackwardPlan):
+    if isinstance(chosen, CuteBackwardPlan | CuteClusterBackwardPlan):
         call.cute = chosen
         if groups:
             reduce = cutile.bind_reduce(decision.backward, groups)

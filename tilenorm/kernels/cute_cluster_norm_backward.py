@@ -1,0 +1,333 @@
+"""RMSNorm backward in the CuTe DSL for rows too wide for one CTA: a cluster of CTAs holds a
+row, reading x and dy once (issue 20). From 32768 columns the other backwards read every row
+twice (the two-pass bound, 3/5 of copy bandwidth); this one ran at 97.8% of copy at
+2048 x 65536 and 92.5% at 1024 x 131072 on an H100 (bench/NOTES.md #75).
+
+Math (fp32): ``xhat = x * rstd`` (rstd as the forward saved it), ``g = dy * (w + offset)``,
+``c = sum_row(g * xhat) / N``, ``dx = rstd * (g - xhat * c) (+ dres_in)``;
+``dweight = sum_rows(dy * xhat)``.
+
+Layout (:class:`ClusterRowNormBackward`): a cluster of ``cluster`` CTAs holds a row, CTA
+``r`` columns ``[r * N / C, (r + 1) * N / C)``, each thread ``reps`` 16-byte vectors
+``threads`` vectors apart. Persistent over rows: cluster ``k`` of ``clusters`` takes rows
+``k, k + clusters, ...``, a static assignment, so dweight sums the same rows in the same
+order on every run.
+
+Per row, per CTA:
+
+- x and dy (and dres_in) of the row were staged in shared memory by 16-byte ``cp.async``
+  (``stages`` row buffers: with ``stages`` >= 2 the copies of row ``i + stages - 1`` are
+  issued before row ``i`` is waited on; with 1, the next row's copies are issued once this
+  row's last read is done, and other CTAs of the SM cover the gap). A thread reads back only
+  the vectors it copied, so ``cp.async.wait_group`` alone orders the staging: no block
+  barrier in the row loop.
+- pass 1 (shared memory -> registers, a vector at a time): the thread's partial of
+  ``sum(g * xhat)`` in vector order, and ``dweight += dy * xhat`` into fp32 registers (the
+  CTA's slice of dweight lives in its threads' registers across all its rows);
+- the row sum crosses the cluster by push: warp ``w`` of CTA ``r`` ``st.async``-es its warp
+  sum into slot ``r * warps + w`` of every CTA (lane ``l`` to CTA ``l``), counted by that
+  CTA's mbarrier (armed for ``warps * C * 4`` bytes); every thread then adds the slots in rank
+  order, warps in order, so every CTA of the cluster (and every rerun) has the same bits of
+  ``c``;
+- pass 2 (shared memory again): dx, stored from registers (16-byte stores), with the
+  gradient that reached h through a fused residual add (``dres_in``) added in fp32.
+
+The reduction slots and mbarriers rotate over ``max(2, stages)`` rows (the row loop is
+unrolled that far, so buffer and slot indices are compile-time). Two slots suffice with no
+"empty" barrier: a CTA pushes row ``i + 2`` into a slot only after its own wait for row
+``i + 1`` completed, which needs every warp of every peer to have pushed row ``i + 1``, which
+each warp does only after its wait for row ``i`` and its reads of row ``i``'s slot (and the
+``complete_tx`` the push performs is a release at cluster scope). For the same reason an
+mbarrier cannot be re-armed before its previous phase completed. Each slot's phase flips
+every trip of the unrolled loop.
+
+One relaxed cluster arrive at entry (its wait before the first push: every peer's mbarriers
+initialised); one full cluster barrier at the end, once per CTA, not per row (no CTA exits
+while a peer's ``st.async`` to it may be in flight, or while it may still push to a peer).
+
+dweight: at the end each CTA writes its fp32 slice to ``partial[cluster, 0, cols]``
+(clusters x 1 x N; no atomics, no M x N temporary), which tilenorm's fixed-order
+``column_sums`` (cutile_column_sums.py) reduces. The grid is as many clusters as are
+co-resident (:func:`tilenorm.device.max_active_clusters`): a persistent grid larger than that
+would run its last clusters after the others.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from tilenorm.kernels.cute_rows import SMEM_CARVEOUT
+
+#: Where a CTA's slice of the weight may live: registers (its own dtype, converted to fp32 at
+#: each use) or shared memory (read back a vector at a time in each pass). The routed
+#: configurations keep it in registers (#75).
+WEIGHT_IN = ("regs", "smem")
+#: Portable cluster sizes: every Hopper and Blackwell part launches them.
+MAX_CLUSTER = 8
+
+
+@dsl_user_op
+def float_bits(value: Float32, *, loc=None, ip=None) -> Int32:
+    """The bits of an fp32 as an i32 (``st.async`` stores i32 words)."""
+    return Int32(llvm.bitcast(T.i32(), Float32(value).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+class ClusterRowNormBackward:
+    """RMSNorm backward of bf16 / fp16 rows, one row a cluster of ``cluster`` CTAs at a time,
+    persistent over rows; dweight's per-cluster sums into the partial buffer. The weight is
+    in x's dtype or fp32 (or absent: no dweight, no partial buffer); ``has_offset`` adds the
+    launch's ``offset`` to it (Gemma's ``1 + w``); ``has_dres_in`` adds ``dres_in`` to dx."""
+
+    def __init__(self, dtype, weight_dtype, cols: int, cluster: int, threads: int,
+                 stages: int, ctas_per_sm: int, has_offset: bool = False,
+                 has_dres_in: bool = False, weight_in: str = "regs",
+                 cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL):
+        self.dtype = dtype
+        self.weight_dtype = weight_dtype
+        self.has_weight = weight_dtype is not None
+        self.cols = cols
+        self.cluster = cluster
+        self.threads = threads
+        self.stages = stages
+        self.ctas_per_sm = ctas_per_sm
+        self.has_offset = has_offset
+        self.has_dres_in = has_dres_in
+        self.vec = 128 // dtype.width
+        self.slice = cols // cluster
+        if cols % cluster or self.slice % (self.vec * threads):
+            raise ValueError(f"{cols} columns are not {cluster} slices of whole "
+                             f"{self.vec}-element vectors of {threads} threads")
+        if not 1 <= cluster <= MAX_CLUSTER:
+            raise ValueError(f"cluster {cluster}: portable clusters are 1 to {MAX_CLUSTER} "
+                             f"CTAs")
+        if stages < 1:
+            raise ValueError(f"stages must be >= 1, got {stages}")
+        if weight_in not in WEIGHT_IN:
+            raise ValueError(f"weight in {weight_in!r}: take one of {WEIGHT_IN}")
+        if has_offset and not self.has_weight:
+            raise ValueError("a weight offset needs a weight")
+        if weight_in == "smem" and weight_dtype is not dtype:
+            raise ValueError("a weight in shared memory is staged as x's dtype")
+        self.weight_in = weight_in
+        self.cache_mode = cache_mode
+        self.reps = self.slice // (self.vec * threads)
+        self.warps = threads // cute.arch.WARP_SIZE
+        if self.warps < cluster:
+            raise ValueError("a warp's lanes push to the peers: need warps >= cluster")
+        #: Rows the loop body is unrolled over: buffer (``% stages``) and reduction slot
+        #: indices are compile-time, and at least two slots rotate.
+        self.unroll = max(2, stages)
+
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory a CTA allocates: the x and dy (and dres_in) row buffers (and
+        the weight in shared memory), the reduction slots, the mbarriers (each aligned as
+        allocated)."""
+        in_smem = self.has_weight and self.weight_in == "smem"
+        staged = (2 + self.has_dres_in) * self.stages + in_smem
+        rows = staged * self.slice * self.dtype.width // 8
+        slots = -(-self.unroll * self.cluster * self.warps * 4 // 16) * 16
+        return -(-rows // 128) * 128 + slots + 8 * self.unroll
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mdY: cute.Tensor, mW: cute.Tensor | None,
+                 mRstd: cute.Tensor, mdResIn: cute.Tensor | None, mdX: cute.Tensor,
+                 mPartial: cute.Tensor | None, offset: Float32, grid: Int32, stream):
+        self.kernel(mX, mdY, mW, mRstd, mdResIn, mdX, mPartial, offset).launch(
+            grid=[grid, 1, 1], block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1],
+            stream=stream, max_number_threads=[self.threads, 1, 1],
+            min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=SMEM_CARVEOUT)
+
+    @cute.jit
+    def _vectors(self, piece: cute.Tensor, tidx: Int32) -> cute.Tensor:
+        """This thread's (vec, reps) elements of a ``slice``-long piece: one 16-byte vector a
+        rep, ``threads`` vectors apart (every warp's access 512 contiguous bytes)."""
+        vectors = cute.zipped_divide(piece, (self.vec,))
+        blocks = cute.logical_divide(vectors, (None, self.threads))
+        return blocks[(None, (tidx, None))]
+
+    @cute.jit
+    def _thread_view(self, row: cute.Tensor, rank: Int32, tidx: Int32) -> cute.Tensor:
+        """This thread's (vec, reps) elements of CTA ``rank``'s slice of a row."""
+        return self._vectors(cute.zipped_divide(row, (self.slice,))[(None, rank)], tidx)
+
+    @cute.jit
+    def _stage(self, g2s, sources: list, buffers: list, row: Int32, rows: Int32, buf: int,
+               rank: Int32, tidx: Int32):
+        """This thread's vectors of ``row`` of each of ``sources`` (x, dy and dres_in) into
+        buffer ``buf`` of its shared-memory buffers (nothing past the last row), committed
+        as one group: every call commits exactly one, so that ``wait_group`` counts rows."""
+        if row < rows:
+            for source, staged in zip(sources, buffers, strict=True):
+                cute.copy(g2s, self._thread_view(source[row, None], rank, tidx),
+                          self._vectors(staged[None, buf], tidx))
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _scale(self, dy, w_in: cute.Tensor, t_w: cute.Tensor | None, k: int,
+               offset: Float32):
+        """``dy * (w + offset)`` of this thread's vector ``k``, the weight from registers or
+        read back from shared memory into ``w_in`` (one vector); ``dy`` without a weight."""
+        if const_expr(not self.has_weight):
+            return dy
+        if const_expr(self.weight_in == "regs"):
+            w = w_in[None, k].load().to(Float32)
+        else:
+            cute.autovec_copy(t_w[None, k], w_in)
+            w = w_in.load().to(Float32)
+        if const_expr(self.has_offset):
+            w = w + offset
+        return dy * w
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mdY: cute.Tensor, mW: cute.Tensor | None,
+               mRstd: cute.Tensor, mdResIn: cute.Tensor | None, mdX: cute.Tensor,
+               mPartial: cute.Tensor | None, offset: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        rank = cute.arch.block_in_cluster_idx()[0]
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        rows = mX.shape[0]
+        first = bidx // self.cluster
+        clusters = gdim // self.cluster
+        stages, unroll, slots = self.stages, self.unroll, self.cluster * self.warps
+        inv_n = Float32(1.0 / self.cols)
+        w_in_smem = self.has_weight and self.weight_in == "smem"
+
+        smem = cutlass.memory.SmemAllocator()
+        # (column, buffer, operand): x, dy (and dres_in) of ``stages`` rows, one base address.
+        operands = 2 + self.has_dres_in
+        staged = smem.allocate_tensor(
+            self.dtype, cute.make_layout((self.slice, stages, operands)), 128)
+        s_x, s_dy = staged[None, None, 0], staged[None, None, 1]
+        sources, buffers = [mX, mdY], [s_x, s_dy]
+        s_dres = None
+        if const_expr(self.has_dres_in):
+            # Staged like x and dy: in registers across the row sum, it spills at 131072.
+            s_dres = staged[None, None, 2]
+            sources.append(mdResIn)
+            buffers.append(s_dres)
+        s_w = None
+        if const_expr(w_in_smem):
+            s_w = smem.allocate_tensor(self.dtype, cute.make_layout((self.slice,)), 128)
+        # (slot, row of the unrolled loop): slot r * warps + w holds warp w's partial from
+        # cluster CTA r.
+        parts = smem.allocate_tensor(Float32, cute.make_layout((slots, unroll)), 16)
+        mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((unroll,)), 8)
+        if tidx == 0:
+            for s in cutlass.range_constexpr(unroll):
+                cute.arch.mbarrier_init(mbar.iterator + s, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.cluster_arrive_relaxed()
+
+        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=self.cache_mode), self.dtype,
+                                  num_bits_per_copy=128)
+        shape = (self.vec, self.reps)
+        w_in = None
+        t_w = None
+        if const_expr(self.has_weight):
+            w_in = cute.make_rmem_tensor(shape if self.weight_in == "regs" else (self.vec,),
+                                         self.weight_dtype)
+        if const_expr(w_in_smem):
+            # Joins the first row's group: waited on with it.
+            t_w = self._vectors(s_w, tidx)
+            cute.copy(g2s, self._thread_view(mW, rank, tidx), t_w)
+        # The first rows' copies in flight before anything else.
+        for j in cutlass.range_constexpr(max(stages - 1, 1)):
+            self._stage(g2s, sources, buffers, first + j * clusters, rows, j, rank, tidx)
+
+        if const_expr(self.has_weight and self.weight_in == "regs"):
+            cute.autovec_copy(self._thread_view(mW, rank, tidx), w_in)
+        dw = cute.make_rmem_tensor(shape, Float32)
+        dw.fill(0.0)
+        x_v = cute.make_rmem_tensor((self.vec,), self.dtype)
+        dy_v = cute.make_rmem_tensor((self.vec,), self.dtype)
+        dx_v = cute.make_rmem_tensor((self.vec,), self.dtype)
+        dres_v = cute.make_rmem_tensor((self.vec,), self.dtype)
+
+        # This cluster's rows, in trips of ``unroll``.
+        mine = (rows - first + clusters - 1) // clusters
+        trips = (mine + unroll - 1) // unroll
+        cute.arch.cluster_wait()  # every peer's mbarriers initialised
+        for trip in cutlass.range(0, trips, 1):
+            phase = trip % 2
+            for s in cutlass.range_constexpr(unroll):
+                row = first + (trip * unroll + s) * clusters
+                buf = s % stages
+                if const_expr(stages > 1):
+                    # Row i + stages - 1 into the buffer row i - 1 freed.
+                    self._stage(g2s, sources, buffers, row + (stages - 1) * clusters, rows,
+                                (s + stages - 1) % stages, rank, tidx)
+                if row < rows:
+                    rstd = mRstd[row]
+                    cute.arch.cp_async_wait_group(stages - 1 if stages > 1 else 0)
+                    t_x = self._vectors(s_x[None, buf], tidx)
+                    t_dy = self._vectors(s_dy[None, buf], tidx)
+                    # Pass 1: this thread's part of sum(g * xhat), vectors in order, and
+                    # dweight.
+                    part = Float32(0.0)
+                    for k in cutlass.range_constexpr(self.reps):
+                        cute.autovec_copy(t_x[None, k], x_v)
+                        cute.autovec_copy(t_dy[None, k], dy_v)
+                        x_hat = x_v.load().to(Float32) * rstd
+                        dy = dy_v.load().to(Float32)
+                        g = self._scale(dy, w_in, t_w, k, offset)
+                        part = part + (g * x_hat).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                        if const_expr(self.has_weight):
+                            dw[None, k].store(dw[None, k].load() + dy * x_hat)
+                    part = cute.arch.warp_reduction(part, operator.add)
+                    # Push the warp's sum into slot (rank, warp) of every CTA of the cluster.
+                    mbar_s = mbar.iterator + s
+                    if tidx == 0:
+                        cute.arch.mbarrier_arrive_and_expect_tx(mbar_s, slots * 4)
+                    if lane < self.cluster:
+                        cute.arch.store_async_dsmem(
+                            parts.iterator + (s * slots + rank * self.warps + warp),
+                            float_bits(part), mbar_s, lane)
+                    cute.arch.mbarrier_wait(mbar_s, phase)
+                    total = Float32(0.0)
+                    for r in cutlass.range_constexpr(self.cluster):
+                        own = parts[r * self.warps, s]
+                        for i in cutlass.range_constexpr(1, self.warps):
+                            own = own + parts[r * self.warps + i, s]
+                        total = own if r == 0 else total + own
+                    # The slot's reads before any later st.async into it (async proxy); the
+                    # warp's sync orders every lane's reads before the lanes below cluster
+                    # push the next row (a shuffle alone orders no memory).
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.sync_warp()
+                    c = total * inv_n
+                    # Pass 2: dx from shared memory again.
+                    t_dx = self._thread_view(mdX[row, None], rank, tidx)
+                    t_dres = None
+                    if const_expr(self.has_dres_in):
+                        t_dres = self._vectors(s_dres[None, buf], tidx)
+                    for k in cutlass.range_constexpr(self.reps):
+                        cute.autovec_copy(t_x[None, k], x_v)
+                        cute.autovec_copy(t_dy[None, k], dy_v)
+                        x_hat = x_v.load().to(Float32) * rstd
+                        g = self._scale(dy_v.load().to(Float32), w_in, t_w, k, offset)
+                        grad = (g - x_hat * c) * rstd
+                        if const_expr(self.has_dres_in):
+                            cute.autovec_copy(t_dres[None, k], dres_v)
+                            grad = grad + dres_v.load().to(Float32)
+                        dx_v.store(grad.to(self.dtype))
+                        cute.autovec_copy(dx_v, t_dx[None, k])
+                if const_expr(stages == 1):
+                    # Buffer 0 is free once this thread's reads of it are done.
+                    self._stage(g2s, sources, buffers, row + clusters, rows, 0, rank, tidx)
+
+        cute.arch.cp_async_wait_group(0)
+        if const_expr(self.has_weight):
+            cute.autovec_copy(dw, self._thread_view(mPartial[first, 0, None], rank, tidx))
+        # No CTA exits while a peer's push to it may be in flight.
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
