@@ -76,17 +76,20 @@ def build(family: str, dtype=torch.float32, seed: int = 0, **overrides):
     return model.to(dtype).eval()
 
 
-#: family -> (norm modules, per-head norms, fused layers) of the 2-layer models.
+#: family -> (norm modules, per-head norms, fused layers, norms fused with the add ending the
+#: layer before: layer 1's input norm and the final norm) of the 2-layer models.
 EXPECTED = {
-    "llama": (5, 0, 2), "mistral": (5, 0, 2), "qwen2": (5, 0, 2), "qwen3": (5, 4, 2),
-    "qwen3_moe": (5, 4, 2), "gemma2": (9, 0, 2), "gemma3": (9, 4, 2), "phi3": (5, 0, 2),
-    "olmo2": (9, 0, 0), "gpt_neox": (5, 0, 0),
+    "llama": (5, 0, 2, 2), "mistral": (5, 0, 2, 2), "qwen2": (5, 0, 2, 2),
+    "qwen3": (5, 4, 2, 2), "qwen3_moe": (5, 4, 2, 2), "gemma2": (9, 0, 2, 0),
+    "gemma3": (9, 4, 2, 0), "phi3": (5, 0, 2, 0), "olmo2": (9, 0, 0, 0), "gpt_neox": (5, 0, 0, 0),
 }
 FAMILIES = list(EXPECTED)
+#: The families whose model loop carries (output, residual) pairs.
+ACROSS = [f for f in FAMILIES if EXPECTED[f][3]]
 
 
 def _counts(report):
-    return report.norm_modules, report.per_head_norms, report.fused_layers
+    return report.norm_modules, report.per_head_norms, report.fused_layers, report.fused_across
 
 
 def _run(model, ids, proj):
@@ -181,7 +184,7 @@ def test_gpt_neox_sequential_residual_is_fused():
     model = build("gpt_neox", use_parallel_residual=False)
     ref = copy.deepcopy(model)
     report = tt.apply(model)
-    assert _counts(report) == (5, 0, 2), str(report)
+    assert _counts(report) == (5, 0, 2, 0), str(report)
     ids, proj = _inputs()
     assert _worst(_run(model, ids, proj), _run(ref, ids, proj)) <= 1e-5
 
@@ -201,8 +204,9 @@ def test_norms_only_and_residual_only():
     ref = build("qwen3")
     expected = _run(ref, ids, proj)
     norms_only, residual_only = build("qwen3"), build("qwen3")
-    assert _counts(tt.apply(norms_only, residual=False)) == (5, 4, 0)
-    assert _counts(tt.apply(residual_only, norms=False)) == (0, 0, 2)
+    assert _counts(tt.apply(norms_only, residual=False)) == (5, 4, 0, 0)
+    assert _counts(tt.apply(residual_only, norms=False)) == (0, 0, 2, 2)
+    assert type(norms_only.model) is type(ref.model)
     assert type(residual_only.model.norm) is type(ref.model.norm)
     for model in (norms_only, residual_only):
         assert _worst(_run(model, ids, proj), expected) <= 1e-5
@@ -262,7 +266,7 @@ def test_unknown_model_is_left_alone_with_a_warning():
     with pytest.warns(UserWarning, match="no supported model family in GPT2LMHeadModel"):
         report = tt.apply(model)
     assert _classes(model) == classes
-    assert _counts(report) == (0, 0, 0) and not report.families
+    assert _counts(report) == (0, 0, 0, 0) and not report.families
     assert "LayerNorm" in str(report) and "not a norm of a supported family" in str(report)
 
 
@@ -280,7 +284,7 @@ def test_unverified_forward_is_refused(monkeypatch):
     ref = copy.deepcopy(model)
     with pytest.warns(UserWarning, match="left unpatched"):
         report = tt.apply(model)
-    assert _counts(report) == (5, 0, 0)
+    assert _counts(report) == (5, 0, 0, 0)
     assert "not one verified for tilenorm" in str(report)
     assert type(model.model.layers[0]) is modeling_llama.LlamaDecoderLayer
     ids, proj = _inputs()
@@ -342,7 +346,8 @@ def test_class_level_patching_then_building():
     try:
         report = tt.apply_to("qwen3")
         assert report.classes == ["modeling_qwen3.Qwen3RMSNorm",
-                                  "modeling_qwen3.Qwen3DecoderLayer"], str(report)
+                                  "modeling_qwen3.Qwen3DecoderLayer",
+                                  "modeling_qwen3.Qwen3Model"], str(report)
         model = build("qwen3")
         assert type(before.model.layers[0]) is tt.patching.original_class(
             modeling_qwen3.Qwen3DecoderLayer)
@@ -353,9 +358,10 @@ def test_class_level_patching_then_building():
         tt.reset_classes()
     assert "_tilenorm_original" not in vars(modeling_qwen3.Qwen3DecoderLayer)
     assert "_tilenorm_original" not in vars(modeling_qwen3.Qwen3RMSNorm)
+    assert "_tilenorm_original" not in vars(modeling_qwen3.Qwen3Model)
     tt.reset(model)
     assert _classes(model) == _classes(ref)
-    assert _counts(tt.apply(build("qwen3"), norms=False, residual=False)) == (0, 0, 0)
+    assert _counts(tt.apply(build("qwen3"), norms=False, residual=False)) == (0, 0, 0, 0)
 
 
 def test_class_level_gpt_neox_leaves_layer_norm_alone():
@@ -368,7 +374,7 @@ def test_class_level_gpt_neox_leaves_layer_norm_alone():
         model = build("gpt_neox", use_parallel_residual=False)
         assert all(type(m) is torch.nn.LayerNorm for m in model.modules()
                    if isinstance(m, torch.nn.LayerNorm))
-        assert _counts(tt.apply(model)) == (5, 0, 2)
+        assert _counts(tt.apply(model)) == (5, 0, 2, 0)
     finally:
         tt.reset_classes()
 
@@ -413,8 +419,9 @@ def _compiled_graphs(model, call):
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
 def test_torch_compile_fullgraph_traces_the_fused_calls(family, compiled_as_custom_ops):
     """One graph, no break, holding one fused tilenorm call (a norm_fwd with a residual)
-    per layer, and a tilenorm call per norm over the hidden size: the per-head q/k norms are
-    the family's own code there, for inductor to fuse with RoPE (and run as tilenorm eagerly,
+    per layer and one per norm fed by the add ending a layer (Llama, Qwen3), and a tilenorm
+    call per norm over the hidden size: the per-head q/k norms are the family's own code there,
+    for inductor to fuse with RoPE (and run as tilenorm eagerly,
     test_apply_counts_and_fp32_parity)."""
     model = build(family)
     tt.apply(model)
@@ -423,7 +430,7 @@ def test_torch_compile_fullgraph_traces_the_fused_calls(family, compiled_as_cust
     calls = [n for gm in graphs for n in gm.graph.nodes
              if n.target in (torch.ops.tilenorm.norm_fwd, torch.ops.tilenorm.norm_fwd.default)]
     fused = [n for n in calls if n.args[3] is not None]
-    assert len(graphs) == 1 and len(fused) == LAYERS
+    assert len(graphs) == 1 and len(fused) == LAYERS + EXPECTED[family][3]
     assert len(calls) == EXPECTED[family][0]
     qk_norms = [n for gm in graphs for n in gm.graph.nodes
                 if n.target in (torch.rsqrt, torch.ops.aten.rsqrt.default)]
