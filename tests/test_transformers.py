@@ -542,6 +542,192 @@ def test_peft_modules_to_save_norm_is_not_fused():
     assert _worst(_run(wrapped, ids, proj), _run(ref, ids, proj)) <= 1e-5
 
 
+# --- fusion across layers ------------------------------------------------------------------------
+
+
+def _fused_adds(model, call, monkeypatch):
+    """How many tilenorm calls with a residual (a fused add) ``call(model)`` makes."""
+    from tilenorm.transformers import norms
+
+    fused = []
+    rms_norm = norms.rms_norm
+
+    def counted(*args, **kwargs):
+        fused.append(kwargs.get("residual") is not None)
+        return rms_norm(*args, **kwargs)
+
+    monkeypatch.setattr(norms, "rms_norm", counted)
+    call(model)
+    monkeypatch.undo()
+    return sum(fused)
+
+
+@pytest.mark.parametrize("family", ACROSS)
+def test_across_layers_fuses_every_norm_fed_by_an_add(family, monkeypatch):
+    """Each layer's post-attention norm, each later layer's input norm and the final norm take
+    an add: 2 * LAYERS fused calls, where the in-layer fusion alone makes LAYERS."""
+    model = build(family)
+    tt.apply(model)
+    ids, _ = _inputs()
+    assert _fused_adds(model, lambda m: m(ids), monkeypatch) == 2 * LAYERS
+    within = build(family)
+    tt.apply(within)
+    # the model class only put back: the layers fused, the loop as transformers wrote it
+    within.model.__class__ = tt.patching.original_class(type(within.model))
+    assert _fused_adds(within, lambda m: m(ids), monkeypatch) == LAYERS
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_across_layers_hidden_states(family, monkeypatch):
+    """A call requesting hidden states computes as written (the layers return the residual
+    stream the recorder keeps) and records what the unpatched model does; the calls after it
+    fuse across layers again, transformers' recorders on the layers notwithstanding."""
+    model = build(family)
+    ref = copy.deepcopy(model)
+    tt.apply(model)
+    ids, _ = _inputs()
+    got = model(ids, output_hidden_states=True)
+    expected = ref(ids, output_hidden_states=True)
+    assert len(got.hidden_states) == len(expected.hidden_states) == LAYERS + 1
+    assert all(rel(a, b) <= 1e-5 for a, b in zip(got.hidden_states, expected.hidden_states,
+                                                         strict=True))
+    assert rel(got.logits, expected.logits) <= 1e-5
+    assert model.model.layers[0]._forward_hooks  # the recorders stay installed
+    assert _fused_adds(model, lambda m: m(ids), monkeypatch) == 2 * LAYERS
+    assert _fused_adds(model, lambda m: m(ids, output_hidden_states=True),
+                       monkeypatch) == LAYERS
+    if "output_hidden_states" in inspect.signature(transformers.utils.output_capturing
+                                                   .selected_hidden_states).parameters:
+        one = model(ids, output_hidden_states=[1]).hidden_states
+        assert rel(one[1], expected.hidden_states[1]) <= 1e-5
+
+
+def test_across_layers_hooked_layer_sees_the_residual_stream():
+    """A forward hook on a decoder layer sees the stream the unpatched layer returns: the call
+    computes as written."""
+    model = build("llama")
+    ref = copy.deepcopy(model)
+    tt.apply(model)
+    seen = []
+    for m in (model, ref):
+        m.model.layers[0].register_forward_hook(lambda mod, args, out: seen.append(out))
+    ids, proj = _inputs()
+    assert _worst(_run(model, ids, proj), _run(ref, ids, proj)) <= 1e-5
+    assert all(isinstance(o, torch.Tensor) for o in seen) and rel(seen[0], seen[1]) <= 1e-6
+
+
+def test_across_layers_wrapped_layer_computes_as_written():
+    """A layer wrapped after patching (a checkpoint wrapper, another library's module) is not
+    a pairs-capable class: the loop is the one transformers wrote."""
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args, **kwargs):
+            return self.inner(*args, **kwargs)
+
+    model = build("qwen2")
+    ref = copy.deepcopy(model)
+    tt.apply(model)
+    model.model.layers[1] = Wrapper(model.model.layers[1])
+    ref.model.layers[1] = Wrapper(ref.model.layers[1])
+    ids, proj = _inputs()
+    assert _worst(_run(model, ids, proj), _run(ref, ids, proj)) <= 1e-5
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_across_layers_gradient_checkpointing(reentrant, monkeypatch):
+    """Checkpointed layers exchanging pairs (the residual a positional argument, so that the
+    reentrant checkpoint differentiates it too) give the unpatched model's gradients."""
+    model = build("llama").train()
+    ref = copy.deepcopy(model)
+    tt.apply(model)
+    calls = []
+    for m in (model, ref):
+        getattr(m, "activation_checkpointing_enable", m.gradient_checkpointing_enable)(
+            {"use_reentrant": reentrant})
+        m.model.layers[1].mlp.register_forward_pre_hook(lambda mod, args: calls.append(mod))
+    ids, proj = _inputs()
+    out = _run(model, ids, proj)
+    assert len(calls) == 2  # the forward and its recomputation
+    assert _worst(out, _run(ref, ids, proj)) <= 1e-5
+    # each layer once more in the backward; the final norm is not recomputed
+    assert _fused_adds(model, lambda m: _run(m, ids, proj), monkeypatch) == 4 * LAYERS - 1
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_across_layers_generate_with_cache(family):
+    model, ref = build(family), build(family)
+    tt.apply(model)
+    ids, _ = _inputs()
+    kwargs = dict(max_new_tokens=6, do_sample=False, use_cache=True)
+    assert torch.equal(model.generate(ids, **kwargs), ref.generate(ids, **kwargs))
+    out, expected = model(ids, use_cache=True), ref(ids, use_cache=True)
+    step = ids[:, -1:]
+    nxt = model(step, past_key_values=out.past_key_values).logits
+    assert rel(nxt, ref(step, past_key_values=expected.past_key_values).logits) <= 1e-5
+
+
+def test_across_layers_num_hidden_layers_slices_the_loop():
+    """A config running fewer layers than the model holds: the pairs stop at the last one run
+    and the final norm adds them."""
+    model = build("llama", num_hidden_layers=3)
+    ref = copy.deepcopy(model)
+    report = tt.apply(model)
+    assert report.fused_across == 3
+    for m in (model, ref):
+        m.config.num_hidden_layers = 2
+    ids, proj = _inputs()
+    assert _worst(_run(model, ids, proj), _run(ref, ids, proj)) <= 1e-5
+
+
+def test_across_layers_reset_restores_the_forwards():
+    from transformers.models.llama import modeling_llama
+
+    model = build("llama")
+    tt.apply(model)
+    assert type(model.model).forward is not modeling_llama.LlamaModel.forward
+    tt.reset(model)
+    assert type(model.model) is modeling_llama.LlamaModel
+    assert type(model.model.layers[0]) is modeling_llama.LlamaDecoderLayer
+    assert type(model.model).forward is modeling_llama.LlamaModel.forward
+
+
+def test_across_layers_unverified_model_forward_keeps_the_in_layer_fusion(monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.LlamaModel.forward
+
+    def forward(self, *args, **kwargs):
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_llama.LlamaModel, "forward", forward)
+    model = build("llama")
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = tt.apply(model)
+    assert _counts(report) == (5, 0, 2, 0), str(report)
+    assert "fusion across layers" in str(report) and not report.refused
+    assert type(model.model) is modeling_llama.LlamaModel
+    ids, proj = _inputs()
+    assert _worst(_run(model, ids, proj), _run(ref, ids, proj)) <= 1e-5
+
+
+def test_across_layers_compile_has_no_graph_break():
+    """The whole model under torch.compile: the per-call check traces (transformers' recorders
+    installed too), no graph break."""
+    model = build("qwen3")
+    tt.apply(model)
+    ids, _ = _inputs()
+    model(ids, output_hidden_states=True)  # installs the recorders
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(ids, use_cache=False)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
 # --- the optional dependency ------------------------------------------------------------------
 
 
