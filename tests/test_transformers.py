@@ -717,6 +717,48 @@ def test_across_layers_unverified_model_forward_keeps_the_in_layer_fusion(monkey
     assert _worst(_run(model, ids, proj), _run(ref, ids, proj)) <= 1e-5
 
 
+def test_across_layers_moe_router_logits(monkeypatch):
+    """Router logits are recorded from the routers, not the layers: a call recording them
+    still fuses across layers, and records what the unpatched model does."""
+    model = build("qwen3_moe")
+    ref = copy.deepcopy(model)
+    tt.apply(model)
+    ids, _ = _inputs()
+    got, expected = (m(ids, output_router_logits=True) for m in (model, ref))
+    assert len(got.router_logits) == len(expected.router_logits) == LAYERS
+    assert all(rel(a, b) <= 1e-5
+               for a, b in zip(got.router_logits, expected.router_logits, strict=True))
+    assert rel(got.logits, expected.logits) <= 1e-5
+    assert _fused_adds(model, lambda m: m(ids, output_router_logits=True),
+                       monkeypatch) == 2 * LAYERS
+
+
+def _not_a_llama_layer(self, hidden_states, attention_mask=None):
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states = residual + self.self_attn(hidden_states)
+    residual = hidden_states
+    hidden_states = self.post_attention_layernorm(hidden_states)
+    return residual + self.mlp(hidden_states)  # the sum returned, not assigned first
+
+
+def _not_a_llama_model(self, hidden_states):
+    for layer in self.layers:
+        hidden_states = layer(hidden_states)
+        hidden_states = hidden_states * 2
+    return self.norm(hidden_states)
+
+
+def test_across_layers_rewrite_refuses_other_shapes():
+    from tilenorm.transformers import rewrite
+
+    with pytest.raises(rewrite.Unsupported, match="returning the sum"):
+        rewrite.fuse_across(_not_a_llama_layer, ("post_attention_layernorm",),
+                            "input_layernorm", lambda *a: a)
+    with pytest.raises(rewrite.Unsupported, match="expected a loop over self.layers"):
+        rewrite.loop_across(_not_a_llama_model, lambda *a: a, lambda *a: True)
+
+
 def test_across_layers_compile_has_no_graph_break():
     """The whole model under torch.compile: the per-call check traces (transformers' recorders
     installed too), no graph break."""
@@ -795,6 +837,33 @@ def test_torch_compile_cuda(family, as_ops, request):
     with tilenorm.experimental():
         ours, theirs, _ = _bf16_cuda_errors(family, compiled=True)
     assert ours <= BF16_TOL and ours <= 2 * theirs + 1e-3, (ours, theirs)
+
+
+@gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_across_layers_cuda(family):
+    """The loop carrying (output, residual) pairs in bf16 on the GPU (the counts checked by
+    _bf16_cuda_errors): as close to the fp32 model as transformers' bf16 model is, eagerly,
+    with reentrant checkpointing and under torch.compile; hidden states recorded within bf16
+    rounding of the unpatched bf16 model's."""
+    def reentrant(model):
+        model.train()
+        getattr(model, "activation_checkpointing_enable",
+                model.gradient_checkpointing_enable)({"use_reentrant": True})
+        return model
+
+    with tilenorm.experimental():
+        for prepare, compiled in ((lambda m: m, False), (reentrant, False),
+                                  (lambda m: m, True)):
+            ours, theirs, model = _bf16_cuda_errors(family, prepare, compiled)
+            assert ours <= BF16_TOL and ours <= 2 * theirs + 1e-3, (ours, theirs, compiled)
+        hf = build(family, torch.bfloat16).cuda()
+        ids, _ = _inputs(device="cuda")
+        with torch.no_grad():
+            got = model(ids, output_hidden_states=True).hidden_states
+            expected = hf(ids, output_hidden_states=True).hidden_states
+    assert rel(got[0], expected[0]) == 0
+    assert all(rel(a, b) <= BF16_TOL for a, b in zip(got, expected, strict=True))
 
 
 @gpu

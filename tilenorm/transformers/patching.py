@@ -410,6 +410,10 @@ def apply(model: torch.nn.Module, *, norms: bool = True, residual: bool = True) 
         residual: decoder layers whose residual add feeds a norm do both in one tilenorm call
             (``h = residual + out`` then ``norm(h)``), through a forward rewritten from the
             installed transformers' own source and used only where that source was verified.
+            For Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE on transformers 5.5-5.24 the base
+            model's loop is rewritten too, so that the add ending each layer is one call with
+            the next layer's input norm (the last with the final norm); a call requesting
+            hidden states, or whose layers have hooks, computes as transformers wrote it.
 
     Returns:
         A :class:`Report`; ``print`` it. Nothing is raised for what cannot be patched: it is
