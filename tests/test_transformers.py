@@ -270,16 +270,21 @@ def test_unknown_model_is_left_alone_with_a_warning():
     assert "LayerNorm" in str(report) and "not a norm of a supported family" in str(report)
 
 
-def test_unverified_forward_is_refused(monkeypatch):
-    """A decoder-layer forward that is not a verified source is never rewritten."""
-    from transformers.models.llama import modeling_llama
-
-    original = modeling_llama.LlamaDecoderLayer.forward
+def _unverified_forward(monkeypatch, cls):
+    """``cls.forward`` replaced by a forward of another source that calls it."""
+    original = cls.forward
 
     def forward(self, *args, **kwargs):
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "forward", forward)
+    monkeypatch.setattr(cls, "forward", forward)
+
+
+def test_unverified_forward_is_refused(monkeypatch):
+    """A decoder-layer forward that is not a verified source is never rewritten."""
+    from transformers.models.llama import modeling_llama
+
+    _unverified_forward(monkeypatch, modeling_llama.LlamaDecoderLayer)
     model = build("llama")
     ref = copy.deepcopy(model)
     with pytest.warns(UserWarning, match="left unpatched"):
@@ -699,12 +704,7 @@ def test_across_layers_reset_restores_the_forwards():
 def test_across_layers_unverified_model_forward_keeps_the_in_layer_fusion(monkeypatch):
     from transformers.models.llama import modeling_llama
 
-    original = modeling_llama.LlamaModel.forward
-
-    def forward(self, *args, **kwargs):
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(modeling_llama.LlamaModel, "forward", forward)
+    _unverified_forward(monkeypatch, modeling_llama.LlamaModel)
     model = build("llama")
     ref = copy.deepcopy(model)
     with warnings.catch_warnings():
@@ -757,6 +757,22 @@ def test_across_layers_rewrite_refuses_other_shapes():
                             "input_layernorm", lambda *a: a)
     with pytest.raises(rewrite.Unsupported, match="expected a loop over self.layers"):
         rewrite.loop_across(_not_a_llama_model, lambda *a: a, lambda *a: True)
+
+
+def test_across_layers_compiled_hidden_states():
+    """A compiled model switches between the pairs and the loop as written by the call: hidden
+    states requested after a call without them are the unpatched model's."""
+    torch._dynamo.reset()
+    model = build("llama")
+    ref = copy.deepcopy(model)
+    tt.apply(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    ids, _ = _inputs()
+    assert rel(compiled(ids).logits, ref(ids).logits) <= 1e-5
+    got = compiled(ids, output_hidden_states=True).hidden_states
+    expected = ref(ids, output_hidden_states=True).hidden_states
+    assert all(rel(a, b) <= 1e-5 for a, b in zip(got, expected, strict=True))
+    assert rel(compiled(ids).logits, ref(ids).logits) <= 1e-5
 
 
 def test_across_layers_compile_has_no_graph_break():

@@ -25,7 +25,7 @@ import inspect
 import sys
 import types
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -133,6 +133,20 @@ def _unwrapped(forward: Callable) -> Callable:
     return inner
 
 
+def _verified(cls: type, forward: Callable, verified: Mapping[str, str], what: str
+              ) -> tuple[types.FunctionType, str]:
+    """``forward`` as written and its source digest; raise :class:`rewrite.Unsupported` unless
+    the digest is one of ``verified`` (for ``what``)."""
+    inner = _unwrapped(forward)
+    digest = rewrite.digest(rewrite.source(inner))
+    if digest not in verified:
+        raise rewrite.Unsupported(
+            f"{cls.__qualname__}.forward (source digest {digest}) is not one verified for "
+            f"{what} (transformers {transformers.__version__}; verified: "
+            f"{', '.join(sorted(set(verified.values())))})")
+    return inner, digest
+
+
 def _layer_class(family: Family, cls: type, norm: _Norm) -> type | str:
     """The fused subclass of a decoder layer class, or why there is none."""
     forward = cls.__dict__.get("forward")
@@ -145,13 +159,7 @@ def _layer_class(family: Family, cls: type, norm: _Norm) -> type | str:
         found = f"{cls.__qualname__} does not define forward itself"
     else:
         try:
-            inner = _unwrapped(forward)
-            digest = rewrite.digest(rewrite.source(inner))
-            if digest not in family.layers:
-                raise rewrite.Unsupported(
-                    f"{cls.__qualname__}.forward (source digest {digest}) is not one verified "
-                    f"for tilenorm (transformers {transformers.__version__}; verified: "
-                    f"{', '.join(sorted(set(family.layers.values())))})")
+            inner, digest = _verified(cls, forward, family.layers, "tilenorm")
             add_norm = norms.make_add_norm(norm.kind, norm.classes)
             within = rewrite.fuse(inner, family.fused, add_norm)
             if digest in family.layers_across:
@@ -247,14 +255,8 @@ def _model_class(family: Family, cls: type, layer: type, norm: _Norm) -> type | 
                  f"layers")
     else:
         try:
-            inner = _unwrapped(forward)
-            digest = rewrite.digest(rewrite.source(inner))
-            if digest not in family.models:
-                raise rewrite.Unsupported(
-                    f"{cls.__qualname__}.forward (source digest {digest}) is not one verified "
-                    f"for fusion across layers (transformers {transformers.__version__}; "
-                    f"verified: {', '.join(sorted(set(family.models.values())))}): each "
-                    f"layer's last add stays a separate add")
+            inner, _ = _verified(cls, forward, family.models, "fusion across layers "
+                                 "(each layer's last add stays a separate add)")
             add_norm = norms.make_add_norm(norm.kind, norm.classes)
             check = _across_check(_capture_hook_code(), collector)
             found = _subclass(cls, rewrite.loop_across(inner, add_norm, check))
@@ -369,31 +371,27 @@ def _patch_model(report: Report, path: str, model: torch.nn.Module, family: Fami
     """Make a base model's loop carry (output, residual) pairs; the number of its layers
     whose adds are fused across layers."""
     what = "fusion across layers"
-    count = getattr(model.config, "num_hidden_layers", None)
-    layers = list(model.layers[:count])
-    if not layers:
-        return 0
+    layers = list(model.layers[:getattr(model.config, "num_hidden_layers", None)])
     cls = type(model)
+    layer, norm = _family_classes(family)
+    if not all(type(m).__dict__.get(_PAIRS, False) for m in layers):
+        reason = (f"the decoder layers are not all patched with a forward verified for it "
+                  f"(transformers {transformers.__version__}; verified: "
+                  f"{', '.join(sorted(set(family.layers_across.values())))})")
+        report.skip(path, what, reason, expected=True)
+        return 0
     if original_class(cls) is cls:
         if "forward" in model.__dict__:
             report.skip(path, what, "its forward is replaced on the instance")
-            return 0
-        layer, norm = _family_classes(family)
-        if not all(type(m).__dict__.get(_PAIRS, False) for m in layers):
-            reason = (f"the decoder layers are not all patched with a forward verified for it "
-                      f"(transformers {transformers.__version__}; verified: "
-                      f"{', '.join(sorted(set(family.layers_across.values())))})")
-            report.skip(path, what, reason, expected=True)
             return 0
         patched = _model_class(family, cls, layer, norm)
         if isinstance(patched, str):
             report.skip(path, what, patched, expected=True)
             return 0
         model.__class__ = patched
-    _, norm = _family_classes(family)
     fed = [getattr(m, family.entry, None) for m in layers[1:]] + [getattr(model, "norm", None)]
     report.fused_across += sum(n is not None and original_class(type(n)) is norm.original
-                               for n in fed)
+                               for n in fed) if layers else 0
     report.note(ACROSS_LAYERS_PER_CALL)
     return len(layers)
 

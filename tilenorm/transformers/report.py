@@ -67,8 +67,10 @@ class Report:
                          f"{self.per_head_norms} per-head q/k norms")
             lines.append(f"  residual add fused with the following norm: {self.fused_layers} "
                          f"decoder layers")
-            lines.append(f"  add ending a layer fused with the next norm: {self.fused_across} "
-                         f"norms (the next layers' input norms, the final norm)")
+            if self.fused_across:
+                lines.append(f"  add ending a layer fused with the next norm: "
+                             f"{self.fused_across} norms (the next layers' input norms, the "
+                             f"final norm)")
         groups: dict[tuple[str, str, bool], list[str]] = {}
         for s in self.skipped:
             groups.setdefault((s.what, s.reason, s.expected), []).append(s.path)
