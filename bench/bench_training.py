@@ -40,7 +40,9 @@ Providers (``--providers``), each patching its copy of the model in place:
                      ``weight_offset``)
   tilenorm           ``tilenorm.transformers.apply(model, residual=False)``: the norms
   tilenorm+residual  ``tilenorm.transformers.apply(model, residual=True)``: the norms and each
-                     decoder layer's residual add fused with the norm that follows it
+                     decoder layer's residual add fused with the norm that follows it (for
+                     Llama and Qwen3 the add ending a layer too, with the next layer's input
+                     norm or the final norm: the row's ``fused_across``)
 
 A provider that fails to import is recorded under ``absent`` and skipped; one that fails to
 patch or run a configuration is recorded under ``failures``; the run goes on.
@@ -357,7 +359,8 @@ def _patch_tilenorm(model, residual: bool) -> dict:
         raise RuntimeError(f"tilenorm.transformers.apply patched no norm:\n{report}")
     return {"api": f"tilenorm.transformers.apply(model, residual={residual})",
             "norm_modules": report.norm_modules, "per_head_norms": report.per_head_norms,
-            "fused_layers": report.fused_layers, "report": str(report),
+            "fused_layers": report.fused_layers, "fused_across": report.fused_across,
+            "report": str(report),
             "warnings": [str(w.message)[:500] for w in caught]}
 
 

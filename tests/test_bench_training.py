@@ -48,6 +48,10 @@ def test_smoke_run_records_every_provider(tmp_path):
     assert rows["qwen3", "tilenorm+residual"]["per_head_norms"] > 0
     assert all(rows[m, "tilenorm+residual"]["fused_layers"] > 0 for m in MODELS)
     assert all(rows[m, "tilenorm"]["fused_layers"] == 0 for m in MODELS)
+    # Llama and Qwen3 also fuse the add ending each layer with the next norm; Gemma3 does not.
+    assert all((rows[m, "tilenorm+residual"]["fused_across"] > 0) == (m != "gemma3")
+               for m in MODELS)
+    assert all(rows[m, "tilenorm"]["fused_across"] == 0 for m in MODELS)
     # The trained loss moved: the check compares a run that learned something.
     ref = record["references"]["llama/tiny"]["losses"]
     assert len(ref) == TRAIN_STEPS + 1 and ref[-1] < ref[0]

@@ -9,8 +9,11 @@
 Families: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma2, Gemma3, Phi3, OLMo2 and GPT-NeoX.
 Every norm module of these families computes with tilenorm (Qwen3's and Gemma3's per-head
 q/k norms included), and where a decoder layer adds a sublayer's output to the residual
-stream and then normalizes the sum, the add and the norm are one tilenorm call. transformers
-is an optional dependency: ``pip install 'tilenorm[transformers]'``.
+stream and then normalizes the sum, the add and the norm are one tilenorm call; for the
+Llama-shaped families (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE) on transformers 5.5-5.24 the
+add that ends each layer is also one call with the next layer's input norm, the model's loop
+passing (output, residual) pairs from layer to layer. transformers is an optional dependency:
+``pip install 'tilenorm[transformers]'``.
 """
 
 try:

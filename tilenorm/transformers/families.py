@@ -42,6 +42,21 @@ _LLAMA_LAYERS = {
     "c58bc6a3bd6504f8": "5.24",
 }
 
+#: The Llama-shaped layer forwards whose rewrite for a loop carrying (output, residual) pairs
+#: (:func:`~.rewrite.fuse_across`) was reviewed: digest -> versions read.
+_LLAMA_LAYERS_ACROSS = {
+    "461ed20abeb521a9": "5.5-5.23 (read: 5.5, 5.10, 5.14, 5.17, 5.20, 5.22, 5.23)",
+    "c58bc6a3bd6504f8": "5.24",
+}
+
+
+def _models(*digests: str) -> dict[str, str]:
+    """A family's model forwards (``LlamaModel.forward`` and the like) whose loop rewrite
+    (:func:`~.rewrite.loop_across`) was reviewed, as (5.5-5.22, 5.23, 5.24) digests: 5.23
+    changed an annotation, 5.24 renamed past_key_values to cache."""
+    return dict(zip(digests, ("5.5-5.22 (read: 5.5, 5.10, 5.14, 5.17, 5.20, 5.22)", "5.23",
+                              "5.24"), strict=True))
+
 
 @dataclass(frozen=True)
 class Family:
@@ -60,21 +75,36 @@ class Family:
     fused: tuple[str, ...] = ()
     layers: Mapping[str, str] = field(default_factory=dict)
     no_fusion: str = ""
+    #: The base model class whose loop over the layers can carry (output, residual) pairs,
+    #: so that the add ending each layer is fused with the next layer's ``entry`` norm and
+    #: the last with the model's final norm; None: not supported for the family.
+    model: str | None = None
+    #: The model forwards and the layer forwards verified for that: digest -> versions.
+    models: Mapping[str, str] = field(default_factory=dict)
+    layers_across: Mapping[str, str] = field(default_factory=dict)
+    entry: str = "input_layernorm"
 
 
 def _family(name, title, prefix, fused=("post_attention_layernorm",), layers=None,
-            no_fusion="", layer=None, norm="RMSNorm"):
+            no_fusion="", layer=None, norm="RMSNorm", models=()):
     return Family(name, title, f"transformers.models.{name}.modeling_{name}",
                   layer or f"{prefix}DecoderLayer", norm and f"{prefix}{norm}", fused,
-                  _LLAMA_LAYERS if layers is None else layers, no_fusion)
+                  _LLAMA_LAYERS if layers is None else layers, no_fusion,
+                  f"{prefix}Model" if models else None, _models(*models) if models else {},
+                  _LLAMA_LAYERS_ACROSS if models else {})
 
 
 FAMILIES: Mapping[str, Family] = {f.name: f for f in (
-    _family("llama", "Llama", "Llama"),
-    _family("mistral", "Mistral", "Mistral"),
-    _family("qwen2", "Qwen2", "Qwen2"),
-    _family("qwen3", "Qwen3", "Qwen3"),
-    _family("qwen3_moe", "Qwen3-MoE", "Qwen3Moe", layers={
+    _family("llama", "Llama", "Llama",
+            models=("aa5e80868d38712e", "3bc97b32d434f172", "6ad906eadeb491cd")),
+    _family("mistral", "Mistral", "Mistral",
+            models=("b237e110b64c5018", "dc333785d7df2df4", "0a953917a1d67760")),
+    _family("qwen2", "Qwen2", "Qwen2",
+            models=("040ee3766c9f8336", "af291875cf3623be", "4098825e5a456532")),
+    _family("qwen3", "Qwen3", "Qwen3",
+            models=("040ee3766c9f8336", "af291875cf3623be", "4098825e5a456532")),
+    _family("qwen3_moe", "Qwen3-MoE", "Qwen3Moe",
+            models=("374874f0d4e3d8e5", "c9142b881ecff1ce", "990dce21442ed1d9"), layers={
         "465283e1ee512bde": "4.51-4.52",
         "e0c229449afa12b6": "4.53",
         "5e2957ed4c445af4": "4.54-4.55",
@@ -137,7 +167,14 @@ FAMILIES: Mapping[str, Family] = {f.name: f for f in (
 #: Why a GPT-NeoX layer with the parallel residual fuses nothing.
 NEOX_PARALLEL = ("parallel residual (use_parallel_residual=True): attention and MLP both read "
                  "the layer's input; no add feeds a norm")
-#: Why adds across layers are not fused.
-ACROSS_LAYERS = ("the add that ends a layer is not fused with the next layer's input norm: a "
-                 "layer's output is the residual stream that hooks, output_hidden_states, "
-                 "activation checkpointing and pipeline stages observe")
+#: Why the adds that end layers are not fused with the next layer's input norm.
+ACROSS_LAYERS = ("the add that ends a layer is not fused with the next layer's input norm: "
+                 "done only for the Llama-shaped families on transformers versions whose "
+                 "model forward was verified")
+#: When a model fusing across layers computes a call as written instead.
+ACROSS_LAYERS_PER_CALL = (
+    "adds across layers: each layer returns (output, residual) to the next, whose input norm "
+    "adds them, the model's final norm the last; a call computes as written (each layer "
+    "returning the residual stream) when output_hidden_states is requested or a decoder "
+    "layer has hooks (transformers' own hidden-state recorders excepted while inactive) or "
+    "a forward replaced on the instance")

@@ -107,7 +107,7 @@ LAYER_NORM = NormKind("layer_norm", _layer_norm_forward, _layer_norm_add_norm)
 
 
 #: torch's global module hooks (dicts registered into in place).
-_GLOBAL_HOOKS = tuple(getattr(_torch_module, name, {}) for name in (
+GLOBAL_HOOKS = tuple(getattr(_torch_module, name, {}) for name in (
     "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
     "_global_backward_pre_hooks"))
 
@@ -117,22 +117,25 @@ def observed(module: torch.nn.Module) -> bool:
     global) or a ``forward`` set on the instance. A fused add-then-norm skips the module call,
     so it is used only where nothing would observe that."""
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or any(_GLOBAL_HOOKS)
+                or module._backward_pre_hooks or any(GLOBAL_HOOKS)
                 or "forward" in module.__dict__)
 
 
 def make_add_norm(kind: NormKind, classes: tuple[type, ...]
                   ) -> Callable[[torch.nn.Module, torch.Tensor, torch.Tensor],
                                 tuple[torch.Tensor, torch.Tensor]]:
-    """``add_norm(norm, a, b) -> (norm(a + b), a + b)`` for a patched decoder layer.
+    """``add_norm(norm, a, b) -> (norm(a + b), a + b)`` for a patched decoder layer or model.
 
     One tilenorm call where ``norm`` is exactly one of ``classes`` (the family's norm class
     and its tilenorm subclass), nothing observes its call, and a and b add without
     broadcasting; otherwise the add and the module call as written, so that hooks, a PEFT
-    wrapper or a norm replaced after patching see what they would have seen.
+    wrapper or a norm replaced after patching see what they would have seen. ``a`` None (the
+    first layer of a loop carrying residuals, which has none): ``(norm(b), b)``.
     """
 
     def add_norm(norm, a, b):
+        if a is None:
+            return norm(b), b
         if (type(norm) in classes and not observed(norm) and a.shape == b.shape
                 and a.device == b.device):
             return kind.fused(norm, a, b, torch.promote_types(a.dtype, b.dtype))

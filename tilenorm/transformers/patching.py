@@ -2,6 +2,13 @@
 class, created once per class, whose ``forward`` is tilenorm's (a norm) or the fused rewrite
 of the installed forward (a decoder layer).
 
+For the Llama-shaped families on the transformers versions verified, the base model class is
+patched too: its loop over the layers carries (output, residual) pairs, so that the add ending
+each layer is fused with the next layer's input norm and the last with the final norm
+(:func:`tilenorm.transformers.rewrite.loop_across`). A layer then returns the pair, which
+nothing else may see: each call checks (:func:`_across_check`) that no hook observes a layer
+and no hidden state is recorded, and computes as written otherwise.
+
 A subclass rather than a ``forward`` set on the instance: transformers 5.23 wraps a
 ``GradientCheckpointingLayer``'s ``forward`` for activation checkpointing when the class is
 created (``__init_subclass__``), which an instance attribute would bypass and a subclass gets
@@ -12,11 +19,13 @@ original's name, so ``_no_split_modules``, ``isinstance`` checks, parameters and
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import sys
+import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +34,7 @@ import transformers
 from tilenorm.transformers import norms, rewrite
 from tilenorm.transformers.families import (
     ACROSS_LAYERS,
+    ACROSS_LAYERS_PER_CALL,
     FAMILIES,
     NEOX_PARALLEL,
     NORM_SOURCES,
@@ -33,7 +43,12 @@ from tilenorm.transformers.families import (
 from tilenorm.transformers.report import Report
 
 _ORIGINAL = "_tilenorm_original"
+#: Marks a decoder-layer class whose forward takes and returns (output, residual) pairs when
+#: a patched model's loop asks (the keyword argument rewrite.ACROSS).
+_PAIRS = "_tilenorm_pairs"
 _PER_HEAD_NAMES = ("q_norm", "k_norm")
+#: What a model records from its decoder layers' outputs (``_can_record_outputs``).
+_HIDDEN_STATES = "hidden_states"
 
 
 def original_class(cls: type) -> type:
@@ -41,10 +56,10 @@ def original_class(cls: type) -> type:
     return cls.__dict__.get(_ORIGINAL, cls)
 
 
-def _subclass(cls: type, forward: Callable) -> type:
+def _subclass(cls: type, forward: Callable, **attributes) -> type:
     return type(cls.__name__, (cls,), {
         "forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-        "__doc__": cls.__doc__, _ORIGINAL: cls})
+        "__doc__": cls.__doc__, _ORIGINAL: cls, **attributes})
 
 
 @dataclass(frozen=True)
@@ -63,6 +78,7 @@ class _Norm:
 
 _norm_cache: dict[tuple, _Norm] = {}
 _layer_cache: dict[tuple, type | str] = {}
+_model_cache: dict[tuple, type | str] = {}
 
 
 def _norm_class(cls: type) -> _Norm:
@@ -117,6 +133,20 @@ def _unwrapped(forward: Callable) -> Callable:
     return inner
 
 
+def _verified(cls: type, forward: Callable, verified: Mapping[str, str], what: str
+              ) -> tuple[types.FunctionType, str]:
+    """``forward`` as written and its source digest; raise :class:`rewrite.Unsupported` unless
+    the digest is one of ``verified`` (for ``what``)."""
+    inner = _unwrapped(forward)
+    digest = rewrite.digest(rewrite.source(inner))
+    if digest not in verified:
+        raise rewrite.Unsupported(
+            f"{cls.__qualname__}.forward (source digest {digest}) is not one verified for "
+            f"{what} (transformers {transformers.__version__}; verified: "
+            f"{', '.join(sorted(set(verified.values())))})")
+    return inner, digest
+
+
 def _layer_class(family: Family, cls: type, norm: _Norm) -> type | str:
     """The fused subclass of a decoder layer class, or why there is none."""
     forward = cls.__dict__.get("forward")
@@ -129,18 +159,110 @@ def _layer_class(family: Family, cls: type, norm: _Norm) -> type | str:
         found = f"{cls.__qualname__} does not define forward itself"
     else:
         try:
-            inner = _unwrapped(forward)
-            digest = rewrite.digest(rewrite.source(inner))
-            if digest not in family.layers:
-                raise rewrite.Unsupported(
-                    f"{cls.__qualname__}.forward (source digest {digest}) is not one verified "
-                    f"for tilenorm (transformers {transformers.__version__}; verified: "
-                    f"{', '.join(sorted(set(family.layers.values())))})")
+            inner, digest = _verified(cls, forward, family.layers, "tilenorm")
             add_norm = norms.make_add_norm(norm.kind, norm.classes)
-            found = _subclass(cls, rewrite.fuse(inner, family.fused, add_norm))
+            within = rewrite.fuse(inner, family.fused, add_norm)
+            if digest in family.layers_across:
+                across = rewrite.fuse_across(inner, family.fused, family.entry, add_norm)
+                found = _subclass(cls, _pairs_forward(within, across), **{_PAIRS: True})
+            else:
+                found = _subclass(cls, within)
         except rewrite.Unsupported as e:
             found = str(e)
     _layer_cache[key] = found
+    return found
+
+
+def _pairs_forward(within: Callable, across: Callable) -> Callable:
+    """A layer's forward: ``within`` (the fused layer, signature and result as written) unless
+    a patched model's loop passes ``_tilenorm_across=True`` with the residual as the second
+    positional argument, then ``across``, which returns (output, residual)."""
+
+    @functools.wraps(within)
+    def forward(self, *args, _tilenorm_across: bool = False, **kwargs):
+        return (across if _tilenorm_across else within)(self, *args, **kwargs)
+
+    return forward
+
+
+def _capture_hook_code() -> types.CodeType | None:
+    """The code of the forward hook transformers (5.x) installs on decoder layers to record
+    hidden states (``output_capturing_hook``), or None."""
+    module = sys.modules.get("transformers.utils.output_capturing")
+    install = getattr(getattr(module, "install_output_capuring_hook", None), "__code__", None)
+    return next((c for c in getattr(install, "co_consts", ()) if isinstance(c, types.CodeType)
+                 and c.co_name == "output_capturing_hook"), None)
+
+
+def _across_check(capture: types.CodeType | None, collector) -> Callable[..., bool]:
+    """The per-call check of a patched model's forward: whether its layers may exchange
+    (output, residual) pairs. Not when a layer's output or input is observed: hooks on a
+    layer (transformers' hidden-state recorder, ``capture``, excepted: it records only while
+    ``collector`` holds a hidden-state list, and then the call computes as written), global
+    hooks, a forward replaced on the instance, or a layer that is not a pairs-capable class
+    itself (a subclass made after patching, a wrapper such as a checkpoint wrapper)."""
+
+    def across_layers(model: torch.nn.Module, layers: Sequence[torch.nn.Module]) -> bool:
+        if any(norms.GLOBAL_HOOKS):
+            return False
+        recording = collector.get()
+        if recording is not None and _HIDDEN_STATES in recording:
+            return False
+        for layer in layers:
+            if (not type(layer).__dict__.get(_PAIRS, False) or layer._forward_pre_hooks
+                    or layer._backward_hooks or layer._backward_pre_hooks
+                    or "forward" in layer.__dict__):
+                return False
+            for hook in layer._forward_hooks.values():
+                if capture is None or getattr(hook, "__code__", None) is not capture:
+                    return False
+        return True
+
+    return across_layers
+
+
+def _records_only_hidden_states(cls: type, layer: type) -> bool:
+    """Whether ``cls._can_record_outputs`` records nothing but hidden states from ``layer``:
+    the one record the per-call check knows to be inactive."""
+    for key, specs in (getattr(cls, "_can_record_outputs", None) or {}).items():
+        for spec in specs if isinstance(specs, list) else [specs]:
+            target = getattr(spec, "target_class", spec)
+            named = isinstance(spec, str) or getattr(spec, "class_name", None) is not None
+            hits = named or (isinstance(target, type) and issubclass(layer, target))
+            if hits and key != _HIDDEN_STATES:
+                return False
+    return True
+
+
+def _model_class(family: Family, cls: type, layer: type, norm: _Norm) -> type | str:
+    """The subclass of a base model class whose loop carries (output, residual) pairs, or why
+    there is none."""
+    forward = cls.__dict__.get("forward")
+    key = (cls, forward, layer, norm)
+    if key in _model_cache:
+        return _model_cache[key]
+    collector = getattr(sys.modules.get("transformers.utils.output_capturing"),
+                        "_active_collector", None)
+    if norm.kind is None:
+        found: type | str = f"its norm class is not verified: {norm.reason}"
+    elif forward is None:
+        found = f"{cls.__qualname__} does not define forward itself"
+    elif collector is None:
+        found = ("transformers.utils.output_capturing._active_collector is missing: whether "
+                 "a call records hidden states cannot be told")
+    elif not _records_only_hidden_states(cls, layer):
+        found = (f"{cls.__qualname__} records outputs other than hidden states from its "
+                 f"layers")
+    else:
+        try:
+            inner, _ = _verified(cls, forward, family.models, "fusion across layers "
+                                 "(each layer's last add stays a separate add)")
+            add_norm = norms.make_add_norm(norm.kind, norm.classes)
+            check = _across_check(_capture_hook_code(), collector)
+            found = _subclass(cls, rewrite.loop_across(inner, add_norm, check))
+        except rewrite.Unsupported as e:
+            found = str(e)
+    _model_cache[key] = found
     return found
 
 
@@ -155,8 +277,16 @@ def _family_classes(family: Family) -> tuple[type, _Norm] | None:
     return layer, _norm_class(original_class(norm))
 
 
+def _model_of(family: Family) -> type | None:
+    """The family's original base model class, if it can fuse across layers."""
+    module = sys.modules.get(family.module)
+    if module is None or family.model is None:
+        return None
+    return original_class(getattr(module, family.model))
+
+
 def _index() -> dict[type, tuple[Family, str]]:
-    """Original class -> (family, "layer" or "norm") for the imported families."""
+    """Original class -> (family, "layer", "norm" or "model") for the imported families."""
     found: dict[type, tuple[Family, str]] = {}
     for family in FAMILIES.values():
         classes = _family_classes(family)
@@ -164,6 +294,9 @@ def _index() -> dict[type, tuple[Family, str]]:
             found[classes[0]] = (family, "layer")
             if family.norm is not None:
                 found[classes[1].original] = (family, "norm")
+            model = _model_of(family)
+            if model is not None:
+                found[model] = (family, "model")
     return found
 
 
@@ -232,7 +365,35 @@ def _patch_layer(report: Report, path: str, layer: torch.nn.Module, family: Fami
             return report.skip(path, "residual fusion", patched)
         layer.__class__ = patched
     report.fused_layers += 1
-    report.note(ACROSS_LAYERS)
+
+
+def _patch_model(report: Report, path: str, model: torch.nn.Module, family: Family) -> int:
+    """Make a base model's loop carry (output, residual) pairs; the number of its layers
+    whose adds are fused across layers."""
+    what = "fusion across layers"
+    layers = list(model.layers[:getattr(model.config, "num_hidden_layers", None)])
+    cls = type(model)
+    layer, norm = _family_classes(family)
+    if not all(type(m).__dict__.get(_PAIRS, False) for m in layers):
+        reason = (f"the decoder layers are not all patched with a forward verified for it "
+                  f"(transformers {transformers.__version__}; verified: "
+                  f"{', '.join(sorted(set(family.layers_across.values())))})")
+        report.skip(path, what, reason, expected=True)
+        return 0
+    if original_class(cls) is cls:
+        if "forward" in model.__dict__:
+            report.skip(path, what, "its forward is replaced on the instance")
+            return 0
+        patched = _model_class(family, cls, layer, norm)
+        if isinstance(patched, str):
+            report.skip(path, what, patched, expected=True)
+            return 0
+        model.__class__ = patched
+    fed = [getattr(m, family.entry, None) for m in layers[1:]] + [getattr(model, "norm", None)]
+    report.fused_across += sum(n is not None and original_class(type(n)) is norm.original
+                               for n in fed) if layers else 0
+    report.note(ACROSS_LAYERS_PER_CALL)
+    return len(layers)
 
 
 def apply(model: torch.nn.Module, *, norms: bool = True, residual: bool = True) -> Report:
@@ -247,6 +408,10 @@ def apply(model: torch.nn.Module, *, norms: bool = True, residual: bool = True) 
         residual: decoder layers whose residual add feeds a norm do both in one tilenorm call
             (``h = residual + out`` then ``norm(h)``), through a forward rewritten from the
             installed transformers' own source and used only where that source was verified.
+            For Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE on transformers 5.5-5.24 the base
+            model's loop is rewritten too, so that the add ending each layer is one call with
+            the next layer's input norm (the last with the final norm); a call requesting
+            hidden states, or whose layers have hooks, computes as transformers wrote it.
 
     Returns:
         A :class:`Report`; ``print`` it. Nothing is raised for what cannot be patched: it is
@@ -257,6 +422,7 @@ def apply(model: torch.nn.Module, *, norms: bool = True, residual: bool = True) 
     """
     report = Report(type(model).__name__)
     index = _index()
+    models: list[tuple[str, torch.nn.Module, Family]] = []
     parents: dict[int, tuple[str, torch.nn.Module]] = {}
     for module in model.modules():
         for name, child in module.named_children():
@@ -283,6 +449,12 @@ def apply(model: torch.nn.Module, *, norms: bool = True, residual: bool = True) 
             _patch_norm(report, path, name, module, parent)
         elif role == "layer" and (residual or patched):
             _patch_layer(report, path, module, family)
+        elif role == "model" and (residual or patched):
+            models.append((path, module, family))
+    # after the layers: a model fuses across its layers only when all of them are patched
+    paired = sum(_patch_model(report, *entry) for entry in models)
+    if report.fused_layers > paired:
+        report.note(ACROSS_LAYERS)
     if not report.families:
         warnings.warn(f"tilenorm.transformers.apply: no supported model family in "
                       f"{type(model).__name__}; nothing was patched "
@@ -334,6 +506,7 @@ def apply_to(family: str, *, norms: bool = True, residual: bool = True) -> Repor
     module = importlib.import_module(spec.module)
     report = Report(spec.module, [spec.title])
     layer, norm = _family_classes(spec)
+    model = _model_of(spec)
     if norms:
         if spec.norm is None:
             report.skip(f"{spec.module}", "norm class", "the norms are torch.nn.LayerNorm; "
@@ -349,7 +522,13 @@ def apply_to(family: str, *, norms: bool = True, residual: bool = True) -> Repor
                         expected=not spec.fused)
         else:
             _replace(module, spec.layer, patched, report)
-            report.note(ACROSS_LAYERS)
+            across = (_model_class(spec, model, layer, norm) if model is not None
+                      and patched.__dict__.get(_PAIRS, False) else ACROSS_LAYERS)
+            if isinstance(across, str):
+                report.note(across)
+            else:
+                _replace(module, spec.model, across, report)
+                report.note(ACROSS_LAYERS_PER_CALL)
     if report.refused:
         warnings.warn(f"tilenorm.transformers.apply_to: not everything was patched.\n{report}",
                       stacklevel=2)

@@ -29,8 +29,10 @@ class Report:
     ``norm_modules`` counts the norms over the hidden size (and OLMo2's q/k norms over all
     heads), ``per_head_norms`` the q_norm/k_norm modules applied to each head's vector,
     ``fused_layers`` the decoder layers whose residual add and following norm are one
-    tilenorm call, ``classes`` the classes replaced in their modeling modules by
-    :func:`~tilenorm.transformers.apply_to`.
+    tilenorm call, ``fused_across`` the norms fed by the add that ends a layer (the next
+    layer's input norm, the model's final norm) computed in one call with that add by a model
+    whose loop carries (output, residual) pairs, ``classes`` the classes replaced in their
+    modeling modules by :func:`~tilenorm.transformers.apply_to`.
     """
 
     target: str
@@ -38,6 +40,7 @@ class Report:
     norm_modules: int = 0
     per_head_norms: int = 0
     fused_layers: int = 0
+    fused_across: int = 0
     classes: list[str] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -64,6 +67,10 @@ class Report:
                          f"{self.per_head_norms} per-head q/k norms")
             lines.append(f"  residual add fused with the following norm: {self.fused_layers} "
                          f"decoder layers")
+            if self.fused_across:
+                lines.append(f"  add ending a layer fused with the next norm: "
+                             f"{self.fused_across} norms (the next layers' input norms, the "
+                             f"final norm)")
         groups: dict[tuple[str, str, bool], list[str]] = {}
         for s in self.skipped:
             groups.setdefault((s.what, s.reason, s.expected), []).append(s.path)
