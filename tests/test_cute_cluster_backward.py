@@ -424,7 +424,7 @@ def test_stand_in_counts_the_clusters_the_routed_kernels_hold():
     for cols, (cluster, threads, stages, ctas) in TABLE["rms_norm"].items():
         config = Config(cluster, threads, stages, ctas)
         with tempfile.TemporaryDirectory() as tmp:
-            fn = compile_kernel(cols, config, dump_dir=tmp)
+            fn = compile_kernel(cols, config, cubin_dir=tmp)
         found, source = max_clusters(fn, make_kernel(cols, config))
         assert source.startswith("cuOccupancyMaxActiveClusters"), source
         assert max_active_clusters(device, cluster, threads, ctas) == found, cols

@@ -131,10 +131,10 @@ def make_kernel(cols: int, config: Config, dtype=None,
 
 
 def compile_kernel(cols: int, config: Config, arch: str | None = None,
-                   dump_dir: str | None = None, cache: str = "global"):
+                   cubin_dir: str | None = None, cache: str = "global"):
     """Compiled for every row and cluster count; called as ``fn(x, dy, w, rstd, None, dx,
     partial, 0.0, grid)`` on the current stream (no residual's gradient, no weight offset).
-    ``arch`` compiles without a GPU; ``dump_dir`` keeps the cubin there."""
+    ``arch`` compiles without a GPU; ``cubin_dir`` keeps the cubin there."""
     kernel = make_kernel(cols, config, cache=cache)
     dtype = kernel.dtype
     rows, clusters = cute.sym_int(), cute.sym_int()
@@ -143,7 +143,7 @@ def compile_kernel(cols: int, config: Config, arch: str | None = None,
     rstd = cute_launch._fake(Float32, (rows,), (1,), 4)
     partial = cute_launch._fake(Float32, (clusters, 1, cols), (cols, cols, 1), 16)
     return cute_launch._compile(kernel, arch, x, dy, w, rstd, None, dx, partial, Float32(0.0),
-                                Int32(1), dump_dir=dump_dir)
+                                Int32(1), cubin_dir=cubin_dir)
 
 
 def configs_for(n: int, wanted: list[list[str]] | None) -> list[Config]:
