@@ -182,7 +182,7 @@ def compile_only(widths, wanted, arch: str, cache: str) -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 t0 = time.time()
                 try:
-                    compile_kernel(n, config, arch, dump_dir=tmp, cache=cache)
+                    compile_kernel(n, config, arch, cubin_dir=tmp, cache=cache)
                 except Exception as e:
                     failed += 1
                     print(f"{name:>30} FAILED {type(e).__name__}: {e}", flush=True)
@@ -326,7 +326,7 @@ def measure_width(n: int, configs, rounds: int, record: dict, copy: float, cache
         try:
             c = config.cluster
             with tempfile.TemporaryDirectory() as tmp:
-                fn = compile_kernel(n, config, dump_dir=tmp, cache=cache)
+                fn = compile_kernel(n, config, cubin_dir=tmp, cache=cache)
             resident, source = max_clusters(fn, make_kernel(n, config, cache=cache))
             clusters = min(resident, m)
             grid = clusters * c
