@@ -269,6 +269,8 @@ class Fp8ForwardKey:
     threads: int
     stages: int
     ctas_per_sm: int
+    #: The kernel's ``recompute_t``: the weight and t = x * w not held across the row.
+    recompute_t: bool = False
 
 
 def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
@@ -297,7 +299,7 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
     fp8 = _fp8_dtypes()[key.fp8_dtype]
     kernel = (kernel_class or RowNormFp8Forward)(
         dtype, weight_dtype, fp8, FP8_MAX[key.fp8_dtype], key.cols, key.threads, key.stages,
-        key.ctas_per_sm, key.scaling, key.has_offset)
+        key.ctas_per_sm, key.scaling, key.has_offset, key.recompute_t)
 
     rows = cute.sym_int() if key.rows is None else key.rows
     cols, slots = key.cols, cute.sym_int()
