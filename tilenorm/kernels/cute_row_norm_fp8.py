@@ -36,12 +36,13 @@ row, slots by parity). Deterministic: fixed reduction trees, no atomics.
 ``recompute_t``: the weight and t are not held across the row. The kernel above keeps the
 weight in fp32 and t beside the ring of x, 2 x 4 bytes an element; two CTAs of 256 threads an
 SM at 16384 columns (128 registers a thread) then spill. With ``recompute_t`` each use reads
-the weight again (from L1) and computes t = x * w from the x still in its ring slot (it stays
-there until the row after next is loaded into it): once before the barrier for the row's
+the weight again (from L1) and computes t = x * w from the x still in its ring slot (the
+slot is refilled only when the next row's turn begins): once before the barrier for the row's
 max|t| (row, delayed, amax), once after it for the quantization; block and MX scalings store
 each rep's q as soon as it is quantized. The same fp32 operations on the same values (widening
 a 2-byte float is exact), so the same results bit for bit; more instructions: t twice a row
-(row, delayed), and the weight's 16 bytes a vector read from L1 once (block, mx) or twice.
+(row, delayed), and the weight read again from L1 once a row (block, mx) or twice. Where it
+runs: settings_fp8.py's ``cute_forward_recompute_t`` (#74, #78).
 """
 
 from __future__ import annotations
