@@ -11,12 +11,14 @@ and the SASS (pip: nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -59,6 +61,24 @@ def cubin_resources(cubin: Path, tool: str) -> tuple[dict, str]:
     return ({"registers": int(m[1]), "stack": int(m[2]), "shared": int(m[3]),
              "spill_stores": len(re.findall(r"\bSTL\b", sass)),
              "spill_loads": len(re.findall(r"\bLDL\b", sass))}, sass)
+
+
+@contextlib.contextmanager
+def keeping_cubins(dump_dir: str) -> Iterator[None]:
+    """Every ``cute.compile`` inside keeps its cubin in ``dump_dir`` (the launch module's
+    compile takes no such option): the CuTe DSL kernels' cubins, for :func:`cubin_resources`."""
+    import cutlass.cute as dsl
+
+    compile_ = dsl.compile
+
+    def keeping(*args, options: str = "", **kwargs):
+        return compile_(*args, options=f"{options} --keep-cubin --dump-dir {dump_dir}",
+                        **kwargs)
+    dsl.compile = keeping
+    try:
+        yield
+    finally:
+        dsl.compile = compile_
 
 
 def resources(job: aot.ExportJob, gpu_code: str, tool: str) -> dict:

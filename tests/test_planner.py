@@ -260,7 +260,9 @@ def test_cute_row_plans_take_even_rings_only():
     from tilenorm.planner import CuteRowPlan
     from tilenorm.settings_fp8 import fp8_settings_for
 
-    entries = list(fp8_settings_for((9, 0)).cute_forward.values())
+    fp8 = fp8_settings_for((9, 0))
+    entries = list(fp8.cute_forward.values())
+    entries += [e for table in fp8.cute_forward_recompute_t.values() for e in table.values()]
     entries += [e for table in settings_for((9, 0)).cute_backward.values()
                 for e in table.values()]
     for threads, stages, ctas in entries:

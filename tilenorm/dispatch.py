@@ -387,6 +387,13 @@ class Fp8Problem:
         return self.scaling == "tensor" or self.transpose
 
     @property
+    def row_scaling(self) -> str:
+        """What the row kernel writes (a key of ``ROW_SCALINGS``): per-tensor scalings whose
+        second pass quantizes take its statistics pass ("amax"), the rest the scaling."""
+        per_tensor = self.scaling in ("tensor", "delayed")
+        return "amax" if self.two_passes and per_tensor else self.scaling
+
+    @property
     def scales_along_rows(self) -> bool:
         """A transposed copy whose scales run along M (per row, per block, MX): its own
         pass after the row kernel, which writes q."""
@@ -547,4 +554,4 @@ def _cute_fp8_forward(p: Fp8Problem, info: DeviceInfo) -> CuteFp8ForwardPlan | N
         return None
     return plan_cute_fp8_forward(p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]],
                                  sm_count=info.sm_count, arch=info.arch,
-                                 max_offset=p.max_offset)
+                                 scaling=p.row_scaling, max_offset=p.max_offset)

@@ -465,24 +465,34 @@ def plan_cute_forward(rows: int, cols: int, *, itemsize: int, arch: tuple[int, i
 @dataclass(frozen=True)
 class CuteFp8ForwardPlan(CuteRowPlan):
     """The CuTe DSL FP8-output row kernel's launch; program ``p`` writes amax partial ``p``
-    (per-tensor scalings)."""
+    (per-tensor scalings). ``recompute_t``: the kernel's variant that reads the weight again
+    and recomputes t = x * w at each use instead of holding both across the row."""
+
+    recompute_t: bool = False
 
     def describe(self) -> str:
-        return f"CuTe DSL, {self._launch()}"
+        return (f"CuTe DSL, {self._launch()}"
+                + (", t = x * w recomputed at each use" if self.recompute_t else ""))
 
 
 def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
-                          arch: tuple[int, int], max_offset: int | None = None
+                          arch: tuple[int, int], scaling: str, max_offset: int | None = None
                           ) -> CuteFp8ForwardPlan | None:
-    """The CuTe DSL FP8-output row kernel for ``rows`` rows of ``cols`` 2-byte elements, or
-    None where cuTile's runs: widths not in the FP8 settings' ``cute_forward`` table, other
-    element sizes, and offsets past 32 bits (the kernel indexes with 32)."""
-    entry = fp8_settings_for(arch).cute_forward.get(cols)
+    """The CuTe DSL FP8-output row kernel for ``rows`` rows of ``cols`` 2-byte elements with
+    the row kernel's ``scaling`` (a name of the kernel's ``SCALINGS``), or None where
+    cuTile's runs: widths not in the FP8 settings' ``cute_forward`` table, other element
+    sizes, and offsets past 32 bits (the kernel indexes with 32). The settings'
+    ``cute_forward_recompute_t`` entry of the scaling and width, where there is one, takes
+    the place of ``cute_forward``'s, with ``recompute_t``."""
+    settings = fp8_settings_for(arch)
+    recompute_t = settings.cute_forward_recompute_t.get(scaling, {}).get(cols)
+    entry = recompute_t or settings.cute_forward.get(cols)
     if max_offset is None:
         max_offset = rows * cols - 1
     if entry is None or itemsize != 2 or rows < 1 or max_offset > MAX_INT32_OFFSET:
         return None
-    return CuteFp8ForwardPlan.of(rows, cols, entry, sm_count)
+    return dataclasses.replace(CuteFp8ForwardPlan.of(rows, cols, entry, sm_count),
+                               recompute_t=recompute_t is not None)
 
 
 def max_fp8_cols(direction: Direction, op: Op, itemsize: int, arch: tuple[int, int]) -> int:

@@ -58,6 +58,14 @@ class Fp8Settings:
     #: scaling 65-73% -> 85-94% of copy (#56). Widths absent were not measured.
     cute_forward: dict = field(default_factory=lambda: {
         2048: (128, 4, 6), 4096: (128, 4, 4), 8192: (256, 4, 2), 16384: (512, 4, 1)})
+    #: Per scaling of the row kernel (its ``SCALINGS``), widths that take the kernel's
+    #: ``recompute_t`` (the weight and t = x * w not held across the row) at their own
+    #: (threads, stages, CTAs per SM) instead of ``cute_forward``'s entry. Block scaling at
+    #: 16384 columns: two CTAs of 256 threads an SM fit 128 registers without spilling
+    #: (the kernel without ``recompute_t`` spills there), 83.9% -> 90.0% of copy on an H100;
+    #: row scaling and 8192 columns ran slower with it (#78).
+    cute_forward_recompute_t: dict = field(default_factory=lambda: {
+        "block": {16384: (256, 2, 2)}})
 
 
 SM90_FP8 = Fp8Settings()

@@ -19,7 +19,7 @@ at ``--configs`` for ``--scalings`` and prints each cubin's registers and spills
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import json
 import sys
 import tempfile
@@ -48,6 +48,20 @@ CONFIGS = {
     16384: [(512, 2, 2), (512, 4, 1), (1024, 2, 1), (256, 2, 2), (1024, 4, 1)],
 }
 SCALINGS = ("row", "block", "mx", "delayed", "amax")
+#: ``--variant`` of the kernel's own ``recompute_t`` flag; other names are classes of
+#: bench/experiments/cute_fp8_variants.py.
+RECOMPUTE_T = "recompute-t"
+
+
+def variant_of(key: cute.Fp8ForwardKey, variant: str | None):
+    """``key`` and the kernel class (None: the kernel's) of ``variant``."""
+    if variant == RECOMPUTE_T:
+        return dataclasses.replace(key, recompute_t=True), None
+    if variant:
+        from bench.experiments.cute_fp8_variants import VARIANTS
+
+        return key, VARIANTS[variant]
+    return key, None
 
 
 def outputs(m: int, n: int, scaling: str, grid: int, row_major_blocks: bool = False
@@ -124,11 +138,7 @@ def measure(m: int, n: int, scaling: str, config, info, record: dict, x, w, scal
     key = cute.Fp8ForwardKey(None if runtime_rows else m, "bfloat16", "bfloat16",
                              "float8_e4m3fn", scaling, False, n, threads, stages, ctas)
     t0 = time.time()
-    kernel_class = None
-    if variant:
-        from bench.experiments.cute_fp8_variants import VARIANTS
-
-        kernel_class = VARIANTS[variant]
+    key, kernel_class = variant_of(key, variant)
     launch, out = run(key, x, w, scale, grid, row_major_blocks, kernel_class)
     compile_s = time.time() - t0
     launch()
@@ -178,49 +188,27 @@ def op_row(m, n, scaling, record, x, w, scale) -> None:
           flush=True)
 
 
-@contextlib.contextmanager
-def _keeping_cubins(dump_dir: str):
-    """Every ``cute.compile`` inside keeps its cubin in ``dump_dir`` (the launch module's
-    compile takes no such option)."""
-    import cutlass.cute as dsl
-
-    compile_ = dsl.compile
-
-    def keeping(*args, options: str = "", **kwargs):
-        return compile_(*args, options=f"{options} --keep-cubin --dump-dir {dump_dir}",
-                        **kwargs)
-    dsl.compile = keeping
-    try:
-        yield
-    finally:
-        dsl.compile = compile_
-
-
 def compile_only(arch: str, shapes, configs: dict, scalings: list[str],
                  variant: str | None) -> None:
     """Compile the shipped kernel and ``variant`` at each shape's configurations for
     ``arch`` without a GPU and print registers, stack bytes and spill stores / loads
     (``STL`` / ``LDL`` in the SASS): what two CTAs of 256 threads at 16384 columns (128
     registers a thread) need (issue 19)."""
-    from bench.kernel_resources import cubin_resources, cuobjdump
+    from bench.kernel_resources import cubin_resources, cuobjdump, keeping_cubins
 
     tool = cuobjdump()
-    classes = {"shipped": None}
-    if variant:
-        from bench.experiments.cute_fp8_variants import VARIANTS
-
-        classes[variant] = VARIANTS[variant]
     print(f"{'shape':>12} {'config':>14} {'scaling':>8} {'kernel':>22} {'regs':>5} "
           f"{'stack':>6} {'STL/LDL':>9}")
     for m, n in shapes:
         for config in configs.get(n, []):
             for scaling in scalings:
-                key = cute.Fp8ForwardKey(m, "bfloat16", "bfloat16", "float8_e4m3fn", scaling,
-                                         False, n, *config)
-                for name, kernel_class in classes.items():
+                shipped = cute.Fp8ForwardKey(m, "bfloat16", "bfloat16", "float8_e4m3fn",
+                                             scaling, False, n, *config)
+                for name in ("shipped", variant) if variant else ("shipped",):
+                    key, kernel_class = variant_of(shipped, None if name == "shipped" else name)
                     with tempfile.TemporaryDirectory() as tmp:
                         try:
-                            with _keeping_cubins(tmp):
+                            with keeping_cubins(tmp):
                                 cute.compile_fp8_forward(key, arch, kernel_class=kernel_class)
                             r = cubin_resources(sorted(Path(tmp).rglob("*.cubin"))[0], tool)[0]
                         except Exception as e:
@@ -244,7 +232,8 @@ def main() -> None:
                         help="the scalings run with each shape's best row configuration")
     parser.add_argument("--row-major-blocks", action="store_true",
                         help="also time block scaling with row-major scales (NOTES #57)")
-    parser.add_argument("--variant", help="also time this kernel variant of "
+    parser.add_argument("--variant", help="also time this kernel variant: recompute-t (the "
+                                          "kernel's recompute_t, NOTES #74) or one of "
                                           "bench/experiments/cute_fp8_variants.py (NOTES #58)")
     parser.add_argument("--variant-configs", type=json.loads,
                         help='JSON {"cols": [[threads, stages, ctas], ...]}: time --variant '

@@ -32,6 +32,17 @@ hold ``reps`` 16-byte vectors of a row, ``threads`` vectors apart, so every load
 coalesced and a 128-column block is 16 consecutive lanes (a 32-column MX block 4): block
 amaxes are lane butterflies, the row's go through shared memory in warp order (one barrier a
 row, slots by parity). Deterministic: fixed reduction trees, no atomics.
+
+``recompute_t``: the weight and t are not held across the row. The kernel above keeps the
+weight in fp32 and t beside the ring of x, 2 x 4 bytes an element; two CTAs of 256 threads an
+SM at 16384 columns (128 registers a thread) then spill. With ``recompute_t`` each use reads
+the weight again (from L1) and computes t = x * w from the x still in its ring slot (the
+slot is refilled only when the next row's turn begins): once before the barrier for the row's
+max|t| (row, delayed, amax), once after it for the quantization; block and MX scalings store
+each rep's q as soon as it is quantized. The same fp32 operations on the same values (widening
+a 2-byte float is exact), so the same results bit for bit; more instructions: t twice a row
+(row, delayed), and the weight read again from L1 once a row (block, mx) or twice. Where it
+runs: settings_fp8.py's ``cute_forward_recompute_t`` (#74, #78).
 """
 
 from __future__ import annotations
@@ -41,6 +52,8 @@ import operator
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from tilenorm.kernels.cute_rows import SMEM_CARVEOUT, RowKernel
 
@@ -51,13 +64,36 @@ BLOCK_COLS = {"block": 128, "mx": 32}
 FLOAT32_MAX = 3.4028234663852886e38
 
 
+@dsl_user_op
+def _widen_half(word: Int32, zero: Int32, high: bool, bf16: bool, *, loc=None,
+                ip=None) -> Float32:
+    """fp32 of the low or high 16-bit half of ``word`` (bf16 or fp16 bits), exactly the
+    DSL's widening, in an inline asm with side effects that also reads ``zero`` (0 at run
+    time, from shared memory). ``recompute_t`` widens through it: left to itself LLVM merges
+    the two widenings of x (and of the weight) into one whose fp32 result lives across the
+    row's barrier and hoists the weight's out of the row loop, and ptxas moves the second
+    widening of x above the barrier. Neither can merge or hoist this asm, nor move it above
+    the load of ``zero`` (after the barrier): what lives across the barrier is the packed
+    word. bf16 is a byte permute (``prmt``) that takes its zero bytes from ``zero``."""
+    if bf16:
+        asm = f"prmt.b32 $0, $1, $2, {0x3244 if high else 0x1044};"
+    else:
+        half = "{_, h}" if high else "{h, _}"
+        asm = (f"{{ .reg .b16 h; .reg .b32 u; or.b32 u, $1, $2; mov.b32 {half}, u; "
+               f"cvt.f32.f16 $0, h; }}")
+    return Float32(llvm.inline_asm(
+        T.f32(), [Int32(word).ir_value(loc=loc, ip=ip), Int32(zero).ir_value(loc=loc, ip=ip)],
+        asm, "=f,r,r", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
 class RowNormFp8Forward(RowKernel):
-    """The kernel for one (dtypes, width, scaling, launch config); ``__call__`` launches it on
-    ``grid`` programs."""
+    """The kernel for one (dtypes, width, scaling, launch config, ``recompute_t``);
+    ``__call__`` launches it on ``grid`` programs."""
 
     def __init__(self, dtype, weight_dtype, fp8_dtype, fp8_max: float, cols: int,
                  threads: int, stages: int, ctas_per_sm: int, scaling: str,
-                 has_offset: bool):
+                 has_offset: bool, recompute_t: bool = False):
         if scaling not in SCALINGS:
             raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
         self.dtype = dtype
@@ -78,11 +114,14 @@ class RowNormFp8Forward(RowKernel):
             # Consecutive rows reduce in two shared-memory slots by their place in the ring:
             # an odd ring puts its last row and the next ring's first in one slot.
             raise ValueError(f"stages must be even and >= 2, got {stages}")
+        if recompute_t and dtype.width != 16:
+            raise ValueError("recompute_t widens x from its 16-bit words: 2-byte x only")
         self.stages = stages
         self.ctas_per_sm = ctas_per_sm
         self.scaling = scaling
         self.has_weight = weight_dtype is not None
         self.has_offset = has_offset
+        self.recompute_t = recompute_t
         self.warps = threads // cute.arch.WARP_SIZE
 
     @cute.jit
@@ -130,14 +169,59 @@ class RowNormFp8Forward(RowKernel):
         return bits[0]
 
     @cute.jit
-    def _quantize(self, t: cute.Tensor, q: cute.Tensor, rstd: Float32, scale: Float32, i: int):
-        """q[i] = saturate(t[i] * rstd * scale) in FP8; NaN passes through."""
-        v = t[i] * rstd * scale
+    def _saturated(self, v: Float32) -> Float32:
+        """``v`` clamped to [-fp8_max, fp8_max]; NaN passes through."""
         if v > Float32(self.fp8_max):
             v = Float32(self.fp8_max)
         if v < Float32(-self.fp8_max):
             v = Float32(-self.fp8_max)
-        q[i] = v
+        return v
+
+    @cute.jit
+    def _quantize(self, t: cute.Tensor, q: cute.Tensor, rstd: Float32, scale: Float32, i: int):
+        """q[i] = saturate(t[i] * rstd * scale) in FP8; NaN passes through."""
+        q[i] = self._saturated(t[i] * rstd * scale)
+
+    @cute.jit
+    def _widen(self, src: cute.Tensor, dst: cute.Tensor, zero: Int32):
+        """dst (fp32) = src (2-byte floats, (vec, reps)) through :func:`_widen_half`."""
+        words = cute.recast_tensor(src, Int32)
+        bf16 = const_expr(src.element_type == cutlass.BFloat16)
+        for j in cutlass.range_constexpr(cute.size(words)):
+            dst[2 * j] = _widen_half(words[j], zero, False, bf16)
+            dst[2 * j + 1] = _widen_half(words[j], zero, True, bf16)
+
+    @cute.jit
+    def _store_t(self, x, w: cute.Tensor | None, t: cute.Tensor, offset: Float32):
+        """t = x * w (+ x * offset): fp32 x of the row and its fp32 weight (None without
+        one)."""
+        if const_expr(self.has_weight):
+            tw = x * w.load()
+            if const_expr(self.has_offset):
+                tw = tw + x * offset
+            t.store(tw)
+        else:
+            t.store(x)
+
+    @cute.jit
+    def _recompute_t(self, x_in: cute.Tensor, mW: cute.Tensor | None, w_in, t: cute.Tensor,
+                     tidx: Int32, offset: Float32, zero: Int32, opaque: cutlass.Constexpr):
+        """``recompute_t``'s t, into ``t``, from the ring slot ``x_in`` and the weight read
+        again into ``w_in``: ``opaque`` widens x through :func:`_widen_half` (after the
+        barrier); a 2-byte weight always is (a weight of 4-byte floats is used as it is)."""
+        if const_expr(opaque):
+            self._widen(x_in, t, zero)
+            x = t.load()
+        else:
+            x = x_in.load().to(Float32)
+        w = None
+        if const_expr(self.has_weight):
+            cute.autovec_copy(self._thread_view(mW, tidx), w_in)
+            w = w_in
+            if const_expr(self.weight_dtype.width == 16):
+                w = cute.make_rmem_tensor(t.shape, Float32)
+                self._widen(w_in, w, zero)
+        self._store_t(x, w, t, offset)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor | None, mScale: cute.Tensor | None,
@@ -159,13 +243,23 @@ class RowNormFp8Forward(RowKernel):
         # so one barrier a row orders every write before its reads and every read before
         # the slot's next write.
         sums = smem.allocate_tensor(Float32, cute.make_layout((self.warps, 2, 2)), 16)
+        zeros = None
+        if const_expr(self.recompute_t):
+            # A 0 the compiler cannot see (_widen_half), read after each row's barrier.
+            zeros = smem.allocate_tensor(Int32, cute.make_layout((1,)), 4)
+            if tidx == 0:
+                zeros[0] = Int32(0)
+            cute.arch.barrier()
 
         shape = (self.vec, self.reps)
-        w = cute.make_rmem_tensor(shape, Float32)
+        # The weight as loaded, and (but with recompute_t) in fp32 for every row.
+        w_in = w = None
         if const_expr(self.has_weight):
             w_in = cute.make_rmem_tensor(shape, self.weight_dtype)
-            cute.autovec_copy(self._thread_view(mW, tidx), w_in)
-            w.store(w_in.load().to(Float32))
+            if const_expr(not self.recompute_t):
+                cute.autovec_copy(self._thread_view(mW, tidx), w_in)
+                w = cute.make_rmem_tensor(shape, Float32)
+                w.store(w_in.load().to(Float32))
         t = cute.make_rmem_tensor(shape, Float32)
         y = cute.make_rmem_tensor(shape, Float32)
         q = cute.make_rmem_tensor(shape, self.fp8_dtype)
@@ -198,17 +292,15 @@ class RowNormFp8Forward(RowKernel):
                 row = base + s * grid
                 if row < rows:
                     x = xs[s].load().to(Float32)
-                    if const_expr(self.has_weight):
-                        tw = x * w.load()
-                        if const_expr(self.has_offset):
-                            tw = tw + x * offset
-                        t.store(tw)
-                    else:
-                        t.store(x)
+                    if const_expr(not self.recompute_t):
+                        self._store_t(x, w, t, offset)
                     sq = (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                     part_sq = cute.arch.warp_reduction(sq, operator.add)
                     part_max = Float32(0.0)
                     if const_expr(row_amax):
+                        if const_expr(self.recompute_t):
+                            self._recompute_t(xs[s], mW, w_in, t, tidx, offset, zeros[0],
+                                              False)
                         m = Float32(0.0)
                         for i in cutlass.range_constexpr(per_thread):
                             m = cute.arch.fmax(m, cute.math.absf(t[i]))
@@ -227,6 +319,8 @@ class RowNormFp8Forward(RowKernel):
                     rstd = cute.math.rsqrt(total * inv_n + eps)
                     if tidx == 0:
                         mRstd[row] = rstd
+                    if const_expr(self.recompute_t and self.scaling != "amax"):
+                        self._recompute_t(xs[s], mW, w_in, t, tidx, offset, zeros[0], True)
                     if const_expr(row_amax):
                         amax = tmax * rstd  # exactly the largest |y| of the row
                         if const_expr(self.scaling == "row"):
@@ -257,7 +351,10 @@ class RowNormFp8Forward(RowKernel):
     def _quantize_blocks(self, t, y, q, q_bytes, rstd, row, tidx, lane, bits, mQ, mQScale):
         """Block and MX scales: a block is ``block_lanes`` consecutive lanes' vectors of one
         rep; its amax a butterfly over those lanes; the first lane of a block stores its
-        scale."""
+        scale. With ``recompute_t`` each rep's 8 bytes of q are converted and stored as soon
+        as the rep is quantized rather than the row's at the end: the same values, two
+        registers of q live instead of ``2 * reps``."""
+        q_row = self._thread_view(mQ[row, None], tidx)
         for r in cutlass.range_constexpr(self.reps):
             m = Float32(0.0)
             for e in cutlass.range_constexpr(self.vec):
@@ -274,12 +371,16 @@ class RowNormFp8Forward(RowKernel):
                 scale = self._scale_of(amax)
                 if lane % self.block_lanes == 0:
                     mQScale[row, block] = Float32(1.0) / scale
-            for e in cutlass.range_constexpr(self.vec):
-                v = t[e, r] * rstd * scale
-                if v > Float32(self.fp8_max):
-                    v = Float32(self.fp8_max)
-                if v < Float32(-self.fp8_max):
-                    v = Float32(-self.fp8_max)
-                y[e, r] = v
-        q.store(y.load().to(self.fp8_dtype))
-        cute.autovec_copy(q_bytes, self._thread_view(mQ[row, None], tidx))
+            if const_expr(self.recompute_t):
+                y_r = cute.make_rmem_tensor((self.vec,), Float32)
+                for e in cutlass.range_constexpr(self.vec):
+                    y_r[e] = self._saturated(t[e, r] * rstd * scale)
+                q_r = cute.make_rmem_tensor((self.vec,), self.fp8_dtype)
+                q_r.store(y_r.load().to(self.fp8_dtype))
+                cute.autovec_copy(cute.recast_tensor(q_r, cutlass.Uint8), q_row[None, r])
+            else:
+                for e in cutlass.range_constexpr(self.vec):
+                    y[e, r] = self._saturated(t[e, r] * rstd * scale)
+        if const_expr(not self.recompute_t):
+            q.store(y.load().to(self.fp8_dtype))
+            cute.autovec_copy(q_bytes, q_row)

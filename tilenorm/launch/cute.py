@@ -364,6 +364,8 @@ class Fp8ForwardKey:
     threads: int
     stages: int
     ctas_per_sm: int
+    #: The kernel's ``recompute_t``: the weight and t = x * w not held across the row.
+    recompute_t: bool = False
 
 
 def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
@@ -392,7 +394,7 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
     fp8 = _fp8_dtypes()[key.fp8_dtype]
     kernel = (kernel_class or RowNormFp8Forward)(
         dtype, weight_dtype, fp8, FP8_MAX[key.fp8_dtype], key.cols, key.threads, key.stages,
-        key.ctas_per_sm, key.scaling, key.has_offset)
+        key.ctas_per_sm, key.scaling, key.has_offset, key.recompute_t)
 
     rows = cute.sym_int() if key.rows is None else key.rows
     cols, slots = key.cols, cute.sym_int()
@@ -421,7 +423,9 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
 def aot_fp8_keys(all_dtypes: bool = False) -> list[Fp8ForwardKey]:
     """The FP8-output row kernel's variants: every width of the FP8 settings' table with
     every scaling and weight dtype (or none), E4M3, in bf16; and the rest of the features
-    (E5M2, the Gemma offset; fp16 x with ``all_dtypes``) at each width's row scaling."""
+    (E5M2, the Gemma offset; fp16 x with ``all_dtypes``) at each width's row scaling. Each
+    entry of its ``cute_forward_recompute_t`` table with ``recompute_t`` at its scaling:
+    every weight dtype, E5M2, the offset (and fp16 x)."""
     from tilenorm.kernels.cute_row_norm_fp8 import SCALINGS
     from tilenorm.settings_fp8 import SM90_FP8
 
@@ -437,6 +441,18 @@ def aot_fp8_keys(all_dtypes: bool = False) -> list[Fp8ForwardKey]:
         if all_dtypes:
             keys.append(Fp8ForwardKey(AOT_ROWS, "float16", "float16", "float8_e4m3fn", "mx",
                                       False, cols, *config))
+    recompute_t_features = [  # (x, weight, FP8, offset)
+        ("bfloat16", None, "float8_e4m3fn", False),
+        ("bfloat16", "bfloat16", "float8_e4m3fn", False),
+        ("bfloat16", "float32", "float8_e4m3fn", False),
+        ("bfloat16", "bfloat16", "float8_e5m2", False),
+        ("bfloat16", "float32", "float8_e4m3fn", True),
+    ] + ([("float16", "float16", "float8_e4m3fn", False)] if all_dtypes else [])
+    for scaling, widths in SM90_FP8.cute_forward_recompute_t.items():
+        for cols, config in widths.items():
+            keys += [Fp8ForwardKey(AOT_ROWS, x, weight, fp8, scaling, has_offset, cols, *config,
+                                   recompute_t=True)
+                     for x, weight, fp8, has_offset in recompute_t_features]
     return keys
 
 

@@ -461,7 +461,7 @@ class _CuteLauncher:
             plan.rows, DTYPE_NAMES[x.dtype],
             None if weight is None else DTYPE_NAMES[weight.dtype],
             DTYPE_NAMES[spec.fp8_dtype], self.scaling, spec.has_offset, plan.cols,
-            plan.threads, plan.stages, plan.ctas_per_sm))
+            plan.threads, plan.stages, plan.ctas_per_sm, plan.recompute_t))
 
     def __call__(self, stream: int, tensors: dict[str, torch.Tensor],
                  scalars: dict[str, float]):
@@ -685,7 +685,8 @@ def build_forward(spec: Fp8Spec, x, weight, bias, residual, residual_dtype,
     cols = x.shape[-1]
     rows = x.numel() // cols if cols else 0
     h_dtype = None if residual is None else (residual_dtype or residual.dtype)
-    decision = dispatch.decide_fp8(_problem(spec, x, weight, bias, residual, rows, cols))
+    problem = _problem(spec, x, weight, bias, residual, rows, cols)
+    decision = dispatch.decide_fp8(problem)
     call = Fp8ForwardCall(spec=spec, decision=decision, rows=rows, cols=cols,
                           out_shape=tuple(x.shape), h_dtype=h_dtype,
                           nominal_dtype=nominal_dtype, device=x.device)
@@ -707,7 +708,7 @@ def build_forward(spec: Fp8Spec, x, weight, bias, residual, residual_dtype,
     if residual is not None:
         second.pop("x_scale_inv", None)
     two_passes = decision.quantize is not None
-    row_scaling = "amax" if two_passes and per_tensor else spec.scaling
+    row_scaling = problem.row_scaling
     # The row kernel: CuTe DSL's where the decision has it (its launcher comes first below).
     kernels = [] if cute_plan is not None else [(cutile_fp8.bind_fp8_forward(
         plan, features, row_scaling, fp8_max, column_amax), layouts)]
