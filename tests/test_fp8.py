@@ -1303,12 +1303,16 @@ def _cute_fp8_launch(key, x, w, offset: float, grid: int, pattern: int) -> dict:
 @pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
 @pytest.mark.parametrize("config", [(256, 2, 2), (512, 4, 1)])
 @pytest.mark.parametrize("scaling", ["row", "block", "mx", "delayed", "amax"])
-@pytest.mark.parametrize("case", sorted(RECOMPUTE_T_CASES))
+@pytest.mark.parametrize("case", sorted(c for c, (_, _, offset) in RECOMPUTE_T_CASES.items()
+                                         if offset == 0.0))
 def test_cute_fp8_recompute_t_gives_the_bits_of_the_kernel_holding_t(case, scaling, config):
     """``recompute_t`` does the same fp32 operations on the same values as the kernel that
     holds the weight and t (widening a 2-byte float is exact): every output the same bits
     at the same launch configuration, 16384 columns, rows not a multiple of the grid,
-    outputs poisoned differently for each kernel."""
+    outputs poisoned differently for each kernel. Not with the Gemma offset: there the two
+    kernels' x * w + x * offset round differently (an H100 run at b2d144f differed in every
+    scaling and configuration), and the offset case is held to float64 by
+    ``test_block_scaling_at_16384_columns_recomputes_t_and_matches_float64``."""
     g, seed = fresh_generator("cuda")
     rows, cols = 1037, 16384
     weight_dtype, fp8_dtype, offset = RECOMPUTE_T_CASES[case]
