@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
         args.report.write_text(json.dumps(record, indent=1) + "\n")
         plot(record, args.report.with_suffix(".png"))
         return
-    record = common.new_record(args)
+    record = common.new_record(args, families=("cutile/norm-fp8", "cute/norm-fp8"))
     if args.variants is not None:
         record["variants"] = args.variants
     modes = args.modes.split(",")
