@@ -3,6 +3,7 @@ plan, its ahead-of-time build for Hopper and Blackwell (and its registers: no sp
 sm_90a), the decision that picks it, and (GPU) its outputs against float64, through the
 kernel and through the ops."""
 
+import dataclasses
 import re
 import tempfile
 from pathlib import Path
@@ -84,6 +85,16 @@ def test_plan_only_where_measured_and_asks_residency_only_then():
     assert len(asked) == 2
     with pytest.raises(ValueError):
         plan(100, resident=lambda *shape: 0)
+
+
+def test_a_layer_norm_entry_is_refused_not_run_as_rms_norm():
+    """The kernel computes RMSNorm's gradient and its key names no op: a LayerNorm entry
+    (a tuning table, say) must not reach it."""
+    tuned = dataclasses.replace(SM90, cute_cluster_backward={
+        **SM90.cute_cluster_backward, "layer_norm": SM90.cute_cluster_backward["rms_norm"]})
+    with pytest.raises(ValueError, match="RMSNorm's only"):
+        plan_cute_cluster_backward(100, WIDTHS[0], itemsize=2, arch=(9, 0), op="layer_norm",
+                                   resident_clusters=made_up_residency, settings=tuned)
 
 
 def test_settings_entries_fit_the_kernel():
@@ -317,11 +328,24 @@ def test_features_match_float64(case, n):
     check_cluster_backward(555, n, **kw)
 
 
+@pytest.fixture
+def cluster_launches(monkeypatch) -> list:
+    """The cluster backward's launches from the torch call path: a call that fell back to
+    cuTile (also accurate and deterministic) would pass every value check."""
+    from tilenorm.pytorch.calls import BackwardCall
+
+    launches = []
+    run = BackwardCall._run_cute_cluster
+    monkeypatch.setattr(BackwardCall, "_run_cute_cluster",
+                        lambda self, *a: launches.append(self.cute) or run(self, *a))
+    return launches
+
+
 @gpu
 @needs_cute
 @pytest.mark.parametrize("n", WIDTHS)
 @pytest.mark.parametrize("case", ["plain", "gemma residual"])
-def test_public_op_runs_it_and_matches_float64_bit_for_bit(case, n):
+def test_public_op_runs_it_and_matches_float64_bit_for_bit(case, n, cluster_launches):
     """Through autograd: the decision names the cluster kernel, dx and dweight (reduced by
     column_sums) match float64 and a second backward bit for bit; with a fused residual the
     residual's gradient is dx."""
@@ -347,6 +371,7 @@ def test_public_op_runs_it_and_matches_float64_bit_for_bit(case, n):
                                          residual=leaves[2], prenorm=True)
             y.backward(dy)
             grads.append([t.grad for t in leaves])
+    assert len(cluster_launches) == 2, "the backward did not run the cluster kernel"
     ref = float64_norm(x, w, eps=1e-6, offset=offset, residual=r, dy=dy)
     assert rel(grads[0][0], ref.dx) <= OUT_TOL[torch.bfloat16], seed
     assert rel(grads[0][1], ref.dweight) <= OUT_TOL[torch.bfloat16], seed
@@ -358,7 +383,7 @@ def test_public_op_runs_it_and_matches_float64_bit_for_bit(case, n):
 
 @gpu
 @needs_cute
-def test_launch_level_op_adds_the_gradient_of_h():
+def test_launch_level_op_adds_the_gradient_of_h(cluster_launches):
     """``rms_norm_backward`` with ``dh`` (the gradient that reached h of a fused residual
     add): dx and dresidual are one tensor, dh added."""
     g, seed = fresh_generator("cuda")
@@ -371,6 +396,7 @@ def test_launch_level_op_adds_the_gradient_of_h():
         _, h, rstd = tilenorm.rms_norm_forward(x, w, residual=r)
         dx, dres, dw = tilenorm.rms_norm_backward(dy, h, w, rstd, dh=dh, x_dtype=x.dtype,
                                                   residual_dtype=r.dtype)
+    assert cluster_launches, "the backward did not run the cluster kernel"
     ref = float64_norm(x, w, eps=1e-6, residual=r, dy=dy, dh=dh)
     assert dres is dx
     assert rel(dx, ref.dx) <= OUT_TOL[torch.bfloat16], seed
@@ -379,7 +405,7 @@ def test_launch_level_op_adds_the_gradient_of_h():
 
 @gpu
 @needs_cute
-def test_cuda_graph_replay_matches_eager_bit_for_bit():
+def test_cuda_graph_replay_matches_eager_bit_for_bit(cluster_launches):
     """The kernel and its reduction launch on torch's current stream: a CUDA graph captures
     them."""
     g, _ = fresh_generator("cuda")
@@ -391,6 +417,7 @@ def test_cuda_graph_replay_matches_eager_bit_for_bit():
         _, h, rstd = tilenorm.rms_norm_forward(x, w)
         assert isinstance(tilenorm.explain(x, w).cute_backward, CuteClusterBackwardPlan)
         check_graph_replay_matches_eager(lambda: tilenorm.rms_norm_backward(dy, h, w, rstd))
+    assert cluster_launches, "the backward did not run the cluster kernel"
 
 
 @gpu

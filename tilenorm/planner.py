@@ -380,6 +380,10 @@ def plan_cute_cluster_backward(rows: int, cols: int, *, itemsize: int, arch: tup
     how many clusters of the entry's shape are co-resident on the device
     (:func:`tilenorm.device.max_active_clusters`), asked only where an entry applies."""
     s = settings or settings_for(arch)
+    if set(s.cute_cluster_backward) - {"rms_norm"}:
+        # The kernel computes RMSNorm's gradient only: its key has no op to tell it otherwise.
+        raise ValueError(f"cute_cluster_backward lists {sorted(s.cute_cluster_backward)}; "
+                         f"the cluster backward is RMSNorm's only")
     entry = _cute_entry(s, s.cute_cluster_backward, op, rows, cols, itemsize, heads,
                         max_offset)
     if entry is None:

@@ -61,9 +61,11 @@ class Fp8Settings:
     #: Per scaling of the row kernel (its ``SCALINGS``), widths that take the kernel's
     #: ``recompute_t`` (the weight and t = x * w not held across the row) at their own
     #: (threads, stages, CTAs per SM) instead of ``cute_forward``'s entry. Block scaling at
-    #: 16384 columns: two CTAs of 256 threads an SM fit 128 registers without spilling
-    #: (the kernel without ``recompute_t`` spills there), 83.9% -> 90.0% of copy on an H100;
-    #: row scaling and 8192 columns ran slower with it (#78).
+    #: 16384 columns: with bf16 x and no weight or a bf16 weight, two CTAs of 256 threads an
+    #: SM fit 128 registers without spilling (the kernel without ``recompute_t`` spills
+    #: there), 83.9% -> 90.0% of copy on an H100; row scaling and 8192 columns ran slower
+    #: with it (#78). The entry takes every variant: an fp32 weight, the offset or fp16 x
+    #: still spill a little here (2-40 stores against the old route's 3-74) and are untimed.
     cute_forward_recompute_t: dict = field(default_factory=lambda: {
         "block": {16384: (256, 2, 2)}})
 

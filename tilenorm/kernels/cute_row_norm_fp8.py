@@ -39,10 +39,13 @@ SM at 16384 columns (128 registers a thread) then spill. With ``recompute_t`` ea
 the weight again (from L1) and computes t = x * w from the x still in its ring slot (the
 slot is refilled only when the next row's turn begins): once before the barrier for the row's
 max|t| (row, delayed, amax), once after it for the quantization; block and MX scalings store
-each rep's q as soon as it is quantized. The same fp32 operations on the same values (widening
-a 2-byte float is exact), so the same results bit for bit; more instructions: t twice a row
-(row, delayed), and the weight read again from L1 once a row (block, mx) or twice. Where it
-runs: settings_fp8.py's ``cute_forward_recompute_t`` (#74, #78).
+each rep's q as soon as it is quantized. Without the Gemma offset these are the same fp32
+operations on the same values (widening a 2-byte float is exact), so the same results bit for
+bit; with it the compiler contracts x * w + x * offset differently in the two kernels and the
+bits differ (every scaling, an H100 at b2d144f, #78), each within the float64 tests'
+tolerance. More instructions: t twice a row (row, delayed), and the weight read again from L1
+once a row (block, mx) or twice. Where it runs: settings_fp8.py's
+``cute_forward_recompute_t`` (#74, #78).
 """
 
 from __future__ import annotations
