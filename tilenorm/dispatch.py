@@ -150,11 +150,7 @@ class Decision:
         if not self.uses_kernel:
             return ()
         cute_forward = (cute_forward_name(self.cute_forward),) if self.cute_forward else ()
-        cute_backward = ()
-        if self.cute_backward:
-            cute_backward = (CUTE_CLUSTER_BACKWARD_NAME
-                             if isinstance(self.cute_backward, CuteClusterBackwardPlan)
-                             else CUTE_BACKWARD_NAME,)
+        cute_backward = (cute_backward_name(self.cute_backward),) if self.cute_backward else ()
         return (cute_forward + kernel_names(self.forward) + kernel_names(self.backward)
                 + cute_backward + (REDUCE_KERNEL_NAME,))
 
@@ -177,19 +173,26 @@ class Decision:
             f"  forward:  {self.forward.describe()}",
         ]
         if self.cute_forward:
-            lines.append(f"  forward of contiguous, aligned rows in x's dtype "
-                         f"({cute_forward_name(self.cute_forward)}): "
+            lines.append(f"  forward of contiguous, aligned rows in x's dtype, "
+                         f"{cute_forward_name(self.cute_forward)}: "
                          f"{self.cute_forward.describe()}")
         lines.append(f"  backward: {self.backward.describe()}")
         if isinstance(self.cute_backward, CuteClusterBackwardPlan):
             lines.append(f"  backward of contiguous, aligned rows, the residual's gradient "
-                         f"in x's dtype ({CUTE_CLUSTER_BACKWARD_NAME}): "
+                         f"in x's dtype, {CUTE_CLUSTER_BACKWARD_NAME}: "
                          f"{self.cute_backward.describe()}")
         elif self.cute_backward:
             lines.append(f"  backward of contiguous, aligned rows without a fused residual "
-                         f"or weight offset (CuTe DSL): {self.cute_backward.describe()}")
+                         f"or weight offset, {CUTE_BACKWARD_NAME}: "
+                         f"{self.cute_backward.describe()}")
         lines.append(f"  why:      {self.reason}")
         return "\n".join(lines)
+
+
+def cute_backward_name(plan: CuteBackwardPlan | CuteClusterBackwardPlan) -> str:
+    """The CuTe DSL backward that ``plan`` launches: a row a CTA or a row a cluster."""
+    return (CUTE_CLUSTER_BACKWARD_NAME if isinstance(plan, CuteClusterBackwardPlan)
+            else CUTE_BACKWARD_NAME)
 
 
 def cute_forward_name(plan: CuteForwardPlan) -> str:

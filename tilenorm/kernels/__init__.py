@@ -10,6 +10,8 @@
     cute_cluster_norm_forward.py  the same for rows too wide for one CTA: a row across a
                                 cluster of CTAs, each slice staged in shared memory
     cute_row_norm_backward.py   a row-norm backward in the CuTe DSL, loads in flight across rows
+    cute_cluster_norm_backward.py  the RMSNorm backward of rows too wide for one CTA: a row
+                                across a cluster of CTAs, read once
     cute_row_norm_fp8.py        the FP8-output row-norm forward in the CuTe DSL
     cute_rows.py                what the CuTe DSL row kernels share: the thread layout
 

@@ -1,6 +1,7 @@
 """The CuTe DSL kernels (:mod:`tilenorm.kernels.cute_row_norm_forward`,
 :mod:`~tilenorm.kernels.cute_cluster_norm_forward`,
-:mod:`~tilenorm.kernels.cute_row_norm_backward`, :mod:`~tilenorm.kernels.cute_row_norm_fp8`):
+:mod:`~tilenorm.kernels.cute_row_norm_backward`,
+:mod:`~tilenorm.kernels.cute_cluster_norm_backward`, :mod:`~tilenorm.kernels.cute_row_norm_fp8`):
 compiled per launch plan and called through TVM-FFI, which takes DLPack arrays (torch tensors
 among them) and launches on the caller's current stream.
 
