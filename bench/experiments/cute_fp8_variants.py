@@ -1,8 +1,8 @@
 """Variants of the CuTe DSL FP8-output row kernel under measurement (not what the ops run):
 subclasses of :class:`tilenorm.kernels.cute_row_norm_fp8.RowNormFp8Forward` that
 ``cute_fp8_probe.py --variant NAME`` compiles and times beside it (bench/NOTES.md #58). The
-recompute-t variant (#74) is the kernel's ``recompute_t`` flag now (``--variant
-recompute-t``); its packed-weight form, which spilled at (256, 2, 2) (#74), is gone."""
+recompute-t variant (#74, #78) is the kernel's own ``recompute_t`` flag (``--variant
+recompute-t``)."""
 
 from __future__ import annotations
 
