@@ -116,8 +116,11 @@ def test_unavailable_says_why(monkeypatch):
 
 @pytest.fixture
 def fake_h100(monkeypatch):
-    """Decide as if the shard lived on an H100 (the decision needs only its properties)."""
+    """Decide as if the shard lived on an H100 (the decision needs only its properties, and
+    at the cluster backward's widths how many clusters it holds at once)."""
     monkeypatch.setattr(kernel_dispatch, "device_info", lambda index: FAKE_H100)
+    monkeypatch.setattr(kernel_dispatch, "max_active_clusters",
+                        lambda device, cluster, threads, ctas_per_sm: 15)
     kernel_dispatch.decide.cache_clear()
     yield
     kernel_dispatch.decide.cache_clear()
