@@ -14,6 +14,7 @@ import torch
 import tilenorm
 from tests.kernel_harness import (
     DGAMMA_TOL_FP32,
+    H100,
     OUT_TOL,
     check_graph_replay_matches_eager,
     fresh_generator,
@@ -21,7 +22,6 @@ from tests.kernel_harness import (
     rel,
 )
 from tilenorm import dispatch
-from tilenorm.device import DeviceInfo
 from tilenorm.launch import cute
 from tilenorm.planner import CuteClusterBackwardPlan, plan_cute_cluster_backward
 from tilenorm.settings import SM90
@@ -31,8 +31,6 @@ gpu = pytest.mark.gpu
 needs_cute = pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
 TABLE = SM90.cute_cluster_backward
 WIDTHS = sorted({cols for widths in TABLE.values() for cols in widths})
-H100 = DeviceInfo(index=0, name="NVIDIA H100 80GB HBM3", sm_count=132, arch=(9, 0),
-                  l2_bytes=50 << 20)
 #: Registers and shared memory of an SM (sm_90, sm_100), and what sm_90 reserves a CTA.
 REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED = 65536, 233472, 1024
 

@@ -8,6 +8,7 @@ import torch
 import tilenorm
 from tests.kernel_harness import (
     DGAMMA_TOL_FP32,
+    H100,
     OUT_TOL,
     check_graph_replay_matches_eager,
     fresh_generator,
@@ -15,7 +16,6 @@ from tests.kernel_harness import (
     rel,
 )
 from tilenorm import dispatch
-from tilenorm.device import DeviceInfo
 from tilenorm.launch import cute
 from tilenorm.planner import plan_cute_backward
 from tilenorm.settings import SM90
@@ -25,8 +25,6 @@ gpu = pytest.mark.gpu
 needs_cute = pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
 CUTE_BACKWARD = SM90.cute_backward
 WIDTHS = sorted({cols for widths in CUTE_BACKWARD.values() for cols in widths})
-H100 = DeviceInfo(index=0, name="NVIDIA H100 80GB HBM3", sm_count=132, arch=(9, 0),
-                  l2_bytes=50 << 20)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 131, 264, 265, 32768, 100003])
