@@ -273,6 +273,19 @@ def test_covers_takes_the_cluster_kernels_where_torch_does(fake_h100, monkeypatc
     assert "cute/jax: " + kernel_dispatch.CUTE_CLUSTER_FORWARD_NAME in off.reason
 
 
+@pytest.mark.parametrize("cols", CLUSTER_BACKWARD_WIDTHS)
+def test_covers_keeps_cutile_for_fp32_rows_at_the_cluster_widths(fake_h100, monkeypatch,
+                                                                  cols):
+    """The CuTe DSL kernels take 2-byte x: fp32 rows of these widths run cuTile's kernels,
+    as on the torch side."""
+    _records(monkeypatch, jax_forward=True)
+    decision = kernels.covers(_problem(512, cols=cols, allow=True,
+                                       dtypes=("float32", "float32")))
+    assert decision.uses_kernel
+    assert decision.cute_forward is None and decision.cute_backward is None
+    assert not any("CuTe" in name for name in decision.kernels)
+
+
 def test_covers_leaves_the_row_backward_to_cutile(fake_h100, monkeypatch):
     """The torch side's CuTe DSL row backward (LayerNorm at 4096) has no JAX call: cuTile's
     backward runs, and the reason says so."""
