@@ -25,6 +25,7 @@ from tilenorm.planner import (
     CuteClusterBackwardPlan,
     CuteForwardPlan,
     CuteFp8ForwardPlan,
+    CuteFp8TransposePlan,
     MxSwizzlePlan,
     Op,
     RowNormPlan,
@@ -33,6 +34,7 @@ from tilenorm.planner import (
     plan_cute_cluster_backward,
     plan_cute_forward,
     plan_cute_fp8_forward,
+    plan_cute_fp8_transpose,
     plan_fp8_column_amax,
     plan_fp8_mx_swizzle,
     plan_fp8_quantize,
@@ -425,6 +427,9 @@ class Fp8Decision:
     device: DeviceInfo | None = None
     #: The CuTe DSL row kernel's plan where it runs instead of cuTile's ``forward``.
     cute_forward: CuteFp8ForwardPlan | None = None
+    #: The CuTe DSL transposed copy's plan where it runs instead of cuTile's
+    #: ``fp8_quantize_transposed`` (``quantize`` is then None).
+    cute_transpose: CuteFp8TransposePlan | None = None
 
     @property
     def uses_kernel(self) -> bool:
@@ -438,7 +443,9 @@ class Fp8Decision:
         names = (CUTE_FP8_FORWARD_NAME if self.cute_forward else "norm_fwd_fp8_single",)
         if self.column_amax is not None:
             names += ("fp8_column_amax",)
-        if self.quantize is not None:
+        if self.cute_transpose is not None:
+            names += (CUTE_FP8_TRANSPOSE_NAME,)
+        elif self.quantize is not None:
             names += ("fp8_quantize_normed",) if self.scaling in ("tensor", "delayed") \
                 else ("fp8_quantize_transposed",)
         elif self.scaling == "delayed":
@@ -458,7 +465,7 @@ class Fp8Decision:
             f"{self.device.sm_count} SMs)",
             f"  status:   {self.family.name} {_family_status(self.family)}",
         ]
-        if self.cute_forward is not None:
+        if self.cute_forward is not None or self.cute_transpose is not None:
             lines.append(f"            {CUTE_NORM_FP8.name} {_family_status(CUTE_NORM_FP8)}")
         lines += [f"  kernels:  {', '.join(self.kernels)}",
                   f"  forward:  {(self.cute_forward or self.forward).describe()}"]
@@ -466,6 +473,8 @@ class Fp8Decision:
             lines.append(f"  columns:  {self.column_amax.describe()}")
         if self.quantize is not None:
             lines.append(f"  quantize: {self.quantize.describe()}")
+        if self.cute_transpose is not None:
+            lines.append(f"  copy:     {self.cute_transpose.describe()}")
         for swizzle in (self.swizzle, self.swizzle_t):
             if swizzle is not None:
                 lines.append(f"  swizzle:  {swizzle.describe()}")
@@ -532,19 +541,25 @@ def decide_fp8(p: Fp8Problem) -> Fp8Decision:
         column_amax = plan_fp8_column_amax(forward.grid, p.cols, arch=info.arch,
                                            dependent_launch=forward.dependent_launch)
     cute_forward = None if column_amax is not None else _cute_fp8_forward(p, info)
+    cute_transpose = _cute_fp8_transpose(p, info)
     reason = ("validated kernels cover this case" if stable
               else "experimental kernels are enabled")
     if cute_forward is not None:
         reason += ("; the CuTe DSL row kernel keeps the next rows' loads in flight "
                    "(bench/NOTES.md #56)")
+    if cute_transpose is not None:
+        quantize = None
+        reason += ("; the CuTe DSL transposed copy fits its registers where cuTile's pass "
+                   "does not (bench/NOTES.md #60)")
     return Fp8Decision(op=p.op, reason=reason, scaling=p.scaling, family=family,
                        forward=forward, quantize=quantize, column_amax=column_amax,
                        swizzle=swizzle, swizzle_t=swizzle_t, backward=backward, device=info,
-                       cute_forward=cute_forward)
+                       cute_forward=cute_forward, cute_transpose=cute_transpose)
 
 
-#: What ``Fp8Decision.kernels`` calls the CuTe DSL FP8-output row kernel.
+#: What ``Fp8Decision.kernels`` calls the CuTe DSL FP8-output row kernel and transposed copy.
 CUTE_FP8_FORWARD_NAME = "RowNormFp8Forward (CuTe DSL)"
+CUTE_FP8_TRANSPOSE_NAME = "TransposedFp8Quantize (CuTe DSL)"
 
 
 def _cute_fp8_forward(p: Fp8Problem, info: DeviceInfo) -> CuteFp8ForwardPlan | None:
@@ -558,3 +573,18 @@ def _cute_fp8_forward(p: Fp8Problem, info: DeviceInfo) -> CuteFp8ForwardPlan | N
     return plan_cute_fp8_forward(p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]],
                                  sm_count=info.sm_count, arch=info.arch,
                                  scaling=p.row_scaling, max_offset=p.max_offset)
+
+
+def _cute_fp8_transpose(p: Fp8Problem, info: DeviceInfo) -> CuteFp8TransposePlan | None:
+    """The CuTe DSL transposed copy for a copy with scales along M where the planner has a
+    tile for the shape (2-byte x, rows a multiple of 16), the kernel covers the features
+    (RMSNorm of x itself: no residual, no FP8 x) and it may run (installed; validated or
+    allowed)."""
+    if not p.scales_along_rows or p.op != "rms_norm" or p.has_residual:
+        return None
+    if not (validation.is_stable(CUTE_NORM_FP8) or p.allow_experimental):
+        return None
+    if p.dtypes[0] not in ("bfloat16", "float16") or not cute.available():
+        return None
+    return plan_cute_fp8_transpose(p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]],
+                                   arch=info.arch, max_offset=p.max_offset)

@@ -499,6 +499,51 @@ def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
                                recompute_t=recompute_t is not None)
 
 
+@dataclass(frozen=True)
+class CuteFp8TransposePlan:
+    """The CuTe DSL transposed FP8 copy over (rows, cols): one CTA a tile of 128 rows by
+    ``tile_cols`` columns, ``grid`` (column tiles, row tiles), ``ctas_per_sm`` resident CTAs
+    an SM it is compiled for."""
+
+    rows: int
+    cols: int
+    tile_cols: int
+    ctas_per_sm: int
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.cols // self.tile_cols, cdiv(self.rows, CUTE_FP8_TRANSPOSE_ROWS)
+
+    def describe(self) -> str:
+        return (f"CuTe DSL, {CUTE_FP8_TRANSPOSE_ROWS}x{self.tile_cols} tiles, grid "
+                f"{self.grid[0]}x{self.grid[1]}, {self.ctas_per_sm} CTAs an SM")
+
+
+#: Rows of a tile of the CuTe transposed copy (cute_fp8_transpose.py's ``TILE_ROWS``), and the
+#: multiple of 16 its row count must be (its ``ROW_MULTIPLE``: whole 16-byte runs of q_t).
+CUTE_FP8_TRANSPOSE_ROWS = 128
+CUTE_FP8_TRANSPOSE_ROW_MULTIPLE = 16
+
+
+def plan_cute_fp8_transpose(rows: int, cols: int, *, itemsize: int, arch: tuple[int, int],
+                            max_offset: int | None = None) -> CuteFp8TransposePlan | None:
+    """The CuTe DSL transposed copy for ``rows`` rows of ``cols`` ``itemsize``-byte
+    elements, or None where cuTile's ``fp8_quantize_transposed`` runs: other element sizes
+    than 2, row counts not a multiple of 16, widths no tile of the FP8 settings'
+    ``cute_transpose`` divides, more row tiles than the grid's second dimension holds, and
+    offsets past 32 bits (the kernel indexes with 32)."""
+    if max_offset is None:
+        max_offset = rows * cols - 1
+    if (itemsize != 2 or rows < 1 or rows % CUTE_FP8_TRANSPOSE_ROW_MULTIPLE
+            or cdiv(rows, CUTE_FP8_TRANSPOSE_ROWS) > MAX_GRID_Y
+            or max_offset > MAX_INT32_OFFSET):
+        return None
+    for tile_cols, ctas_per_sm in fp8_settings_for(arch).cute_transpose:
+        if cols % tile_cols == 0:
+            return CuteFp8TransposePlan(rows, cols, int(tile_cols), int(ctas_per_sm))
+    return None
+
+
 def max_fp8_cols(direction: Direction, op: Op, itemsize: int, arch: tuple[int, int]) -> int:
     """The widest row the FP8 kernels take: one single-pass tile (for FP8 x, a bf16 tile's
     width: the kernels hold the row in fp32 alike)."""

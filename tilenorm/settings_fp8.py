@@ -68,6 +68,14 @@ class Fp8Settings:
     #: still spill a little here (2-40 stores against the old route's 3-74) and are untimed.
     cute_forward_recompute_t: dict = field(default_factory=lambda: {
         "block": {16384: (256, 2, 2)}})
+    #: The CuTe DSL transposed copy of "row", "block" and "mx"
+    #: (tilenorm/kernels/cute_fp8_transpose.py), which runs instead of cuTile's
+    #: ``fp8_quantize_transposed`` (128 registers, 206 for "row": #60) for RMSNorm of 2-byte
+    #: x without a residual and a row count that is a multiple of 16: (tile columns, CTAs
+    #: per SM), the first whose columns divide the row width. 128-column tiles at three CTAs
+    #: an SM take 80 registers on sm_90a (block scaling keeps one 4-byte spill a tile), at
+    #: two 96 and none; neither is timed yet.
+    cute_transpose: tuple = ((128, 3), (64, 6))
 
 
 SM90_FP8 = Fp8Settings()

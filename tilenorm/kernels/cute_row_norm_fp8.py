@@ -90,7 +90,58 @@ def _widen_half(word: Int32, zero: Int32, high: bool, bf16: bool, *, loc=None,
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
-class RowNormFp8Forward(RowKernel):
+class Fp8Scales:
+    """The scale arithmetic of the CuTe FP8 kernels (this row kernel and the transposed
+    copy's, cute_fp8_transpose.py), exactly cutile_row_norm_fp8.py's; ``fp8_max`` is the
+    format's largest finite value."""
+
+    fp8_max: float
+
+    @cute.jit
+    def _scale_of(self, amax: Float32) -> Float32:
+        """``fp8_max / amax`` (IEEE division); 1 where amax is 0 or not finite, clamped to
+        the largest fp32 where it would overflow: cutile_row_norm_fp8.py's ``_scale_of``."""
+        scale = Float32(1.0)
+        if amax > Float32(0.0) and amax <= Float32(FLOAT32_MAX):
+            scale = cutlass.min(Float32(self.fp8_max) / amax, Float32(FLOAT32_MAX))
+        return scale
+
+    @cute.jit
+    def _mx_exponent(self, amax: Float32, bits: cute.Tensor) -> Int32:
+        """The smallest k with ``amax <= fp8_max * 2^k``, from the bits of both (exact: no
+        division, no logarithm), clamped to E8M0's [-127, 127]; 0 for amax = 0:
+        cutile_row_norm_fp8.py's ``_mx_exponent``."""
+        bits[0] = amax
+        bits[1] = Float32(self.fp8_max)
+        ints = cute.recast_tensor(bits, Int32)
+        a_bits = ints[0]
+        m_bits = ints[1]
+        k = ((a_bits >> 23) & 0xFF) - ((m_bits >> 23) & 0xFF)
+        if (a_bits & 0x7FFFFF) > (m_bits & 0x7FFFFF):
+            k = k + 1
+        k = cutlass.min(cutlass.max(k, Int32(-127)), Int32(127))
+        if not amax > Float32(0.0):
+            k = Int32(0)
+        return k
+
+    @cute.jit
+    def _power_of_two(self, k: Int32, bits: cute.Tensor) -> Float32:
+        """2^k as fp32 for k in [-126, 127]: the exponent field's bits."""
+        ints = cute.recast_tensor(bits, Int32)
+        ints[0] = (k + 127) << 23
+        return bits[0]
+
+    @cute.jit
+    def _saturated(self, v: Float32) -> Float32:
+        """``v`` clamped to [-fp8_max, fp8_max]; NaN passes through."""
+        if v > Float32(self.fp8_max):
+            v = Float32(self.fp8_max)
+        if v < Float32(-self.fp8_max):
+            v = Float32(-self.fp8_max)
+        return v
+
+
+class RowNormFp8Forward(RowKernel, Fp8Scales):
     """The kernel for one (dtypes, width, scaling, launch config, ``recompute_t``);
     ``__call__`` launches it on ``grid`` programs."""
 
@@ -136,49 +187,6 @@ class RowNormFp8Forward(RowKernel):
             grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream,
             max_number_threads=[self.threads, 1, 1], min_blocks_per_mp=self.ctas_per_sm,
             preferred_smem_carveout=SMEM_CARVEOUT)
-
-    @cute.jit
-    def _scale_of(self, amax: Float32) -> Float32:
-        """``fp8_max / amax`` (IEEE division); 1 where amax is 0 or not finite, clamped to
-        the largest fp32 where it would overflow: cutile_row_norm_fp8.py's ``_scale_of``."""
-        scale = Float32(1.0)
-        if amax > Float32(0.0) and amax <= Float32(FLOAT32_MAX):
-            scale = cutlass.min(Float32(self.fp8_max) / amax, Float32(FLOAT32_MAX))
-        return scale
-
-    @cute.jit
-    def _mx_exponent(self, amax: Float32, bits: cute.Tensor) -> Int32:
-        """The smallest k with ``amax <= fp8_max * 2^k``, from the bits of both (exact: no
-        division, no logarithm), clamped to E8M0's [-127, 127]; 0 for amax = 0:
-        cutile_row_norm_fp8.py's ``_mx_exponent``."""
-        bits[0] = amax
-        bits[1] = Float32(self.fp8_max)
-        ints = cute.recast_tensor(bits, Int32)
-        a_bits = ints[0]
-        m_bits = ints[1]
-        k = ((a_bits >> 23) & 0xFF) - ((m_bits >> 23) & 0xFF)
-        if (a_bits & 0x7FFFFF) > (m_bits & 0x7FFFFF):
-            k = k + 1
-        k = cutlass.min(cutlass.max(k, Int32(-127)), Int32(127))
-        if not amax > Float32(0.0):
-            k = Int32(0)
-        return k
-
-    @cute.jit
-    def _power_of_two(self, k: Int32, bits: cute.Tensor) -> Float32:
-        """2^k as fp32 for k in [-126, 127]: the exponent field's bits."""
-        ints = cute.recast_tensor(bits, Int32)
-        ints[0] = (k + 127) << 23
-        return bits[0]
-
-    @cute.jit
-    def _saturated(self, v: Float32) -> Float32:
-        """``v`` clamped to [-fp8_max, fp8_max]; NaN passes through."""
-        if v > Float32(self.fp8_max):
-            v = Float32(self.fp8_max)
-        if v < Float32(-self.fp8_max):
-            v = Float32(-self.fp8_max)
-        return v
 
     @cute.jit
     def _quantize(self, t: cute.Tensor, q: cute.Tensor, rstd: Float32, scale: Float32, i: int):
