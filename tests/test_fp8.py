@@ -1436,7 +1436,17 @@ def test_fp8_decision_takes_the_cute_transposed_copy_where_it_covers_the_call(sc
                                    residual, rows * 4096 - 1, True)
 
     plan = dispatch._cute_fp8_transpose(problem(), h100)
-    assert plan is not None and plan.grid == (32, 9)
+    assert plan is not None and plan.grid == (32, 9) and not plan.weight_first
+    # A per-row scaling's column amaxes: the CuTe row kernel keeps them where the CuTe copy
+    # follows it at a width of the settings' cute_forward_column_amax.
+    row = dispatch._cute_fp8_forward(problem(), h100, column_amax=True)
+    assert (row is not None and row.column_amax) == (scaling == "row")
+    if scaling == "row":
+        assert dispatch._cute_fp8_forward(problem(), h100) is None
+        assert "column amaxes kept" in row.describe()
+        wide = dispatch.Fp8Problem("rms_norm", "cuda", 0, ("bfloat16", "bfloat16"), 1040,
+                                   16384, "row", True, False, 1040 * 16384 - 1, True)
+        assert dispatch._cute_fp8_forward(wide, h100, column_amax=True) is None
     assert dispatch._cute_fp8_transpose(problem(dtypes=("float16", "float32")), h100)
     for other in (problem(op="layer_norm"), problem(residual=True), problem(rows=1000),
                   problem(transpose=False), problem(dtypes=("float32", "float32")),
@@ -1468,10 +1478,11 @@ def test_cute_fp8_transpose_fits_its_ctas_an_sm_on_hopper(tmp_path):
     tool = find_cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not installed")
-    for n, (scaling, (tile_cols, ctas)) in enumerate(
-            (s, t) for s in ("row", "block", "mx") for t in SM90_FP8.cute_transpose):
+    cases = [(s, t, False) for s in ("row", "block", "mx") for t in SM90_FP8.cute_transpose]
+    for n, (scaling, (tile_cols, ctas), weight_first) in enumerate(
+            cases + [("row", SM90_FP8.cute_transpose[0], True)]):
         key = cute.Fp8TransposeKey("bfloat16", "bfloat16", "float8_e4m3fn", scaling, False,
-                                   4096, tile_cols, ctas)
+                                   4096, tile_cols, ctas, weight_first)
         folder = tmp_path / str(n)
         folder.mkdir()
         with keeping_cubins(str(folder)):
@@ -1505,18 +1516,31 @@ def _forget_fp8_plans():
 CUTE_TRANSPOSE_SHAPES = [(1040, 4096), (4096, 2048), (64, 16384), (2064, 2112), (16, 8192)]
 
 
+def _copy_of_fp32_y(x, w, rstd, scaling, fp8_dtype, weight_first: bool):
+    """(q_t, scale_inv_t) of y computed in fp32 by torch in the kernel's order ((x * rstd)
+    * w, or with ``weight_first`` (x * w) * rstd: elementwise IEEE products, no FMA), then
+    quantized along M by the reference path (correctly rounded quotients, as the kernels')."""
+    xf, r = x.float(), rstd.reshape(-1, 1)
+    y = xf * r
+    if w is not None:
+        y = (xf * w.float()) * r if weight_first else y * w.float()
+    return reference.quantize_along_rows(y.t().contiguous(), scaling, fp8_dtype)
+
+
 @gpu
 @pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
 @pytest.mark.parametrize("weight", ["fp32", "bf16", "none"])
 @pytest.mark.parametrize("rows,cols", CUTE_TRANSPOSE_SHAPES)
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("scaling", ["row", "block", "mx"])
-def test_cute_transposed_copy_has_the_bits_of_cutiles_pass(scaling, fp8_dtype, rows, cols,
-                                                           weight, monkeypatch):
-    """The CuTe DSL copy computes cuTile's ``fp8_quantize_transposed``'s fp32 math
-    ((x * rstd) * w, the same scale functions): q_t and its scales the same bits as cuTile's
-    pass on the same inputs, against float64 at its own scales, on poisoned outputs with
-    three reruns bit-identical (``run_kernels``)."""
+def test_cute_transposed_copy_has_the_bits_of_its_fp32_math(scaling, fp8_dtype, rows, cols,
+                                                            weight, monkeypatch):
+    """The CuTe DSL copy on poisoned outputs, three reruns bit-identical (``run_kernels``):
+    q_t and its scales the bits of its fp32 math done by torch (:func:`_copy_of_fp32_y`),
+    and against float64 at its own scales. Where it takes cuTile's math ((x * rstd) * w:
+    block, MX, and a per-row scaling after cuTile's row kernel), also the bits of cuTile's
+    ``fp8_quantize_transposed``; where a per-row scaling takes the CuTe row kernel's column
+    amaxes (``weight_first``), q and its scales the bits of that kernel without the copy."""
     from tilenorm.dispatch import CUTE_FP8_TRANSPOSE_NAME
 
     if scaling == "block" and cols % 128:
@@ -1531,20 +1555,30 @@ def test_cute_transposed_copy_has_the_bits_of_cutiles_pass(scaling, fp8_dtype, r
                                             transpose=True)
         assert CUTE_FP8_TRANSPOSE_NAME in decision.kernels, str(decision)
         assert decision.quantize is None and "copy:" in str(decision)
+        weight_first = decision.cute_transpose.weight_first
+        assert weight_first == (decision.cute_forward is not None and scaling == "row")
         out = run_kernels("rms_norm", x, w, None, scaling, fp8_dtype, transpose=True)
+        q_t, scale_inv_t = _copy_of_fp32_y(x, w, out.rstd, scaling, fp8_dtype, weight_first)
+        assert torch.equal(_bits(out.data_t), _bits(q_t)), seed
+        assert torch.equal(_bits(out.scale_inv_t), _bits(scale_inv_t)), seed
         ref = _reference(x.cpu(), None if w is None else w.cpu(), None, scaling, fp8_dtype,
                          out)
         check_against_float64(out, ref, scaling, fp8_dtype)
-        _without_cute_transpose(monkeypatch)
-        with tilenorm.experimental():
-            assert "fp8_quantize_transposed" in tilenorm.fp8.explain(
-                x, w, scaling=scaling, fp8_dtype=fp8_dtype, transpose=True).kernels
-        cutile = run_kernels("rms_norm", x, w, None, scaling, fp8_dtype, repeats=1,
-                             transpose=True)
+        if weight_first:
+            other = run_kernels("rms_norm", x, w, None, scaling, fp8_dtype, repeats=1)
+            names = ("data", "scale_inv", "rstd")
+        else:
+            _without_cute_transpose(monkeypatch)
+            with tilenorm.experimental():
+                assert "fp8_quantize_transposed" in tilenorm.fp8.explain(
+                    x, w, scaling=scaling, fp8_dtype=fp8_dtype, transpose=True).kernels
+            other = run_kernels("rms_norm", x, w, None, scaling, fp8_dtype, repeats=1,
+                                transpose=True)
+            names = ("data_t", "scale_inv_t", "data", "scale_inv", "rstd")
     finally:
         _forget_fp8_plans()
-    for name in ("data_t", "scale_inv_t", "data", "scale_inv", "rstd"):
-        assert torch.equal(_bits(getattr(out, name)), _bits(getattr(cutile, name))), (
+    for name in names:
+        assert torch.equal(_bits(getattr(out, name)), _bits(getattr(other, name))), (
             name, seed)
 
 

@@ -537,11 +537,16 @@ def decide_fp8(p: Fp8Problem) -> Fp8Decision:
                                      dependent_launch=forward.dependent_launch,
                                      max_offset=p.max_offset,
                                      column_blocks=p.scales_along_rows and p.scaling != "row")
-    if p.scales_along_rows and p.scaling == "row":
-        column_amax = plan_fp8_column_amax(forward.grid, p.cols, arch=info.arch,
-                                           dependent_launch=forward.dependent_launch)
-    cute_forward = None if column_amax is not None else _cute_fp8_forward(p, info)
     cute_transpose = _cute_fp8_transpose(p, info)
+    cute_forward = _cute_fp8_forward(p, info, column_amax=cute_transpose is not None)
+    if p.scales_along_rows and p.scaling == "row":
+        # The column amaxes: the CuTe row kernel's with the CuTe copy (which then computes y
+        # as that kernel does), else cuTile's row kernel's, whose y both copies compute.
+        if cute_forward is not None:
+            cute_transpose = dataclasses.replace(cute_transpose, weight_first=True)
+        partials = (cute_forward or forward).grid
+        column_amax = plan_fp8_column_amax(partials, p.cols, arch=info.arch,
+                                           dependent_launch=forward.dependent_launch)
     reason = ("validated kernels cover this case" if stable
               else "experimental kernels are enabled")
     if cute_forward is not None:
@@ -562,17 +567,24 @@ CUTE_FP8_FORWARD_NAME = "RowNormFp8Forward (CuTe DSL)"
 CUTE_FP8_TRANSPOSE_NAME = "TransposedFp8Quantize (CuTe DSL)"
 
 
-def _cute_fp8_forward(p: Fp8Problem, info: DeviceInfo) -> CuteFp8ForwardPlan | None:
+def _cute_fp8_forward(p: Fp8Problem, info: DeviceInfo, column_amax: bool = False
+                      ) -> CuteFp8ForwardPlan | None:
     """The CuTe DSL row kernel where the planner has one for the width and x's element size
     (2-byte x), the kernel covers the features (RMSNorm, no residual; ``decide_fp8`` has
-    checked the parameters' dtypes), and it may run (installed; validated or allowed)."""
+    checked the parameters' dtypes), and it may run (installed; validated or allowed). A
+    per-row scaling's transposed copy needs its column amaxes: only where ``column_amax``
+    (the CuTe copy runs after it) and the planner keeps them at the width."""
     if not (validation.is_stable(CUTE_NORM_FP8) or p.allow_experimental):
         return None
     if p.op != "rms_norm" or p.has_residual or not cute.available():
         return None
+    keeps_columns = p.scales_along_rows and p.scaling == "row"
+    if keeps_columns and not column_amax:
+        return None
     return plan_cute_fp8_forward(p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]],
                                  sm_count=info.sm_count, arch=info.arch,
-                                 scaling=p.row_scaling, max_offset=p.max_offset)
+                                 scaling=p.row_scaling, max_offset=p.max_offset,
+                                 column_amax=keeps_columns)
 
 
 def _cute_fp8_transpose(p: Fp8Problem, info: DeviceInfo) -> CuteFp8TransposePlan | None:

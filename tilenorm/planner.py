@@ -473,22 +473,35 @@ class CuteFp8ForwardPlan(CuteRowPlan):
     and recomputes t = x * w at each use instead of holding both across the row."""
 
     recompute_t: bool = False
+    #: The kernel's ``column_amax``: per-program column amaxes for a per-row scaling's copy.
+    column_amax: bool = False
 
     def describe(self) -> str:
         return (f"CuTe DSL, {self._launch()}"
-                + (", t = x * w recomputed at each use" if self.recompute_t else ""))
+                + (", t = x * w recomputed at each use" if self.recompute_t else "")
+                + (", column amaxes kept" if self.column_amax else ""))
 
 
 def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
-                          arch: tuple[int, int], scaling: str, max_offset: int | None = None
-                          ) -> CuteFp8ForwardPlan | None:
+                          arch: tuple[int, int], scaling: str, max_offset: int | None = None,
+                          column_amax: bool = False) -> CuteFp8ForwardPlan | None:
     """The CuTe DSL FP8-output row kernel for ``rows`` rows of ``cols`` 2-byte elements with
     the row kernel's ``scaling`` (a name of the kernel's ``SCALINGS``), or None where
     cuTile's runs: widths not in the FP8 settings' ``cute_forward`` table, other element
     sizes, and offsets past 32 bits (the kernel indexes with 32). The settings'
     ``cute_forward_recompute_t`` entry of the scaling and width, where there is one, takes
-    the place of ``cute_forward``'s, with ``recompute_t``."""
+    the place of ``cute_forward``'s, with ``recompute_t``. ``column_amax`` (a per-row
+    scaling's transposed copy): only the widths of the settings' ``cute_forward_column_amax``,
+    at ``cute_forward``'s entry."""
     settings = fp8_settings_for(arch)
+    if column_amax:
+        if scaling != "row" or cols not in settings.cute_forward_column_amax:
+            return None
+        plan = plan_cute_fp8_forward(rows, cols, itemsize=itemsize, sm_count=sm_count,
+                                     arch=arch, scaling=scaling, max_offset=max_offset)
+        if plan is None or plan.recompute_t:
+            return None
+        return dataclasses.replace(plan, column_amax=True)
     recompute_t = settings.cute_forward_recompute_t.get(scaling, {}).get(cols)
     entry = recompute_t or settings.cute_forward.get(cols)
     if max_offset is None:
@@ -509,6 +522,8 @@ class CuteFp8TransposePlan:
     cols: int
     tile_cols: int
     ctas_per_sm: int
+    #: y as the CuTe row kernel computes it, whose column amaxes a per-row scaling takes.
+    weight_first: bool = False
 
     @property
     def grid(self) -> tuple[int, int]:

@@ -76,6 +76,12 @@ class Fp8Settings:
     #: an SM take 80 registers on sm_90a (block scaling keeps one 4-byte spill a tile), at
     #: two 96 and none; neither is timed yet.
     cute_transpose: tuple = ((128, 3), (64, 6))
+    #: Widths of ``cute_forward`` whose row kernel also keeps per-program column amaxes
+    #: for a per-row scaling's copy (its ``column_amax``), with the CuTe copy after it, in
+    #: place of cuTile's row kernel (which spills there, #60). On sm_90a (bf16 weight) it
+    #: spills 0 / 4 / 3 registers a row at 2048 / 4096 / 8192 columns (the cuTile kernel 8
+    #: and 4 stores at 4096 and 8192, #60), 15 at 16384, left out. Untimed.
+    cute_forward_column_amax: tuple = (2048, 4096, 8192)
 
 
 SM90_FP8 = Fp8Settings()

@@ -16,6 +16,11 @@ offset, whose contraction the compilers may choose differently, cute_row_norm_fp
 
     y = (x * rstd) * w (+ (x * rstd) * offset)       q_t = cast(saturate(y * scale))
 
+or with ``weight_first`` the CuTe row kernel's, whose column amaxes a per-row scaling's
+copy then takes (``column_amax`` there)::
+
+    t = x * w (+ x * offset)        y = t * rstd
+
 Scales (``scaling``): ``"row"``, one per column of y from the row kernel's ``column_amax``
 (the (cols, 1) fp32 ``scale_inv`` written by the first row tile's CTAs); ``"block"``, one
 per 128 x 1 block of y, (cols, cdiv(rows, 128)) fp32 with strides (1, cols); ``"mx"``, one
@@ -63,7 +68,8 @@ class TransposedFp8Quantize(Fp8Scales):
     ``__call__`` launches it on (cols / tile_cols, cdiv(rows, 128)) CTAs."""
 
     def __init__(self, dtype, weight_dtype, fp8_dtype, fp8_max: float, cols: int,
-                 tile_cols: int, ctas_per_sm: int, scaling: str, has_offset: bool):
+                 tile_cols: int, ctas_per_sm: int, scaling: str, has_offset: bool,
+                 weight_first: bool = False):
         if scaling not in SCALINGS:
             raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
         if dtype.width != 16:
@@ -80,6 +86,7 @@ class TransposedFp8Quantize(Fp8Scales):
         self.scaling = scaling
         self.has_weight = weight_dtype is not None
         self.has_offset = has_offset
+        self.weight_first = weight_first
         self.vec = 128 // dtype.width
         #: Threads along a tile's row (one 16-byte vector each) and along its rows.
         self.col_threads = tile_cols // self.vec
@@ -154,13 +161,21 @@ class TransposedFp8Quantize(Fp8Scales):
         y = cute.make_rmem_tensor((self.vec, THREAD_ROWS), Float32)
         for i in cutlass.range_constexpr(THREAD_ROWS):
             for j in cutlass.range_constexpr(self.vec):
-                normed = xf[j, i] * rstd[i]
-                v = normed
-                if const_expr(self.has_weight):
-                    v = normed * w[j]
-                    if const_expr(self.has_offset):
-                        v = v + normed * offset
-                y[j, i] = v
+                if const_expr(self.weight_first):
+                    t = xf[j, i]
+                    if const_expr(self.has_weight):
+                        t = xf[j, i] * w[j]
+                        if const_expr(self.has_offset):
+                            t = t + xf[j, i] * offset
+                    y[j, i] = t * rstd[i]
+                else:
+                    normed = xf[j, i] * rstd[i]
+                    v = normed
+                    if const_expr(self.has_weight):
+                        v = normed * w[j]
+                        if const_expr(self.has_offset):
+                            v = v + normed * offset
+                    y[j, i] = v
 
         if const_expr(self.scaling != "row"):
             # Each column's largest |y| over the thread's rows, the warp's, then in shared

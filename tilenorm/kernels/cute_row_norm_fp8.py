@@ -26,6 +26,10 @@ Scalings (``scaling``): ``"row"`` (q and one fp32 ``scale_inv`` a row, (rows, 1)
 (E8M0 bytes of 1 x 32 blocks, (rows, cols / 32) row-major), ``"delayed"`` (q with the given
 scale, and this program's amax), ``"amax"`` (no q: rstd and the program's amax, pass 1 of
 the per-tensor current scaling, whose pass 2 is cuTile's ``fp8_quantize_normed``).
+``column_amax`` ("row" only): also each column's largest ``|t * rstd|`` (y as q takes it)
+over the program's rows, row ``p`` of the (grid, cols) fp32 ``amax`` operand, for the
+per-column scales of the transposed copy (cute_fp8_transpose.py with ``weight_first``, after
+cuTile's ``fp8_column_amax``); kept in shared memory, each thread its own columns.
 
 Layout: program ``p`` of ``grid`` takes rows ``p, p + grid, ...``; ``threads`` threads each
 hold ``reps`` 16-byte vectors of a row, ``threads`` vectors apart, so every load is
@@ -147,7 +151,7 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
 
     def __init__(self, dtype, weight_dtype, fp8_dtype, fp8_max: float, cols: int,
                  threads: int, stages: int, ctas_per_sm: int, scaling: str,
-                 has_offset: bool, recompute_t: bool = False):
+                 has_offset: bool, recompute_t: bool = False, column_amax: bool = False):
         if scaling not in SCALINGS:
             raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
         self.dtype = dtype
@@ -170,12 +174,16 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
             raise ValueError(f"stages must be even and >= 2, got {stages}")
         if recompute_t and dtype.width != 16:
             raise ValueError("recompute_t widens x from its 16-bit words: 2-byte x only")
+        if column_amax and (scaling != "row" or recompute_t):
+            raise ValueError("column amaxes are kept for a per-row scaling's transposed copy, "
+                             "by the kernel that holds t")
         self.stages = stages
         self.ctas_per_sm = ctas_per_sm
         self.scaling = scaling
         self.has_weight = weight_dtype is not None
         self.has_offset = has_offset
         self.recompute_t = recompute_t
+        self.column_amax = column_amax
         self.warps = threads // cute.arch.WARP_SIZE
 
     @cute.jit
@@ -261,6 +269,16 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
             if tidx == 0:
                 zeros[0] = Int32(0)
             cute.arch.barrier()
+        # column_amax: each column's largest |y| over the program's rows, in shared memory
+        # (registers hold the ring); each thread keeps the slots of its own columns, so no
+        # barrier orders them.
+        columns = None
+        if const_expr(self.column_amax):
+            columns = self._thread_view(
+                smem.allocate_tensor(Float32, cute.make_layout((self.cols,)), 16), tidx)
+            for r in cutlass.range_constexpr(self.reps):
+                for e in cutlass.range_constexpr(self.vec):
+                    columns[e, r] = Float32(0.0)
 
         shape = (self.vec, self.reps)
         # The weight as loaded, and (but with recompute_t) in fp32 for every row.
@@ -342,6 +360,8 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                             cute.autovec_copy(q_bytes, self._thread_view(mQ[row, None], tidx))
                             if tidx == 0:
                                 mQScale[row, 0] = Float32(1.0) / scale
+                            if const_expr(self.column_amax):
+                                self._column_maxima(columns, t, rstd)
                         else:
                             acc[0] = cute.arch.fmax(acc[0], amax)
                             if const_expr(self.scaling == "delayed"):
@@ -357,6 +377,21 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         if const_expr(self.scaling in ("amax", "delayed")):  # noqa: SIM102
             if tidx == 0:
                 mAmax[program] = acc[0]
+        if const_expr(self.column_amax):
+            out = cute.make_rmem_tensor(shape, Float32)
+            cute.autovec_copy(columns, out)
+            cute.autovec_copy(out, self._thread_view(mAmax[program, None], tidx))
+
+    @cute.jit
+    def _column_maxima(self, columns: cute.Tensor, t: cute.Tensor, rstd: Float32):
+        """This thread's column maxima (shared memory) with the row's ``|t * rstd|``: y as
+        the row's q scales it. A vector at a time: registers hold the ring."""
+        for r in cutlass.range_constexpr(self.reps):
+            m = cute.make_rmem_tensor((self.vec,), Float32)
+            cute.autovec_copy(columns[None, r], m)
+            for e in cutlass.range_constexpr(self.vec):
+                m[e] = cute.arch.fmax(m[e], cute.math.absf(t[e, r] * rstd))
+            cute.autovec_copy(m, columns[None, r])
 
     @cute.jit
     def _quantize_blocks(self, t, y, q, q_bytes, rstd, row, tidx, lane, bits, mQ, mQScale):

@@ -368,6 +368,8 @@ class Fp8ForwardKey:
     ctas_per_sm: int
     #: The kernel's ``recompute_t``: the weight and t = x * w not held across the row.
     recompute_t: bool = False
+    #: The kernel's ``column_amax`` ("row"): per-program column amaxes for the copy.
+    column_amax: bool = False
 
 
 def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
@@ -377,7 +379,8 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
     DLPack arrays (None for the absent ones) on the current stream: ``q`` (rows, cols)
     uint8 (the FP8 bytes), ``q_scale`` (rows, 1)
     fp32 for "row", (rows, cols / 128) fp32 with strides (1, rows) for "block", (rows,
-    cols / 32) uint8 for "mx"; ``amax_partial`` (grid,) fp32 for "amax" and "delayed".
+    cols / 32) uint8 for "mx"; ``amax_partial`` (grid,) fp32 for "amax" and "delayed", and
+    with ``column_amax`` the (grid, cols) fp32 column amaxes.
     ``row_major_block_scales`` lays "block" scales out (rows, cols / 128) row-major instead:
     a measurement of what the GEMM layout's column-major stores cost (bench/NOTES.md #57),
     not a layout the ops return; ``kernel_class`` a subclass of the kernel under
@@ -396,7 +399,7 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
     fp8 = _fp8_dtypes()[key.fp8_dtype]
     kernel = (kernel_class or RowNormFp8Forward)(
         dtype, weight_dtype, fp8, FP8_MAX[key.fp8_dtype], key.cols, key.threads, key.stages,
-        key.ctas_per_sm, key.scaling, key.has_offset, key.recompute_t)
+        key.ctas_per_sm, key.scaling, key.has_offset, key.recompute_t, key.column_amax)
 
     rows = cute.sym_int() if key.rows is None else key.rows
     cols, slots = key.cols, cute.sym_int()
@@ -418,6 +421,8 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
         q_scale = None
     rstd = _fake(Float32, (rows,), (1,), 4)
     amax = _fake(Float32, (slots,), (1,), 4) if key.scaling in ("amax", "delayed") else None
+    if key.column_amax:
+        amax = _fake(Float32, (slots, cols), (cols, 1), 16)
     return _compile(kernel, arch, x, weight, scale, q, q_scale, rstd, amax, Float32(1e-6),
                     Float32(0.0), Int32(1))
 
@@ -427,7 +432,8 @@ def aot_fp8_keys(all_dtypes: bool = False) -> list[Fp8ForwardKey]:
     every scaling and weight dtype (or none), E4M3, in bf16; and the rest of the features
     (E5M2, the Gemma offset; fp16 x with ``all_dtypes``) at each width's row scaling. Each
     entry of its ``cute_forward_recompute_t`` table with ``recompute_t`` at its scaling:
-    every weight dtype, E5M2, the offset (and fp16 x)."""
+    every weight dtype, E5M2, the offset (and fp16 x). At the widths of its
+    ``cute_forward_column_amax``, row scaling with column amaxes, every weight dtype."""
     from tilenorm.kernels.cute_row_norm_fp8 import SCALINGS
     from tilenorm.settings_fp8 import SM90_FP8
 
@@ -443,6 +449,10 @@ def aot_fp8_keys(all_dtypes: bool = False) -> list[Fp8ForwardKey]:
         if all_dtypes:
             keys.append(Fp8ForwardKey(AOT_ROWS, "float16", "float16", "float8_e4m3fn", "mx",
                                       False, cols, *config))
+        if cols in SM90_FP8.cute_forward_column_amax:  # a per-row scaling's copy
+            keys += [Fp8ForwardKey(AOT_ROWS, "bfloat16", weight, "float8_e4m3fn", "row",
+                                   False, cols, *config, column_amax=True)
+                     for weight in (None, "bfloat16", "float32")]
     recompute_t_features = [  # (x, weight, FP8, offset)
         ("bfloat16", None, "float8_e4m3fn", False),
         ("bfloat16", "bfloat16", "float8_e4m3fn", False),
@@ -478,6 +488,9 @@ class Fp8TransposeKey:
     cols: int
     tile_cols: int
     ctas_per_sm: int
+    #: y as the CuTe row kernel computes it, (x * w) * rstd: a per-row scaling's copy after
+    #: that kernel's column amaxes.
+    weight_first: bool = False
 
 
 def compile_fp8_transpose(key: Fp8TransposeKey, arch: str | None = None,
@@ -503,7 +516,8 @@ def compile_fp8_transpose(key: Fp8TransposeKey, arch: str | None = None,
     weight_dtype = None if key.weight_dtype is None else dtypes[key.weight_dtype]
     kernel = TransposedFp8Quantize(dtype, weight_dtype, _fp8_dtypes()[key.fp8_dtype],
                                    FP8_MAX[key.fp8_dtype], key.cols, key.tile_cols,
-                                   key.ctas_per_sm, key.scaling, key.has_offset)
+                                   key.ctas_per_sm, key.scaling, key.has_offset,
+                                   key.weight_first)
     rows, cols, blocks = cute.sym_int(divisibility=ROW_MULTIPLE), key.cols, cute.sym_int()
     x = _fake(dtype, (rows, cols), (cols, 1), 16)
     weight = None if weight_dtype is None else _fake(weight_dtype, (cols,), (1,), 16)
@@ -522,9 +536,9 @@ def compile_fp8_transpose(key: Fp8TransposeKey, arch: str | None = None,
 
 def aot_fp8_transpose_keys(all_dtypes: bool = False) -> list[Fp8TransposeKey]:
     """The transposed FP8 copy's variants: at every width of the FP8 settings' row kernel
-    table, each scaling with a bf16 weight, E4M3, bf16 x, at the width's planned tile; at
-    4096 the other features (no weight, an fp32 weight, E5M2, the offset; fp16 x with
-    ``all_dtypes``)."""
+    table, each scaling with a bf16 weight, E4M3, bf16 x, at the width's planned tile (and
+    ``weight_first`` for "row" where the row kernel keeps column amaxes); at 4096 the other
+    features (no weight, an fp32 weight, E5M2, the offset; fp16 x with ``all_dtypes``)."""
     from tilenorm.kernels.cute_fp8_transpose import SCALINGS
     from tilenorm.planner import plan_cute_fp8_transpose
     from tilenorm.settings_fp8 import SM90_FP8
@@ -535,6 +549,9 @@ def aot_fp8_transpose_keys(all_dtypes: bool = False) -> list[Fp8TransposeKey]:
         tile = (plan.tile_cols, plan.ctas_per_sm)
         keys += [Fp8TransposeKey("bfloat16", "bfloat16", "float8_e4m3fn", scaling, False,
                                  cols, *tile) for scaling in SCALINGS]
+        if cols in SM90_FP8.cute_forward_column_amax:  # after the CuTe row kernel's amaxes
+            keys.append(Fp8TransposeKey("bfloat16", "bfloat16", "float8_e4m3fn", "row", False,
+                                        cols, *tile, weight_first=True))
         if cols == 4096:
             keys += [Fp8TransposeKey("bfloat16", None, "float8_e4m3fn", "mx", False, cols,
                                      *tile),

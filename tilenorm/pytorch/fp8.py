@@ -464,7 +464,9 @@ class _CuteLauncher:
             plan.rows, DTYPE_NAMES[x.dtype],
             None if weight is None else DTYPE_NAMES[weight.dtype],
             DTYPE_NAMES[spec.fp8_dtype], self.scaling, spec.has_offset, plan.cols,
-            plan.threads, plan.stages, plan.ctas_per_sm, plan.recompute_t))
+            plan.threads, plan.stages, plan.ctas_per_sm, plan.recompute_t, plan.column_amax))
+        # The program's amax, or with column_amax its column amaxes.
+        self.amax = "column_amax_partial" if plan.column_amax else "amax_partial"
 
     def __call__(self, stream: int, tensors: dict[str, torch.Tensor],
                  scalars: dict[str, float]):
@@ -473,7 +475,7 @@ class _CuteLauncher:
         q = tensors["q"].view(rows, cols).view(torch.uint8) if self.scaling != "amax" else None
         self.fn(tensors["x"].view(rows, cols), None if weight is None else weight.view(cols),
                 tensors["scale"].reshape(1) if self.scaling == "delayed" else None, q,
-                tensors.get("q_scale"), tensors["rstd"], tensors.get("amax_partial"),
+                tensors.get("q_scale"), tensors["rstd"], tensors.get(self.amax),
                 scalars["eps"], scalars["offset"], self.plan.grid)
 
 
@@ -486,7 +488,7 @@ class _CuteTransposeLauncher:
         self.fn = cute.compiled_fp8_transpose(cute.Fp8TransposeKey(
             DTYPE_NAMES[x.dtype], None if weight is None else DTYPE_NAMES[weight.dtype],
             DTYPE_NAMES[spec.fp8_dtype], spec.scaling, spec.has_offset, plan.cols,
-            plan.tile_cols, plan.ctas_per_sm))
+            plan.tile_cols, plan.ctas_per_sm, plan.weight_first))
 
     def __call__(self, stream: int, tensors: dict[str, torch.Tensor],
                  scalars: dict[str, float]):
