@@ -1253,8 +1253,9 @@ def test_explain_on_gpu_names_the_fp8_kernels():
 @pytest.mark.parametrize("scaling", SCALINGS)
 def test_cute_row_kernel_runs_and_matches_float64(scaling, cols):
     """The widths of the FP8 settings' ``cute_forward`` table take the CuTe DSL row kernel
-    (and a row-scaled transposed copy cuTile's, which keeps column amaxes); rows not a
-    multiple of the grid, poisoned outputs, reruns bit-identical (``run_kernels``)."""
+    (and a row-scaled transposed copy cuTile's, which keeps column amaxes, as 1037 rows are
+    no multiple of 16 for the CuTe copy); rows not a multiple of the grid, poisoned outputs,
+    reruns bit-identical (``run_kernels``)."""
     from tilenorm.dispatch import CUTE_FP8_FORWARD_NAME
 
     g, seed = fresh_generator("cuda")

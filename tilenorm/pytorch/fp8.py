@@ -84,7 +84,9 @@ no amax (a padding row normalizes to LayerNorm's bias). x is read twice, as for 
 current scaling. No atomics: reruns are bit-identical. For RMSNorm of 2-byte x without a
 residual, M a multiple of 16, the CuTe DSL pass ``TransposedFp8Quantize``
 (``tilenorm/kernels/cute_fp8_transpose.py``) writes the copy instead, with the same math
-and scales (``tilenorm.dispatch`` decides; bench/NOTES.md #60 says why).
+and scales (``tilenorm.dispatch`` decides; bench/NOTES.md #60 says why); for "row" at the
+CuTe row kernel's widths that kernel keeps the column amaxes, and the copy computes y as it
+does (``x * w`` first, then ``rstd``).
 
 MX scales for Blackwell
 -----------------------
