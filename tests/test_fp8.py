@@ -1022,6 +1022,17 @@ def test_scaled_mm_takes_the_swizzled_mx_scales(m):
     assert rel_error(product, expected) <= 1e-2, seed
 
 
+def _check_nan_row_and_zero_column(out, scaling, rows, cols, seed) -> None:
+    """The copy of y with x[417] holding a NaN and column 10 of y all zero: column 417 of
+    the copy NaN and no other, every scale finite, row 10 of the copy 0 at scale_inv 1."""
+    q_t = out.data_t.float().cpu()
+    others = [m for m in range(rows) if m != 417]
+    assert q_t[:, 417].isnan().all() and not q_t[:, others].isnan().any(), seed
+    s = testing.fp8_scales_per_element(out.scale_inv_t.cpu(), scaling, cols, rows)
+    assert s.isfinite().all()
+    assert (q_t[10, others] == 0).all() and (s[10] == 1).all()
+
+
 @gpu
 @pytest.mark.parametrize("scaling", ["row", "block", "mx"])
 def test_transposed_copy_keeps_nan_in_its_column_on_gpu(scaling):
@@ -1032,12 +1043,7 @@ def test_transposed_copy_keeps_nan_in_its_column_on_gpu(scaling):
     w[9] = 0  # a column of y that is the bias alone
     b[10], w[10] = 0, 0  # and one all zero: scale_inv 1, q 0
     out = run_kernels("layer_norm", x, w, b, scaling, transpose=True, repeats=1)
-    q_t = out.data_t.float().cpu()
-    others = [m for m in range(rows) if m != 417]
-    assert q_t[:, 417].isnan().all() and not q_t[:, others].isnan().any(), seed
-    s = testing.fp8_scales_per_element(out.scale_inv_t.cpu(), scaling, cols, rows)
-    assert s.isfinite().all()
-    assert (q_t[10, others] == 0).all() and (s[10] == 1).all()
+    _check_nan_row_and_zero_column(out, scaling, rows, cols, seed)
     ref = _reference(x.cpu(), w.cpu(), b.cpu(), scaling, E4M3, out)
     check_against_float64(out, ref, scaling, E4M3)
 
@@ -1637,12 +1643,7 @@ def test_cute_transposed_copy_keeps_nan_in_its_column(scaling):
         assert CUTE_FP8_TRANSPOSE_NAME in tilenorm.fp8.explain(
             x, w, scaling=scaling, transpose=True).kernels
     out = run_kernels("rms_norm", x, w, None, scaling, transpose=True, repeats=1)
-    q_t = out.data_t.float().cpu()
-    others = [m for m in range(rows) if m != 417]
-    assert q_t[:, 417].isnan().all() and not q_t[:, others].isnan().any(), seed
-    s = testing.fp8_scales_per_element(out.scale_inv_t.cpu(), scaling, cols, rows)
-    assert s.isfinite().all()
-    assert (q_t[10, others] == 0).all() and (s[10] == 1).all()
+    _check_nan_row_and_zero_column(out, scaling, rows, cols, seed)
     check_against_float64(out, _reference(x.cpu(), w.cpu(), None, scaling, E4M3, out),
                           scaling, E4M3)
 
