@@ -216,8 +216,10 @@ class TransposedFp8Quantize(Fp8Scales):
                     scales[block, col] = scale
                     if const_expr(self.scaling == "block"):
                         mQtScale[n, row_tile] = Float32(1.0) / scale
-                    elif row_tile == 0:
-                        mQtScale[n, 0] = Float32(1.0) / scale
+                    # Two ifs: one decided when tracing, one at run time.
+                    if const_expr(self.scaling == "row"):  # noqa: SIM102
+                        if row_tile == 0:
+                            mQtScale[n, 0] = Float32(1.0) / scale
         cute.arch.barrier()
 
         # Quantize a column's 8 values at a time into its line's chunk g, swizzled.
