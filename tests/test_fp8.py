@@ -1454,6 +1454,8 @@ def test_fp8_decision_takes_the_cute_transposed_copy_where_it_covers_the_call(sc
         wide = dispatch.Fp8Problem("rms_norm", "cuda", 0, ("bfloat16", "bfloat16"), 1040,
                                    16384, "row", True, False, 1040 * 16384 - 1, True)
         assert dispatch._cute_fp8_forward(wide, h100, column_amax=True) is None
+        fp32_weight = problem(dtypes=("bfloat16", "float32"))
+        assert dispatch._cute_fp8_forward(fp32_weight, h100, column_amax=True) is None
     assert dispatch._cute_fp8_transpose(problem(dtypes=("float16", "float32")), h100)
     for other in (problem(op="layer_norm"), problem(residual=True), problem(rows=1000),
                   problem(transpose=False), problem(dtypes=("float32", "float32")),

@@ -573,13 +573,14 @@ def _cute_fp8_forward(p: Fp8Problem, info: DeviceInfo, column_amax: bool = False
     (2-byte x), the kernel covers the features (RMSNorm, no residual; ``decide_fp8`` has
     checked the parameters' dtypes), and it may run (installed; validated or allowed). A
     per-row scaling's transposed copy needs its column amaxes: only where ``column_amax``
-    (the CuTe copy runs after it) and the planner keeps them at the width."""
+    (the CuTe copy runs after it), the weight is not fp32 (whose fp32 copy and the column
+    maxima spill: settings_fp8.py) and the planner keeps them at the width."""
     if not (validation.is_stable(CUTE_NORM_FP8) or p.allow_experimental):
         return None
     if p.op != "rms_norm" or p.has_residual or not cute.available():
         return None
     keeps_columns = p.scales_along_rows and p.scaling == "row"
-    if keeps_columns and not column_amax:
+    if keeps_columns and (not column_amax or "float32" in p.dtypes[1:]):
         return None
     return plan_cute_fp8_forward(p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]],
                                  sm_count=info.sm_count, arch=info.arch,

@@ -78,9 +78,11 @@ class Fp8Settings:
     cute_transpose: tuple = ((128, 3), (64, 6))
     #: Widths of ``cute_forward`` whose row kernel also keeps per-program column amaxes
     #: for a per-row scaling's copy (its ``column_amax``), with the CuTe copy after it, in
-    #: place of cuTile's row kernel (which spills there, #60). On sm_90a (bf16 weight) it
-    #: spills 0 / 4 / 3 registers a row at 2048 / 4096 / 8192 columns (the cuTile kernel 8
-    #: and 4 stores at 4096 and 8192, #60), 15 at 16384, left out. Untimed.
+    #: place of cuTile's row kernel (which spills there, #60). On sm_90a, with a bf16
+    #: weight or none, it spills 0 / 4 / 3 registers at 2048 / 4096 / 8192 columns (the
+    #: cuTile kernel 8 and 4 stores at 4096 and 8192, #60), 15 at 16384, left out; an fp32
+    #: weight spills 10-12 stores and 96 loads (without column amaxes 0 and 8 stores at
+    #: 2048 and 4096), so it keeps cuTile's row kernel (``dispatch``). Untimed.
     cute_forward_column_amax: tuple = (2048, 4096, 8192)
 
 

@@ -433,7 +433,8 @@ def aot_fp8_keys(all_dtypes: bool = False) -> list[Fp8ForwardKey]:
     (E5M2, the Gemma offset; fp16 x with ``all_dtypes``) at each width's row scaling. Each
     entry of its ``cute_forward_recompute_t`` table with ``recompute_t`` at its scaling:
     every weight dtype, E5M2, the offset (and fp16 x). At the widths of its
-    ``cute_forward_column_amax``, row scaling with column amaxes, every weight dtype."""
+    ``cute_forward_column_amax``, row scaling with column amaxes, a 2-byte weight or none
+    (an fp32 weight keeps cuTile's row kernel there)."""
     from tilenorm.kernels.cute_row_norm_fp8 import SCALINGS
     from tilenorm.settings_fp8 import SM90_FP8
 
@@ -450,9 +451,10 @@ def aot_fp8_keys(all_dtypes: bool = False) -> list[Fp8ForwardKey]:
             keys.append(Fp8ForwardKey(AOT_ROWS, "float16", "float16", "float8_e4m3fn", "mx",
                                       False, cols, *config))
         if cols in SM90_FP8.cute_forward_column_amax:  # a per-row scaling's copy
-            keys += [Fp8ForwardKey(AOT_ROWS, "bfloat16", weight, "float8_e4m3fn", "row",
-                                   False, cols, *config, column_amax=True)
-                     for weight in (None, "bfloat16", "float32")]
+            keys += [Fp8ForwardKey(AOT_ROWS, x, weight, "float8_e4m3fn", "row", False, cols,
+                                   *config, column_amax=True)
+                     for x, weight in (("bfloat16", None), ("bfloat16", "bfloat16"))
+                     + ((("float16", "float16"),) if all_dtypes else ())]
     recompute_t_features = [  # (x, weight, FP8, offset)
         ("bfloat16", None, "float8_e4m3fn", False),
         ("bfloat16", "bfloat16", "float8_e4m3fn", False),
