@@ -70,10 +70,12 @@ CUTILE_NORM_FP8 = KernelFamily(
     "cutile/norm-fp8", "cuTile",
     ("kernels/cutile_row_norm_fp8.py", "kernels/cutile_column_sums.py", "settings.py",
      "settings_fp8.py"))
-#: The CuTe DSL FP8-output row kernel; its settings live in settings_fp8.py.
+#: The CuTe DSL FP8-output row kernel and transposed copy; their settings live in
+#: settings_fp8.py.
 CUTE_NORM_FP8 = KernelFamily(
     "cute/norm-fp8", "CuTe DSL",
-    ("kernels/cute_row_norm_fp8.py", "kernels/cute_rows.py", "settings_fp8.py"),
+    ("kernels/cute_row_norm_fp8.py", "kernels/cute_fp8_transpose.py", "kernels/cute_rows.py",
+     "settings_fp8.py"),
     _cute_installed)
 
 
