@@ -108,6 +108,26 @@ def test_settings_entries_fit_the_kernel():
             assert rows + 2 * cluster * threads // 32 * 4 * max(2, stages) + 64 <= per_cta
 
 
+def test_cluster_widths_are_the_column_split_widths_it_replaces():
+    """The cluster backward wins at exactly its table's widths: each is past the single-pass
+    limit (the cuTile backward there is the two-pass column split it replaces), none is a
+    one-CTA CuTe backward's width, and the widths beside them get no cluster plan."""
+    from tilenorm.planner import plan_row_norm
+
+    for op, widths in TABLE.items():
+        limit = SM90.max_single_pass_bytes["backward"][op] // 2
+        for cols in widths:
+            assert cols > limit, (op, cols)
+            cutile = plan_row_norm(1000, cols, itemsize=2, sm_count=132, arch=(9, 0),
+                                   direction="backward", op=op)
+            assert cutile.col_tiles > 1, (op, cols)
+            assert cols not in SM90.cute_backward.get(op, {}), (op, cols)
+            assert plan(1000, cols, op=op)
+            for beside in (cols // 2 + cols // 4, cols + cols // 2):
+                if beside not in widths:
+                    assert plan(1000, beside, op=op) is None, (op, beside)
+
+
 @needs_cute
 def test_decision_picks_it_for_wide_rms_norm_rows(monkeypatch):
     monkeypatch.setattr(dispatch, "max_active_clusters",
@@ -149,8 +169,11 @@ def test_decision_names_the_cluster_kernel():
     assert dispatch.CUTE_CLUSTER_BACKWARD_NAME in decision.kernels
     assert dispatch.CUTE_BACKWARD_NAME not in decision.kernels
     text = str(decision)
-    assert dispatch.CUTE_CLUSTER_BACKWARD_NAME in text and "cluster of 8 CTAs" in text, text
-    assert "persistent grid 32 clusters" in text and "partial buffer 32x" in text, text
+    chosen = decision.cute_backward
+    assert dispatch.CUTE_CLUSTER_BACKWARD_NAME in text, text
+    assert f"cluster of {chosen.cluster} CTAs" in text, text
+    assert (f"persistent grid {chosen.clusters} clusters" in text
+            and f"partial buffer {chosen.clusters}x" in text), text
 
 
 def test_backward_kernel_takes_it_with_a_residual_and_an_offset():
@@ -202,10 +225,12 @@ def test_every_variant_builds_for_hopper_and_blackwell():
             assert callable(cute.compile_cluster_backward(key, arch)), (key, arch)
 
 
-#: The one variant that spills at sm_90a: fp32 weight (32 registers a thread at 8192 columns
-#: a CTA) beside a residual's gradient at two CTAs an SM (128 registers): one store and one
-#: load of a register a trip of two rows, not in the per-vector loops.
-SPILLING = {("float32", True, 65536): 1}
+#: The variants that spill at sm_90a: an fp32 weight (32 registers a thread at 4 vectors a
+#: thread) in 128 registers (65536: two CTAs of 256 threads an SM, beside a residual's
+#: gradient; 32768: one CTA of 512 threads): one store before the row loop and one load a
+#: trip of two rows, not in the per-vector loops.
+SPILLING = {("float32", True, 65536): 1, ("float32", False, 32768): 1,
+            ("float32", True, 32768): 1}
 
 
 @pytest.mark.aot

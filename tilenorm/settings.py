@@ -106,10 +106,14 @@ class RowNormSettings:
     cute_backward: dict = field(default_factory=lambda: {"layer_norm": {4096: (256, 2, 2)}})
     #: RMSNorm backwards of rows too wide for one CTA that a cluster of CTAs holds, reading x
     #: and dy once, per width: (CTAs a cluster, threads, row stages in shared memory, CTAs per
-    #: SM), the weight in registers. On an H100 (bf16), 59.9% -> 97.8% of copy bandwidth at
-    #: 2048 x 65536 and 58.1% -> 92.5% at 1024 x 131072 for the row kernel (#75).
+    #: SM), the weight in registers. Through the op on an H100 (bf16, % of copy, the partial
+    #: buffer's column sum included): 65536 94%, 131072 86-87%, where the two-pass
+    #: column-split backward held ~60% (#79, #81); 32768 at (2, 512, 2, 1) is the probe's
+    #: best there, 95.9% against the op's 60.1% (#81), not yet timed through the op. Every
+    #: width is past ``max_single_pass_bytes["backward"]``: the cluster kernel replaces the
+    #: column split, nothing else.
     cute_cluster_backward: dict = field(default_factory=lambda: {
-        "rms_norm": {65536: (8, 256, 2, 2), 131072: (8, 256, 2, 1)}})
+        "rms_norm": {32768: (2, 512, 2, 1), 65536: (8, 256, 2, 2), 131072: (8, 256, 2, 1)}})
     #: Forwards the CuTe DSL kernel runs instead of cuTile's, per op and row width:
     #: (threads, rows a CTA, CTAs per SM) of its one-shot grid, each CTA loading its rows
     #: whole before reducing them, the hardware handing CTAs to SMs as they free up: 99.5-99.8%
