@@ -122,10 +122,13 @@ def test_jax_cute_forward_is_a_family_of_its_own():
     assert family.digest() != validation.CUTE_NORM.digest()
 
 
-def test_the_cluster_forward_is_in_the_cute_family_only():
+@pytest.mark.parametrize("source", ["kernels/cute_cluster_norm_forward.py",
+                                    "kernels/cute_cluster_rows.py"])
+def test_the_cluster_kernels_are_in_the_cute_family_only(source):
     """The cluster forward (kernels/cute_cluster_norm_forward.py) runs from the torch ops'
-    CuTe DSL path; JAX keeps cuTile's forward for its widths, so its family leaves it out."""
-    source = "kernels/cute_cluster_norm_forward.py"
+    CuTe DSL path; JAX keeps cuTile's forward for its widths, so its family leaves it out.
+    What the cluster kernels share (cute_cluster_rows.py) is apart from cute_rows.py, which
+    the FP8 and JAX families pin too: an edit there re-validates the cute family only."""
     assert source in validation.CUTE_NORM.sources
     assert [f for f in validation.FAMILIES if source in f.sources] == [validation.CUTE_NORM]
 

@@ -61,7 +61,7 @@ CUTE_NORM = KernelFamily(
     "cute/norm", "CuTe DSL",
     ("kernels/cute_row_norm_forward.py", "kernels/cute_cluster_norm_forward.py",
      "kernels/cute_row_norm_backward.py", "kernels/cute_cluster_norm_backward.py",
-     "kernels/cute_rows.py",
+     "kernels/cute_rows.py", "kernels/cute_cluster_rows.py",
      "kernels/cutile_column_sums.py", "settings.py"),
     _cute_installed)
 #: The FP8-output norms (issue 19): their kernels, the reduction their backward shares, and
