@@ -213,7 +213,8 @@ def run_case(m: int, n: int, case: str, modes: list[str], record: dict,
             with settings_fp8.measuring(settings):
                 decision = tilenorm.fp8.explain(x, w, scaling=scaling, transpose=transpose,
                                                 **x_kw)
-                print(f"v{i}: {decision.forward.describe()}", flush=True)
+                print(f"v{i}: {(decision.cute_forward or decision.forward).describe()}; "
+                      f"{', '.join(decision.kernels)}", flush=True)
                 measure(f"tilenorm fused v{i}", fused, fused(), decision,
                         {**row, "variant": variant, "plan": str(decision)}, modes, record,
                         args)
@@ -252,8 +253,12 @@ def measure(name: str, fn, fused_out, decision, row: dict, modes: list[str], rec
                                     dequantized(fused_out.data, fused_out.scale_inv))
             if not err <= 0.05:
                 raise AssertionError(f"dequantized output off tilenorm's by {err:.3f}")
+        # The fused rows name the kernels that ran (the CuTe DSL ones need --experimental
+        # until their family is validated).
+        ran = ({"kernels": ", ".join(decision.kernels)} if name.startswith("tilenorm fused")
+               else {})
         rows = common.timed_rows(common.Prepared(fn, None, lambda: ()), one, 0, modes,
-                                 {**row, "provider": name, "fwd_err": err,
+                                 {**row, **ran, "provider": name, "fwd_err": err,
                                   "bwd_err": None})
         for r in rows:  # each row keeps its run's copy bandwidth: records can merge
             r["copy_gbps"] = record["copy_gbps"]

@@ -68,6 +68,22 @@ class Fp8Settings:
     #: still spill a little here (2-40 stores against the old route's 3-74) and are untimed.
     cute_forward_recompute_t: dict = field(default_factory=lambda: {
         "block": {16384: (256, 2, 2)}})
+    #: The CuTe DSL transposed copy of "row", "block" and "mx"
+    #: (tilenorm/kernels/cute_fp8_transpose.py), which runs instead of cuTile's
+    #: ``fp8_quantize_transposed`` (128 registers, 206 for "row": #60) for RMSNorm of 2-byte
+    #: x without a residual and a row count that is a multiple of 16: (tile columns, CTAs
+    #: per SM), the first whose columns divide the row width. 128-column tiles at three CTAs
+    #: an SM take 80 registers on sm_90a (block scaling keeps one 4-byte spill a tile), at
+    #: two 96 and none; neither is timed yet.
+    cute_transpose: tuple = ((128, 3), (64, 6))
+    #: Widths of ``cute_forward`` whose row kernel also keeps per-program column amaxes
+    #: for a per-row scaling's copy (its ``column_amax``), with the CuTe copy after it, in
+    #: place of cuTile's row kernel (which spills there, #60). On sm_90a, with a bf16
+    #: weight or none, it spills 0 / 4 / 3 registers at 2048 / 4096 / 8192 columns (the
+    #: cuTile kernel 8 and 4 stores at 4096 and 8192, #60), 15 at 16384, left out; an fp32
+    #: weight spills 10-12 stores and 96 loads (without column amaxes 0 and 8 stores at
+    #: 2048 and 4096), so it keeps cuTile's row kernel (``dispatch``). Untimed.
+    cute_forward_column_amax: tuple = (2048, 4096, 8192)
 
 
 SM90_FP8 = Fp8Settings()

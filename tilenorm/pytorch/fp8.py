@@ -81,7 +81,12 @@ every run). ``fp8_quantize_transposed`` then re-reads x (or h) over 128 x 128 bl
 128 for "row") with the saved rstd (and mean), takes each block's 128 x 1 (four 32 x 1)
 amaxes on chip, or the column's, and writes the copy and its scales. Rows past M count in
 no amax (a padding row normalizes to LayerNorm's bias). x is read twice, as for per-tensor
-current scaling. No atomics: reruns are bit-identical.
+current scaling. No atomics: reruns are bit-identical. For RMSNorm of 2-byte x without a
+residual, M a multiple of 16, the CuTe DSL pass ``TransposedFp8Quantize``
+(``tilenorm/kernels/cute_fp8_transpose.py``) writes the copy instead, with the same math
+and scales (``tilenorm.dispatch`` decides; bench/NOTES.md #60 says why); for "row" at the
+CuTe row kernel's widths that kernel keeps the column amaxes, and the copy computes y as it
+does (``x * w`` first, then ``rstd``).
 
 MX scales for Blackwell
 -----------------------
@@ -208,7 +213,7 @@ from tilenorm.launch import cute, cutile, cutile_fp8
 from tilenorm.launch.cutile_fp8 import Fp8NormFeatures
 from tilenorm.launch.driver import ArrayLayout, DriverLaunch
 from tilenorm.layout import contiguous_strides
-from tilenorm.planner import CuteFp8ForwardPlan
+from tilenorm.planner import CuteFp8ForwardPlan, CuteFp8TransposePlan
 from tilenorm.pytorch import calls, checks, reference
 from tilenorm.pytorch.calls import DTYPE_NAMES, NormSpec
 
@@ -461,7 +466,9 @@ class _CuteLauncher:
             plan.rows, DTYPE_NAMES[x.dtype],
             None if weight is None else DTYPE_NAMES[weight.dtype],
             DTYPE_NAMES[spec.fp8_dtype], self.scaling, spec.has_offset, plan.cols,
-            plan.threads, plan.stages, plan.ctas_per_sm, plan.recompute_t))
+            plan.threads, plan.stages, plan.ctas_per_sm, plan.recompute_t, plan.column_amax))
+        # The program's amax, or with column_amax its column amaxes.
+        self.amax = "column_amax_partial" if plan.column_amax else "amax_partial"
 
     def __call__(self, stream: int, tensors: dict[str, torch.Tensor],
                  scalars: dict[str, float]):
@@ -470,8 +477,29 @@ class _CuteLauncher:
         q = tensors["q"].view(rows, cols).view(torch.uint8) if self.scaling != "amax" else None
         self.fn(tensors["x"].view(rows, cols), None if weight is None else weight.view(cols),
                 tensors["scale"].reshape(1) if self.scaling == "delayed" else None, q,
-                tensors.get("q_scale"), tensors["rstd"], tensors.get("amax_partial"),
+                tensors.get("q_scale"), tensors["rstd"], tensors.get(self.amax),
                 scalars["eps"], scalars["offset"], self.plan.grid)
+
+
+class _CuteTransposeLauncher:
+    """The CuTe DSL transposed copy (scales along M), compiled for one width, launched like
+    a :class:`_Launcher` (TVM-FFI launches on the current stream)."""
+
+    def __init__(self, plan: CuteFp8TransposePlan, spec: Fp8Spec, x, weight):
+        self.plan = plan
+        self.fn = cute.compiled_fp8_transpose(cute.Fp8TransposeKey(
+            DTYPE_NAMES[x.dtype], None if weight is None else DTYPE_NAMES[weight.dtype],
+            DTYPE_NAMES[spec.fp8_dtype], spec.scaling, spec.has_offset, plan.cols,
+            plan.tile_cols, plan.ctas_per_sm, plan.weight_first))
+
+    def __call__(self, stream: int, tensors: dict[str, torch.Tensor],
+                 scalars: dict[str, float]):
+        rows, cols = self.plan.rows, self.plan.cols
+        weight = tensors.get("weight")
+        self.fn(tensors["x"].view(rows, cols), None if weight is None else weight.view(cols),
+                tensors["rstd"], tensors.get("column_amax"),
+                tensors["q_t"].view(torch.uint8), tensors["q_t_scale"], scalars["offset"],
+                self.plan.grid[1])
 
 
 def _dense(dtype: torch.dtype, shape: tuple[int, ...]) -> ArrayLayout:
@@ -728,6 +756,9 @@ def build_forward(spec: Fp8Spec, x, weight, bias, residual, residual_dtype,
                       else [])
     call.launchers += [_Launcher(b, {k: v for k, v in kernel_layouts.items() if k in b.arrays},
                                  x.device, arch) for b, kernel_layouts in kernels]
+    # The CuTe DSL transposed copy where the decision has it, after the column amaxes.
+    if decision.cute_transpose is not None:
+        call.launchers.append(_CuteTransposeLauncher(decision.cute_transpose, spec, x, weight))
     # The swizzle re-lays the row-major scales the kernels above wrote: q's, then q_t's.
     for swizzle, scales in ((decision.swizzle, "q_scale"), (decision.swizzle_t, "q_t_scale")):
         if swizzle is not None:
