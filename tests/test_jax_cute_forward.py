@@ -1,10 +1,10 @@
-"""The CuTe DSL kernels of tilenorm.jax's kernel path (issue 18, bench/NOTES.md #68): the row
-and cluster forwards and the cluster RMSNorm backward, on the CPU: each compiled variant
-exported for sm_90a and linked with its XLA FFI handler (:mod:`tilenorm.jax.cute_ffi`), the
-cluster launch in the exported host code, the routing that picks them on a made-up H100, the
-gate of their kernel family (``cute/jax``), and the calls themselves up to the kernel's load:
-through XLA's CPU backend the handler hands the exported entry the DLTensors of the kernel
-path's operands and results, and the entry's own checks of every array (dtype, shape,
+"""The CuTe DSL kernels of tilenorm.jax's kernel path (issue 18, bench/NOTES.md #68): the row and
+cluster forwards and the cluster backward (RMSNorm and LayerNorm), on the CPU: each compiled
+variant exported for sm_90a and linked with its XLA FFI handler (:mod:`tilenorm.jax.cute_ffi`),
+the cluster launch in the exported host code, the routing that picks them on a made-up H100,
+the gate of their kernel family (``cute/jax``), and the calls themselves up to the kernel's
+load: through XLA's CPU backend the handler hands the exported entry the DLTensors of the
+kernel path's operands and results, and the entry's own checks of every array (dtype, shape,
 strides, device, alignment) pass before it stops where a GPU is needed. The GPU tests are in
 tests/test_jax_kernel_path.py (``test_cute_forward_*``, ``test_cute_cluster_*``).
 """

@@ -685,10 +685,10 @@ def test_flax_modules_run_the_kernel_path(backend, api, kind):
 # Where the torch side runs the CuTe DSL forward (x of 64 MiB and more at the widths of the
 # settings' ``cute_forward`` table: a row a CTA, or from 32768 / 65536 columns a row across a
 # cluster of CTAs), the kernel path's forward is the custom call of that kernel's own library
-# (tilenorm.jax.cute_ffi); so is the cluster RMSNorm backward at its widths (65536, 131072),
-# whose partial buffer cuTile's column sums reduce. These run on the GPU only (the emulation
-# above replaces the cuTile calls' launches, which these calls have none of):
-# tests/test_jax_cute_forward.py checks the rest on the CPU.
+# (tilenorm.jax.cute_ffi); so is the cluster backward (RMSNorm and LayerNorm) at its widths
+# (32768, 65536, 131072), whose partial buffer cuTile's column sums reduce. These run on the
+# GPU only (the emulation above replaces the cuTile calls' launches, which these calls have
+# none of): tests/test_jax_cute_forward.py checks the rest on the CPU.
 
 needs_cute = pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
 CUTE_TARGET = re.compile(rf"stablehlo\.custom_call @({cute_ffi.TARGET_PREFIX}[0-9a-f]+)\(")
