@@ -324,7 +324,7 @@ def plan_cute_backward(rows: int, cols: int, *, itemsize: int, sm_count: int,
 
 @dataclass(frozen=True)
 class CuteClusterBackwardPlan:
-    """The CuTe DSL cluster RMSNorm backward's launch over ``rows`` rows of ``cols`` columns:
+    """The CuTe DSL cluster backward's launch over ``rows`` rows of ``cols`` columns:
     ``clusters`` clusters of ``cluster`` CTAs of ``threads`` threads (``ctas_per_sm``
     resident per SM), cluster ``k`` taking rows ``k, k + clusters, ...`` with ``stages`` rows
     staged in shared memory; cluster ``k`` writes partial-buffer row ``k``."""
@@ -378,19 +378,18 @@ def plan_cute_cluster_backward(rows: int, cols: int, *, itemsize: int, arch: tup
     None where another backward runs (as :func:`plan_cute_backward`, from the settings'
     ``cute_cluster_backward`` table). ``resident_clusters(cluster, threads, ctas_per_sm)``:
     how many clusters of the entry's shape are co-resident on the device
-    (:func:`tilenorm.device.max_active_clusters`), asked only where an entry applies."""
+    (:func:`tilenorm.device.max_active_clusters`), asked only where an entry applies; none
+    (a device whose GPCs cannot hold the cluster) leaves the row to another backward."""
     s = settings or settings_for(arch)
-    if set(s.cute_cluster_backward) - {"rms_norm"}:
-        # The kernel computes RMSNorm's gradient only: its key has no op to tell it otherwise.
-        raise ValueError(f"cute_cluster_backward lists {sorted(s.cute_cluster_backward)}; "
-                         f"the cluster backward is RMSNorm's only")
     entry = _cute_entry(s, s.cute_cluster_backward, op, rows, cols, itemsize, heads,
                         max_offset)
     if entry is None:
         return None
     cluster, threads, _, ctas_per_sm = entry
-    return CuteClusterBackwardPlan.of(rows, cols, entry,
-                                      resident_clusters(cluster, threads, ctas_per_sm))
+    resident = resident_clusters(cluster, threads, ctas_per_sm)
+    if resident < 1:  # a device that holds no such cluster at once: another backward runs
+        return None
+    return CuteClusterBackwardPlan.of(rows, cols, entry, resident)
 
 
 def _cute_entry(s: RowNormSettings, table: dict, op: Op, rows: int, cols: int, itemsize: int,

@@ -213,7 +213,7 @@ def compile_backward(key: BackwardKey, arch: str | None = None):
 
 @dataclass(frozen=True)
 class ClusterBackwardKey:
-    """What selects a compiled variant of the cluster RMSNorm backward
+    """What selects a compiled variant of the cluster backward
     (:mod:`tilenorm.kernels.cute_cluster_norm_backward`); dtypes by name. Neither the row
     count nor the cluster count is one of them: one kernel for every row count and grid
     (their loop bounds cost it no spills, #75)."""
@@ -227,12 +227,20 @@ class ClusterBackwardKey:
     threads: int
     stages: int
     ctas_per_sm: int
+    layer_norm: bool = False
+    has_bias: bool = False
 
     @classmethod
     def of(cls, plan: CuteClusterBackwardPlan, dtype: str, weight_dtype: str | None,
-           has_offset: bool, has_dres_in: bool) -> ClusterBackwardKey:
+           has_offset: bool, has_dres_in: bool, layer_norm: bool = False,
+           has_bias: bool = False) -> ClusterBackwardKey:
         return cls(dtype, weight_dtype, has_offset, has_dres_in, plan.cols, plan.cluster,
-                   plan.threads, plan.stages, plan.ctas_per_sm)
+                   plan.threads, plan.stages, plan.ctas_per_sm, layer_norm, has_bias)
+
+    @property
+    def groups(self) -> int:
+        """Gradient groups in the partial buffer: dweight and/or dbias."""
+        return int(self.weight_dtype is not None) + int(self.has_bias)
 
     def kernel(self):
         """The kernel object of this variant (the DSL imported)."""
@@ -243,16 +251,16 @@ class ClusterBackwardKey:
         return ClusterRowNormBackward(
             dtypes[self.dtype], None if self.weight_dtype is None else dtypes[self.weight_dtype],
             self.cols, self.cluster, self.threads, self.stages, self.ctas_per_sm,
-            self.has_offset, self.has_dres_in)
+            self.layer_norm, self.has_bias, self.has_offset, self.has_dres_in)
 
 
 def compile_cluster_backward(key: ClusterBackwardKey, arch: str | None = None,
                              cubin_dir: str | None = None):
     """Compile ``key``'s kernel (``arch`` as in :func:`compile_backward`; ``cubin_dir`` keeps
-    its cubin there). The result is called as ``fn(h, dy, weight, rstd, dres_in, dx, partial,
-    offset, grid)`` with DLPack arrays (None for the absent ones) on the current stream: h,
-    dy, dres_in and dx contiguous (rows, cols) in ``key.dtype``, ``partial`` (clusters, 1,
-    cols) fp32, ``grid`` a multiple of ``key.cluster``."""
+    its cubin there). The result is called as ``fn(h, dy, weight, mean, rstd, dres_in, dx,
+    partial, offset, grid)`` with DLPack arrays (None for the absent ones: mean for RMSNorm)
+    on the current stream: h, dy, dres_in and dx contiguous (rows, cols) in ``key.dtype``,
+    ``partial`` (clusters, groups, cols) fp32, ``grid`` a multiple of ``key.cluster``."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
@@ -262,11 +270,13 @@ def compile_cluster_backward(key: ClusterBackwardKey, arch: str | None = None,
     h, dy, dx = (_fake(dtype, (rows, cols), (cols, 1), 16) for _ in range(3))
     dres_in = _fake(dtype, (rows, cols), (cols, 1), 16) if key.has_dres_in else None
     weight = None if weight_dtype is None else _fake(weight_dtype, (cols,), (1,), 16)
+    mean = _fake(Float32, (rows,), (1,), 4) if key.layer_norm else None
     rstd = _fake(Float32, (rows,), (1,), 4)
-    partial = (None if weight_dtype is None
-               else _fake(Float32, (clusters, 1, cols), (cols, cols, 1), 16))
-    return _compile(kernel, arch, h, dy, weight, rstd, dres_in, dx, partial, Float32(0.0),
-                    Int32(1), cubin_dir=cubin_dir)
+    groups = key.groups
+    partial = (_fake(Float32, (clusters, groups, cols), (groups * cols, cols, 1), 16)
+               if groups else None)
+    return _compile(kernel, arch, h, dy, weight, mean, rstd, dres_in, dx, partial,
+                    Float32(0.0), Int32(1), cubin_dir=cubin_dir)
 
 
 #: Architectures the ahead-of-time build targets: Hopper and Blackwell datacenter parts.
@@ -288,14 +298,18 @@ def aot_keys(all_dtypes: bool = False) -> list[BackwardKey]:
 
 def aot_cluster_backward_keys(all_dtypes: bool = False) -> list[ClusterBackwardKey]:
     """Every variant the settings' cluster backward entries can run in bf16 (and fp16 with
-    ``all_dtypes``): each weight dtype (or none), with and without the Gemma offset (which
-    needs a weight), with and without a residual's gradient added to dx."""
+    ``all_dtypes``): each weight dtype (or none), with and without a residual's gradient
+    added to dx; RMSNorm with and without the Gemma offset (which needs a weight), LayerNorm
+    with and without a bias."""
     dtypes = ("bfloat16", "float16") if all_dtypes else ("bfloat16",)
-    return [ClusterBackwardKey(dtype, weight_dtype, has_offset, has_dres_in, cols, *config)
-            for widths in SM90.cute_cluster_backward.values()
+    return [ClusterBackwardKey(dtype, weight_dtype, has_offset, has_dres_in, cols, *config,
+                               layer_norm=op == "layer_norm", has_bias=has_bias)
+            for op, widths in SM90.cute_cluster_backward.items()
             for cols, config in widths.items()
             for dtype in dtypes for weight_dtype in (None, dtype, "float32")
-            for has_offset in ((False, True) if weight_dtype else (False,))
+            for has_offset in ((False, True) if op == "rms_norm" and weight_dtype
+                               else (False,))
+            for has_bias in ((False, True) if op == "layer_norm" else (False,))
             for has_dres_in in (False, True)]
 
 
