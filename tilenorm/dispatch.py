@@ -373,6 +373,8 @@ class Fp8Problem:
     allow_experimental: bool
     #: "swizzled": MX scales re-laid into 128 x 4 tiles after the kernels that write them.
     mx_layout: str = "row_major"
+    #: FP8 x's elements a multiplier covers (``group_size``); 0 for other x.
+    group: int = 0
 
     @property
     def fp8_input(self) -> bool:
@@ -548,13 +550,15 @@ CUTE_FP8_FORWARD_NAME = "RowNormFp8Forward (CuTe DSL)"
 
 
 def _cute_fp8_forward(p: Fp8Problem, info: DeviceInfo) -> CuteFp8ForwardPlan | None:
-    """The CuTe DSL row kernel where the planner has one for the width and x's element size
-    (2-byte x), the kernel covers the features (RMSNorm, no residual; ``decide_fp8`` has
-    checked the parameters' dtypes), and it may run (installed; validated or allowed)."""
+    """The CuTe DSL row kernel where the planner has one for the width, x's element size
+    (2-byte x, or FP8 x whose groups are whole 16-byte vectors) and group, the kernel covers
+    the features (RMSNorm, no residual; ``decide_fp8`` has checked the parameters' dtypes),
+    and it may run (installed; validated or allowed)."""
     if not (validation.is_stable(CUTE_NORM_FP8) or p.allow_experimental):
         return None
     if p.op != "rms_norm" or p.has_residual or not cute.available():
         return None
     return plan_cute_fp8_forward(p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]],
                                  sm_count=info.sm_count, arch=info.arch,
-                                 scaling=p.row_scaling, max_offset=p.max_offset)
+                                 scaling=p.row_scaling, max_offset=p.max_offset,
+                                 group=p.group)
