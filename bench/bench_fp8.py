@@ -159,12 +159,12 @@ def dequantized(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
 
 
 def _setting_value(value):
-    """A JSON value as the FP8 settings hold it: lists as tuples, and a width table (the
-    CuTe entries, e.g. ``{"4096": [128, 8, 4]}``) with int widths; a scaling's table
-    (``cute_forward_recompute_t``) keeps its keys."""
+    """A JSON value as the FP8 settings hold it: lists as tuples (``cute_transpose``'s
+    entries too), and a width table (the CuTe entries, e.g. ``{"4096": [128, 8, 4]}``) with
+    int widths; a scaling's table (``cute_forward_recompute_t``) keeps its keys."""
     if isinstance(value, dict):
         return {int(k) if k.isdigit() else k: _setting_value(v) for k, v in value.items()}
-    return tuple(value) if isinstance(value, list) else value
+    return tuple(_setting_value(v) for v in value) if isinstance(value, list) else value
 
 
 def fp8_variant(variant: dict) -> settings_fp8.Fp8Settings:
@@ -225,8 +225,8 @@ def run_case(m: int, n: int, case: str, modes: list[str], record: dict,
             with settings_fp8.measuring(settings):
                 decision = tilenorm.fp8.explain(x, w, scaling=scaling, transpose=transpose,
                                                 **x_kw)
-                print(f"v{i}: {(decision.cute_forward or decision.forward).describe()}",
-                      flush=True)
+                print(f"v{i}: {(decision.cute_forward or decision.forward).describe()}; "
+                      f"{', '.join(decision.kernels)}", flush=True)
                 measure(f"tilenorm fused v{i}", fused, fused(), decision,
                         {**row, "variant": variant, "plan": str(decision)}, modes, record,
                         args)
@@ -265,8 +265,12 @@ def measure(name: str, fn, fused_out, decision, row: dict, modes: list[str], rec
                                     dequantized(fused_out.data, fused_out.scale_inv))
             if not err <= 0.05:
                 raise AssertionError(f"dequantized output off tilenorm's by {err:.3f}")
+        # The fused rows name the kernels that ran (the CuTe DSL ones need --experimental
+        # until their family is validated).
+        ran = ({"kernels": ", ".join(decision.kernels)} if name.startswith("tilenorm fused")
+               else {})
         rows = common.timed_rows(common.Prepared(fn, None, lambda: ()), one, 0, modes,
-                                 {**row, "provider": name, "fwd_err": err,
+                                 {**row, **ran, "provider": name, "fwd_err": err,
                                   "bwd_err": None})
         for r in rows:  # each row keeps its run's copy bandwidth: records can merge
             r["copy_gbps"] = record["copy_gbps"]

@@ -212,12 +212,16 @@ def compile_provider(provider: str, x, w, dy) -> tuple:
 def ffi_targets(fwd, step) -> list[str]:
     """tilenorm's FFI custom calls that the compiled programs hold: both where the kernel
     path runs the forward (cuTile's target, or a CuTe forward's ``cute_ffi.TARGET_PREFIX``)
-    and the step's backward."""
-    fwd_text = fwd.as_text()
+    and the step's backward (the CuTe cluster backward's
+    ``cute_ffi.BACKWARD_TARGET_PREFIX``, and cuTile's target: its kernels, or the column
+    sums of the cluster backward's partial buffer)."""
+    fwd_text, step_text = fwd.as_text(), step.as_text()
     cute_forward = re.search(re.escape(cute_ffi.TARGET_PREFIX) + r"\w+", fwd_text)
+    cute_backward = re.search(re.escape(cute_ffi.BACKWARD_TARGET_PREFIX) + r"\w+", step_text)
     forward = [native.FORWARD_TARGET] if native.FORWARD_TARGET in fwd_text else []
     return (forward + ([cute_forward.group(0)] if cute_forward else [])
-            + [native.BACKWARD_TARGET] * (native.BACKWARD_TARGET in step.as_text()))
+            + ([cute_backward.group(0)] if cute_backward else [])
+            + [native.BACKWARD_TARGET] * (native.BACKWARD_TARGET in step_text))
 
 
 # --- one shape -------------------------------------------------------------------------------

@@ -75,3 +75,17 @@ def test_variants_take_the_cute_width_tables_from_json():
         p = plan_cute_fp8_forward(1024, 4096, itemsize=1, sm_count=132, arch=(9, 0),
                                   scaling="row", group=128)
     assert (p.threads, p.stages, p.ctas_per_sm) == (256, 4, 2)
+
+
+def test_variants_take_the_cute_copy_tables_from_json():
+    """The transposed copy's tile list and the column-amax widths arrive as nested JSON
+    lists: tuples of tuples and of ints, as the settings hold them."""
+    from tilenorm.planner import plan_cute_fp8_transpose
+    from tilenorm.settings_fp8 import measuring
+
+    v = bench_fp8.fp8_variant({"cute_transpose": [[64, 6], [32, 8]],
+                               "cute_forward_column_amax": [2048]})
+    assert v.cute_transpose == ((64, 6), (32, 8)) and v.cute_forward_column_amax == (2048,)
+    with measuring(v):
+        p = plan_cute_fp8_transpose(1040, 4096, itemsize=2, arch=(9, 0))
+    assert (p.tile_cols, p.ctas_per_sm) == (64, 6)

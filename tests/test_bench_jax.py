@@ -105,3 +105,8 @@ def test_ffi_targets_name_the_cute_forward():
     calls = bench_jax.ffi_targets(fwd, step)
     assert calls == [cute_target, native.BACKWARD_TARGET]
     assert bench_jax.ffi_targets(Compiled(""), Compiled("")) == []
+    # the cluster widths: the CuTe cluster backward's call, then cuTile's column sums
+    backward = bench_jax.cute_ffi.BACKWARD_TARGET_PREFIX + "4567ef"
+    step = Compiled(f'"{cute_target}" "{backward}" "{native.BACKWARD_TARGET}"')
+    assert bench_jax.ffi_targets(fwd, step) == [cute_target, backward,
+                                                native.BACKWARD_TARGET]

@@ -731,6 +731,12 @@ def test_cute_fp8_input_forward_plans_its_own_table_for_whole_vector_groups():
                                      scaling="row", group=16,
                                      max_offset=MAX_INT32_OFFSET + 1) is None
     assert plan(5120) is None
+    # No column amaxes for FP8 x: the CuTe copy that takes them reads 2-byte x.
+    for cols in SM90_FP8.cute_forward_column_amax:
+        assert plan_cute_fp8_forward(1040, cols, itemsize=1, sm_count=132, arch=(9, 0),
+                                     scaling="row", group=16, column_amax=True) is None
+        assert plan_cute_fp8_forward(1040, cols, itemsize=2, sm_count=132, arch=(9, 0),
+                                     scaling="row", column_amax=True).column_amax
 
 
 @pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
@@ -759,6 +765,49 @@ def test_fp8_input_decision_takes_the_cute_row_kernel_where_it_covers_the_call(x
     assert plan("block", transpose=True) is not None
     assert plan(residual=True) is None and plan(op="layer_norm") is None
     assert plan(group=8) is None
+    # A row-scaled copy: no CuTe copy of FP8 x to take the row kernel's column amaxes.
+    assert plan("row", transpose=True) is None
+    p = dispatch.Fp8Problem("rms_norm", "cuda", 0, (x_dtype, "bfloat16"), 4096, 4096, "row",
+                            True, False, 4096 * 4096 - 1, True, group=16)
+    assert dispatch._cute_fp8_transpose(p, h100) is None
+    assert dispatch._cute_fp8_forward(p, h100, column_amax=True) is None
+
+
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+@pytest.mark.parametrize("scaling", ["row", "block", "mx"])
+@pytest.mark.parametrize("x_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_fp8_decision_routes_each_x_with_a_copy_along_m(x_dtype, scaling, monkeypatch):
+    """The whole decision for a transposed copy with scales along M, 1040 rows (a multiple
+    of 16) of 4096 columns: 2-byte x takes the CuTe row kernel (with column amaxes for
+    "row") and the CuTe copy; FP8 x takes cuTile's ``fp8_quantize_transposed`` (the CuTe
+    copy reads 2-byte x), after the CuTe FP8-input row kernel for "block" and "mx" and
+    after cuTile's row kernel, whose y its column amaxes are of, for "row"."""
+    from tilenorm import dispatch
+    from tilenorm.device import DeviceInfo
+
+    h100 = DeviceInfo(index=0, name="NVIDIA H100 80GB HBM3", sm_count=132, arch=(9, 0),
+                      l2_bytes=50 << 20)
+    monkeypatch.setattr(dispatch, "device_info", lambda index: h100)
+    dispatch.decide_fp8.cache_clear()
+    fp8_x = x_dtype != "bfloat16"
+    d = dispatch.decide_fp8(dispatch.Fp8Problem(
+        "rms_norm", "cuda", 0, (x_dtype, "bfloat16"), 1040, 4096, scaling, True, False,
+        1040 * 4096 - 1, True, group=16 if fp8_x else 0))
+    dispatch.decide_fp8.cache_clear()
+    copy = ("fp8_quantize_transposed",) if fp8_x else (dispatch.CUTE_FP8_TRANSPOSE_NAME,)
+    if fp8_x and scaling == "row":
+        row = ("norm_fwd_fp8_single",)
+    else:
+        row = (dispatch.CUTE_FP8_FORWARD_NAME,)
+    columns = ("fp8_column_amax",) if scaling == "row" else ()
+    forward = row + columns + copy  # FP8 x's backward kernels follow
+    assert d.kernels[:len(forward)] == forward, str(d)
+    assert (d.cute_transpose is None) == fp8_x and (d.quantize is None) == (not fp8_x)
+    if d.cute_forward is not None:
+        assert d.cute_forward.column_amax == (scaling == "row")
+        assert d.column_amax is None or d.column_amax.partials == d.cute_forward.grid
+    if d.cute_transpose is not None:
+        assert d.cute_transpose.weight_first == (scaling == "row")
 
 
 @pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
@@ -775,6 +824,9 @@ def test_cute_fp8_kernel_takes_a_group_with_fp8_x_only():
     kernel = RowNormFp8Forward(e4m3, bf16, e4m3, 448.0, 4096, 128, 4, 4, "block", False,
                                group=128)
     assert (kernel.vec, kernel.reps, kernel.block_lanes) == (16, 2, 8)
+    with pytest.raises(ValueError, match="2-byte x only"):
+        RowNormFp8Forward(e4m3, bf16, e4m3, 448.0, 4096, 128, 4, 4, "row", False,
+                          column_amax=True, group=16)
 
 
 @pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
@@ -1094,6 +1146,17 @@ def test_scaled_mm_takes_the_swizzled_mx_scales(m):
     assert rel_error(product, expected) <= 1e-2, seed
 
 
+def _check_nan_row_and_zero_column(out, scaling, rows, cols, seed) -> None:
+    """The copy of y with x[417] holding a NaN and column 10 of y all zero: column 417 of
+    the copy NaN and no other, every scale finite, row 10 of the copy 0 at scale_inv 1."""
+    q_t = out.data_t.float().cpu()
+    others = [m for m in range(rows) if m != 417]
+    assert q_t[:, 417].isnan().all() and not q_t[:, others].isnan().any(), seed
+    s = testing.fp8_scales_per_element(out.scale_inv_t.cpu(), scaling, cols, rows)
+    assert s.isfinite().all()
+    assert (q_t[10, others] == 0).all() and (s[10] == 1).all()
+
+
 @gpu
 @pytest.mark.parametrize("scaling", ["row", "block", "mx"])
 def test_transposed_copy_keeps_nan_in_its_column_on_gpu(scaling):
@@ -1104,12 +1167,7 @@ def test_transposed_copy_keeps_nan_in_its_column_on_gpu(scaling):
     w[9] = 0  # a column of y that is the bias alone
     b[10], w[10] = 0, 0  # and one all zero: scale_inv 1, q 0
     out = run_kernels("layer_norm", x, w, b, scaling, transpose=True, repeats=1)
-    q_t = out.data_t.float().cpu()
-    others = [m for m in range(rows) if m != 417]
-    assert q_t[:, 417].isnan().all() and not q_t[:, others].isnan().any(), seed
-    s = testing.fp8_scales_per_element(out.scale_inv_t.cpu(), scaling, cols, rows)
-    assert s.isfinite().all()
-    assert (q_t[10, others] == 0).all() and (s[10] == 1).all()
+    _check_nan_row_and_zero_column(out, scaling, rows, cols, seed)
     ref = _reference(x.cpu(), w.cpu(), b.cpu(), scaling, E4M3, out)
     check_against_float64(out, ref, scaling, E4M3)
 
@@ -1309,9 +1367,13 @@ def test_explain_on_gpu_names_the_fp8_kernels():
         mx = str(tilenorm.fp8.explain(x, w, scaling="mx", transpose=True,
                                       mx_layout="swizzled"))
     assert "norm_fwd_fp8_single, fp8_quantize_normed" in text and "quantize:" in text
-    assert "norm_fwd_fp8_single, fp8_column_amax, fp8_quantize_transposed" in row
+    # The copies with scales along M: the CuTe DSL pass (rows a multiple of 16) where the
+    # DSL is installed, cuTile's otherwise.
+    copy = ("TransposedFp8Quantize (CuTe DSL)" if cute.available()
+            else "fp8_quantize_transposed")
+    assert f"norm_fwd_fp8_single, fp8_column_amax, {copy}" in row
     assert "columns:" in row
-    assert ("norm_fwd_fp8_single, fp8_quantize_transposed, fp8_swizzle_mx_scales, "
+    assert (f"norm_fwd_fp8_single, {copy}, fp8_swizzle_mx_scales, "
             "fp8_swizzle_mx_scales") in mx and "swizzle:" in mx
 
 
@@ -1321,8 +1383,9 @@ def test_explain_on_gpu_names_the_fp8_kernels():
 @pytest.mark.parametrize("scaling", SCALINGS)
 def test_cute_row_kernel_runs_and_matches_float64(scaling, cols):
     """The widths of the FP8 settings' ``cute_forward`` table take the CuTe DSL row kernel
-    (and a row-scaled transposed copy cuTile's, which keeps column amaxes); rows not a
-    multiple of the grid, poisoned outputs, reruns bit-identical (``run_kernels``)."""
+    (and a row-scaled transposed copy cuTile's, which keeps column amaxes, as 1037 rows are
+    no multiple of 16 for the CuTe copy); rows not a multiple of the grid, poisoned outputs,
+    reruns bit-identical (``run_kernels``)."""
     from tilenorm.dispatch import CUTE_FP8_FORWARD_NAME
 
     g, seed = fresh_generator("cuda")
@@ -1542,3 +1605,262 @@ def test_cute_fp8_kernel_refuses_an_odd_ring():
         with pytest.raises(ValueError, match="even"):
             RowNormFp8Forward(bf16, bf16, e4m3, 448.0, 4096, 128, stages, 4, "row", False)
     RowNormFp8Forward(bf16, bf16, e4m3, 448.0, 4096, 128, 4, 4, "row", False)
+
+
+# --- the CuTe DSL transposed copy (tilenorm/kernels/cute_fp8_transpose.py) -----------------
+
+
+def test_cute_fp8_transpose_plans_whole_tiles_of_rows_a_multiple_of_16():
+    from tilenorm.planner import plan_cute_fp8_transpose
+
+    p = plan_cute_fp8_transpose(1040, 4096, itemsize=2, arch=(9, 0))
+    assert (p.tile_cols, p.ctas_per_sm, p.grid) == (128, 3, (32, 9))
+    assert "128x128 tiles" in p.describe()
+    p = plan_cute_fp8_transpose(64, 2112, itemsize=2, arch=(9, 0))  # 64-column tiles
+    assert (p.tile_cols, p.grid) == (64, (33, 1))
+    for rows, cols, itemsize in ((1000, 4096, 2), (1040, 4096, 4), (1040, 2100, 2)):
+        assert plan_cute_fp8_transpose(rows, cols, itemsize=itemsize, arch=(9, 0)) is None
+    assert plan_cute_fp8_transpose(1 << 20, 4096, itemsize=2, arch=(9, 0)) is None  # offsets
+    assert plan_cute_fp8_transpose(65536 * 128 + 16, 128, itemsize=2, arch=(9, 0)) is None
+
+
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+@pytest.mark.parametrize("scaling", ["row", "block", "mx"])
+def test_fp8_decision_takes_the_cute_transposed_copy_where_it_covers_the_call(scaling):
+    """RMSNorm of 2-byte x without a residual, rows a multiple of 16: the CuTe DSL copy in
+    place of cuTile's ``fp8_quantize_transposed``; LayerNorm, a residual, fp32 or FP8 x,
+    other row counts and the per-tensor scalings keep cuTile's."""
+    from tilenorm import dispatch
+    from tilenorm.device import DeviceInfo
+
+    h100 = DeviceInfo(index=0, name="NVIDIA H100 80GB HBM3", sm_count=132, arch=(9, 0),
+                      l2_bytes=50 << 20)
+
+    def problem(op="rms_norm", dtypes=("bfloat16", "bfloat16"), rows=1040, transpose=True,
+                residual=False, scaling=scaling):
+        return dispatch.Fp8Problem(op, "cuda", 0, dtypes, rows, 4096, scaling, transpose,
+                                   residual, rows * 4096 - 1, True)
+
+    plan = dispatch._cute_fp8_transpose(problem(), h100)
+    assert plan is not None and plan.grid == (32, 9) and not plan.weight_first
+    # A per-row scaling's column amaxes: the CuTe row kernel keeps them where the CuTe copy
+    # follows it at a width of the settings' cute_forward_column_amax.
+    row = dispatch._cute_fp8_forward(problem(), h100, column_amax=True)
+    assert (row is not None and row.column_amax) == (scaling == "row")
+    if scaling == "row":
+        assert dispatch._cute_fp8_forward(problem(), h100) is None
+        assert "column amaxes kept" in row.describe()
+        wide = dispatch.Fp8Problem("rms_norm", "cuda", 0, ("bfloat16", "bfloat16"), 1040,
+                                   16384, "row", True, False, 1040 * 16384 - 1, True)
+        assert dispatch._cute_fp8_forward(wide, h100, column_amax=True) is None
+        fp32_weight = problem(dtypes=("bfloat16", "float32"))
+        assert dispatch._cute_fp8_forward(fp32_weight, h100, column_amax=True) is None
+    assert dispatch._cute_fp8_transpose(problem(dtypes=("float16", "float32")), h100)
+    for other in (problem(op="layer_norm"), problem(residual=True), problem(rows=1000),
+                  problem(transpose=False), problem(dtypes=("float32", "float32")),
+                  problem(dtypes=("float8_e4m3fn", "bfloat16")), problem(scaling="tensor")):
+        assert dispatch._cute_fp8_transpose(other, h100) is None, other
+
+
+@pytest.mark.aot
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+def test_every_cute_fp8_transpose_variant_builds_for_hopper_and_blackwell():
+    keys = cute.aot_fp8_transpose_keys(all_dtypes=True)
+    assert {k.scaling for k in keys} == {"row", "block", "mx"}
+    for key in keys:
+        for arch in cute.AOT_ARCHS:
+            assert callable(cute.compile_fp8_transpose(key, arch)), (key, arch)
+
+
+@pytest.mark.aot
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+def test_cute_fp8_transpose_fits_its_ctas_an_sm_on_hopper(tmp_path):
+    """What the settings' ``cute_transpose`` entries compile for: each tile's CTAs an SM
+    within the register file, with 16-byte loads of x and stores of q_t, and no local
+    memory but block scaling's one 4-byte slot (a register saved around the division's
+    slow-path call, once a tile)."""
+    from bench.kernel_resources import cubin_resources, find_cuobjdump, keeping_cubins
+    from tilenorm.kernels.cute_fp8_transpose import THREAD_ROWS, TILE_ROWS
+    from tilenorm.settings_fp8 import SM90_FP8
+
+    tool = find_cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not installed")
+    cases = [(s, t, False) for s in ("row", "block", "mx") for t in SM90_FP8.cute_transpose]
+    for n, (scaling, (tile_cols, ctas), weight_first) in enumerate(
+            cases + [("row", SM90_FP8.cute_transpose[0], True)]):
+        key = cute.Fp8TransposeKey("bfloat16", "bfloat16", "float8_e4m3fn", scaling, False,
+                                   4096, tile_cols, ctas, weight_first)
+        folder = tmp_path / str(n)
+        folder.mkdir()
+        with keeping_cubins(str(folder)):
+            cute.compile_fp8_transpose(key, "sm_90a")
+        r, _ = cubin_resources(next(folder.rglob("*.cubin")), tool)
+        threads = tile_cols // 8 * TILE_ROWS // THREAD_ROWS
+        assert r["registers"] * threads * ctas <= 65536, (key, r)
+        assert r["spill_stores"] <= (scaling == "block") and r["stack"] <= 8, (key, r)
+
+
+def _without_cute_transpose(monkeypatch):
+    """Decisions and prepared calls made afresh, with cuTile's transposing pass."""
+    from tilenorm import dispatch
+    from tilenorm.pytorch import calls
+
+    monkeypatch.setattr(dispatch, "_cute_fp8_transpose", lambda p, info: None)
+    dispatch.decide_fp8.cache_clear()
+    calls.clear()
+
+
+def _forget_fp8_plans():
+    from tilenorm import dispatch
+    from tilenorm.pytorch import calls
+
+    dispatch.decide_fp8.cache_clear()
+    calls.clear()
+
+
+#: (rows, cols) the CuTe transposed copy takes: a last row tile of 16 rows, a tile of 64
+#: rows alone, 64-column tiles (2112: not "block", whose blocks are 128 columns), 16 rows.
+CUTE_TRANSPOSE_SHAPES = [(1040, 4096), (4096, 2048), (64, 16384), (2064, 2112), (16, 8192)]
+
+
+def _copy_of_fp32_y(x, w, rstd, scaling, fp8_dtype, weight_first: bool):
+    """(q_t, scale_inv_t) of y computed in fp32 by torch in the kernel's order ((x * rstd)
+    * w, or with ``weight_first`` (x * w) * rstd: elementwise IEEE products, no FMA), then
+    quantized along M by the reference path (correctly rounded quotients, as the kernels')."""
+    xf, r = x.float(), rstd.reshape(-1, 1)
+    y = xf * r
+    if w is not None:
+        y = (xf * w.float()) * r if weight_first else y * w.float()
+    return reference.quantize_along_rows(y.t().contiguous(), scaling, fp8_dtype)
+
+
+@gpu
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+@pytest.mark.parametrize("weight", ["fp32", "bf16", "none"])
+@pytest.mark.parametrize("rows,cols", CUTE_TRANSPOSE_SHAPES)
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("scaling", ["row", "block", "mx"])
+def test_cute_transposed_copy_has_the_bits_of_its_fp32_math(scaling, fp8_dtype, rows, cols,
+                                                            weight, monkeypatch):
+    """The CuTe DSL copy on poisoned outputs, three reruns bit-identical (``run_kernels``):
+    q_t and its scales the bits of its fp32 math done by torch (:func:`_copy_of_fp32_y`),
+    and against float64 at its own scales. Where it takes cuTile's math ((x * rstd) * w:
+    block, MX, and a per-row scaling after cuTile's row kernel), also the bits of cuTile's
+    ``fp8_quantize_transposed``; where a per-row scaling takes the CuTe row kernel's column
+    amaxes (``weight_first``), q and its scales the bits of that kernel without the copy."""
+    from tilenorm.dispatch import CUTE_FP8_TRANSPOSE_NAME
+
+    if scaling == "block" and cols % 128:
+        pytest.skip("block scaling takes whole 128-column blocks")
+    g, seed = fresh_generator("cuda")
+    x, w, _ = _inputs(g, rows, cols, device="cuda")
+    w = {"fp32": w, "bf16": w.to(torch.bfloat16), "none": None}[weight]
+    try:
+        _forget_fp8_plans()
+        with tilenorm.experimental():
+            decision = tilenorm.fp8.explain(x, w, scaling=scaling, fp8_dtype=fp8_dtype,
+                                            transpose=True)
+        assert CUTE_FP8_TRANSPOSE_NAME in decision.kernels, str(decision)
+        assert decision.quantize is None and "copy:" in str(decision)
+        weight_first = decision.cute_transpose.weight_first
+        assert weight_first == (decision.cute_forward is not None and scaling == "row")
+        out = run_kernels("rms_norm", x, w, None, scaling, fp8_dtype, transpose=True)
+        q_t, scale_inv_t = _copy_of_fp32_y(x, w, out.rstd, scaling, fp8_dtype, weight_first)
+        assert torch.equal(_bits(out.data_t), _bits(q_t)), seed
+        assert torch.equal(_bits(out.scale_inv_t), _bits(scale_inv_t)), seed
+        ref = _reference(x.cpu(), None if w is None else w.cpu(), None, scaling, fp8_dtype,
+                         out)
+        check_against_float64(out, ref, scaling, fp8_dtype)
+        if weight_first:
+            other = run_kernels("rms_norm", x, w, None, scaling, fp8_dtype, repeats=1)
+            names = ("data", "scale_inv", "rstd")
+        else:
+            _without_cute_transpose(monkeypatch)
+            with tilenorm.experimental():
+                assert "fp8_quantize_transposed" in tilenorm.fp8.explain(
+                    x, w, scaling=scaling, fp8_dtype=fp8_dtype, transpose=True).kernels
+            other = run_kernels("rms_norm", x, w, None, scaling, fp8_dtype, repeats=1,
+                                transpose=True)
+            names = ("data_t", "scale_inv_t", "data", "scale_inv", "rstd")
+    finally:
+        _forget_fp8_plans()
+    for name in names:
+        assert torch.equal(_bits(getattr(out, name)), _bits(getattr(other, name))), (
+            name, seed)
+
+
+@gpu
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+@pytest.mark.parametrize("case", ["offset", "swizzled", "fp16 x"])
+@pytest.mark.parametrize("scaling", ["row", "block", "mx"])
+def test_cute_transposed_copy_features_match_float64(scaling, case):
+    """The Gemma offset (whose x * rstd * w + x * rstd * offset the compilers may contract
+    differently: float64 decides, not cuTile's bits), MX scales swizzled after the copy, and
+    fp16 x with an fp16 weight."""
+    from tilenorm.dispatch import CUTE_FP8_TRANSPOSE_NAME
+
+    if case == "swizzled" and scaling != "mx":
+        pytest.skip("only MX scales are swizzled")
+    g, seed = fresh_generator("cuda")
+    rows, cols = 2064, 4096
+    dtype = torch.float16 if case == "fp16 x" else torch.bfloat16
+    x, w, _ = _inputs(g, rows, cols, dtype=dtype, device="cuda")
+    if case == "fp16 x":
+        w = w.to(torch.float16)
+    kw = {"offset": 1.0} if case == "offset" else {}
+    if case == "swizzled":
+        kw["mx_layout"] = "swizzled"
+    with tilenorm.experimental():
+        decision = tilenorm.fp8.explain(x, w, scaling=scaling, transpose=True,
+                                        mx_layout=kw.get("mx_layout", "row_major"))
+    assert CUTE_FP8_TRANSPOSE_NAME in decision.kernels, str(decision)
+    out = run_kernels("rms_norm", x, w, None, scaling, transpose=True, **dict(kw))
+    kw.pop("mx_layout", None)
+    ref = _reference(x.cpu(), w.cpu(), None, scaling, E4M3, out, **kw)
+    if case == "swizzled":
+        rows_t = tilenorm.fp8.dequantize(out.data_t, out.scale_inv_t, "mx", torch.float64,
+                                         "swizzled")
+        plain = run_kernels("rms_norm", x, w, None, scaling, transpose=True, repeats=0)
+        assert torch.equal(rows_t, plain.dequantize_t(torch.float64)), seed
+        out = plain
+    check_against_float64(out, ref, scaling, E4M3)
+
+
+@gpu
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+@pytest.mark.parametrize("scaling", ["row", "block", "mx"])
+def test_cute_transposed_copy_keeps_nan_in_its_column(scaling):
+    """A NaN in x makes its row of y NaN: that column of the copy is NaN and every scale
+    stays finite (each amax skips NaN); an all-zero column of y gets scale_inv 1 and q 0."""
+    from tilenorm.dispatch import CUTE_FP8_TRANSPOSE_NAME
+
+    g, seed = fresh_generator("cuda")
+    rows, cols = 1040, 4096
+    x, w, _ = _inputs(g, rows, cols, device="cuda")
+    x[417, 3] = float("nan")
+    w[10] = 0
+    with tilenorm.experimental():
+        assert CUTE_FP8_TRANSPOSE_NAME in tilenorm.fp8.explain(
+            x, w, scaling=scaling, transpose=True).kernels
+    out = run_kernels("rms_norm", x, w, None, scaling, transpose=True, repeats=1)
+    _check_nan_row_and_zero_column(out, scaling, rows, cols, seed)
+    check_against_float64(out, _reference(x.cpu(), w.cpu(), None, scaling, E4M3, out),
+                          scaling, E4M3)
+
+
+@gpu
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+@pytest.mark.parametrize("rows", [1000, 1048, 4133])
+@pytest.mark.parametrize("scaling", ["row", "block", "mx"])
+def test_transposed_copy_of_rows_not_a_multiple_of_16_takes_cutiles_pass(scaling, rows):
+    from tilenorm.dispatch import CUTE_FP8_TRANSPOSE_NAME
+
+    g, _ = fresh_generator("cuda")
+    x, w, _ = _inputs(g, rows, 4096, device="cuda")
+    with tilenorm.experimental():
+        kernels = tilenorm.fp8.explain(x, w, scaling=scaling, transpose=True).kernels
+    assert (CUTE_FP8_TRANSPOSE_NAME in kernels) == (rows % 16 == 0), kernels
+    out = run_kernels("rms_norm", x, w, None, scaling, transpose=True)
+    check_against_float64(out, _reference(x.cpu(), w.cpu(), None, scaling, E4M3, out),
+                          scaling, E4M3)

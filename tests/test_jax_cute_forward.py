@@ -1,11 +1,12 @@
-"""The CuTe DSL forward of tilenorm.jax's kernel path (issue 18, bench/NOTES.md #68), on the
-CPU: each compiled variant exported for sm_90a and linked with its XLA FFI handler
-(:mod:`tilenorm.jax.cute_ffi`), the routing that picks it on a made-up H100, the gate of its
-kernel family (``cute/jax-forward``), and the call itself up to the kernel's load: through
-XLA's CPU backend the handler hands the exported entry the DLTensors of the kernel path's
-operands and results, and the entry's own checks of every array (dtype, shape, strides,
-device, alignment) pass before it stops where a GPU is needed. The GPU tests are in
-tests/test_jax_kernel_path.py (``test_cute_forward_*``).
+"""The CuTe DSL kernels of tilenorm.jax's kernel path (issue 18, bench/NOTES.md #68): the row
+and cluster forwards and the cluster RMSNorm backward, on the CPU: each compiled variant
+exported for sm_90a and linked with its XLA FFI handler (:mod:`tilenorm.jax.cute_ffi`), the
+cluster launch in the exported host code, the routing that picks them on a made-up H100, the
+gate of their kernel family (``cute/jax``), and the calls themselves up to the kernel's load:
+through XLA's CPU backend the handler hands the exported entry the DLTensors of the kernel
+path's operands and results, and the entry's own checks of every array (dtype, shape,
+strides, device, alignment) pass before it stops where a GPU is needed. The GPU tests are in
+tests/test_jax_kernel_path.py (``test_cute_forward_*``, ``test_cute_cluster_*``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,11 @@ from tilenorm.device import DeviceInfo  # noqa: E402
 from tilenorm.jax import checks, cute_ffi, kernels, native  # noqa: E402
 from tilenorm.jax import dispatch as jax_dispatch  # noqa: E402
 from tilenorm.launch import cute  # noqa: E402
-from tilenorm.planner import plan_cute_forward  # noqa: E402
+from tilenorm.planner import (  # noqa: E402
+    CuteClusterBackwardPlan,
+    plan_cute_cluster_backward,
+    plan_cute_forward,
+)
 from tilenorm.settings import SM90  # noqa: E402
 
 needs_cute = pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
@@ -58,6 +63,20 @@ def _key(op="rms_norm", cols=WIDTH, dtype="bfloat16", weight="float32", bias=Fal
                                     residual)
 
 
+#: Clusters the made-up H100 holds at once (``fake_h100``): fewer than most tests' rows.
+RESIDENT_CLUSTERS = 15
+#: The widths of the cluster backward (RMSNorm's).
+CLUSTER_BACKWARD_WIDTHS = sorted(SM90.cute_cluster_backward["rms_norm"])
+
+
+def _backward_key(cols=CLUSTER_BACKWARD_WIDTHS[0], weight="bfloat16", offset=False,
+                  dres_in=False, rows=37) -> tuple:
+    plan = plan_cute_cluster_backward(
+        rows, cols, itemsize=2, arch=(9, 0), op="rms_norm",
+        resident_clusters=lambda cluster, threads, ctas_per_sm: RESIDENT_CLUSTERS)
+    return plan, cute.ClusterBackwardKey.of(plan, "bfloat16", weight, offset, dres_in)
+
+
 # --- the library -----------------------------------------------------------------------------
 
 
@@ -70,10 +89,24 @@ def test_arch_names_are_the_architecture_specific_targets():
 def test_build_key_names_the_variant_and_architecture():
     _, key = _key()
     _, other = _key(residual=True)
+    _, backward = _backward_key()
     assert cute_ffi.build_key(key, ARCH) == cute_ffi.build_key(key, ARCH)
     assert len({cute_ffi.build_key(key, ARCH), cute_ffi.build_key(other, ARCH),
-                cute_ffi.build_key(key, "sm_100a")}) == 3
+                cute_ffi.build_key(key, "sm_100a"), cute_ffi.build_key(backward, ARCH)}) == 4
     assert cute_ffi.target_name(key, ARCH).startswith(cute_ffi.TARGET_PREFIX)
+    assert cute_ffi.target_name(backward, ARCH).startswith(cute_ffi.BACKWARD_TARGET_PREFIX)
+
+
+def test_entry_arrays_follow_the_compiled_signatures():
+    """The handler fills the entry's arrays in its order: the forward's (x, residual, weight,
+    bias, y, h, mean, rstd), the cluster backward's (h, dy, weight, rstd, dres_in, dx,
+    partial); 1 an operand, 2 a result, 0 None."""
+    assert cute_ffi.entry_arrays(_key("layer_norm", bias=True, residual=True)[1]) == (
+        1, 1, 1, 1, 2, 2, 2, 2)
+    assert cute_ffi.entry_arrays(_key(weight=None)[1]) == (1, 0, 0, 0, 2, 0, 0, 2)
+    assert cute_ffi.entry_arrays(_backward_key()[1]) == (1, 1, 1, 1, 0, 2, 2)
+    assert cute_ffi.entry_arrays(_backward_key(weight=None, dres_in=True)[1]) == (
+        1, 1, 0, 1, 1, 2, 0)
 
 
 def test_library_builds_once_without_a_gpu_and_exports_only_its_handlers(tmp_path,
@@ -86,14 +119,43 @@ def test_library_builds_once_without_a_gpu_and_exports_only_its_handlers(tmp_pat
     built = path.stat().st_mtime_ns
     assert cute_ffi.build(key, ARCH) == path and path.stat().st_mtime_ns == built
     lib = ctypes.CDLL(str(path))
-    for name in (cute_ffi.HANDLER, cute_ffi.HOST_HANDLER, "tilenorm_cute_forward_calls"):
+    for name in (cute_ffi.HANDLER, cute_ffi.HOST_HANDLER, cute_ffi.CALLS):
         assert getattr(lib, name)
     # The exported object's entry and its internals stay inside the library.
-    entry = f"__tvm_ffi_tilenorm_cute_forward_{cute_ffi.build_key(key, ARCH)}"
+    entry = f"__tvm_ffi_tilenorm_cute_{cute_ffi.build_key(key, ARCH)}"
     with pytest.raises(AttributeError):
         getattr(lib, entry)
-    lib.tilenorm_cute_forward_calls.restype = ctypes.c_int64
-    assert lib.tilenorm_cute_forward_calls() == 0
+    calls = getattr(lib, cute_ffi.CALLS)
+    calls.restype = ctypes.c_int64
+    assert calls() == 0
+
+
+def _launcher(ir: str) -> str:
+    """The exported host function that launches the kernel (its LLVM IR body)."""
+    (body,) = [body for body in re.findall(r"^define [^\n]*\{\n(.*?)^\}", ir,
+                                           re.MULTILINE | re.DOTALL)
+               if "@_cudaLaunchKernelEx(" in body]
+    return body
+
+
+@pytest.mark.parametrize("kind", ["forward", "backward"])
+def test_the_export_launches_the_cluster_shape(tmp_path, kind):
+    """The exported entry launches the cluster kernels as clusters: its host code (the DSL
+    4.8.1's lowering, the module its own JIT loads too) fills cudaLaunchKernelEx's attributes
+    with cudaLaunchAttributeClusterDimension (4) and (cluster, 1, 1)."""
+    if kind == "forward":
+        key = _key(cols=65536, weight="bfloat16", rows=64)[1]
+        compiled = cute.compile_forward(key, ARCH)
+    else:
+        key = _backward_key()[1]
+        compiled = cute.compile_cluster_backward(key, ARCH)
+    assert key.cluster > 1
+    path = tmp_path / "kernel.ll"
+    compiled.export_to_c(str(path), function_name="cluster_probe")
+    body = _launcher(path.read_text())
+    stores = r"store i32 {}, ptr [^\n]+\n\s+"
+    pattern = "".join(stores.format(v) for v in (4, key.cluster, 1)) + r"store i32 1, ptr"
+    assert re.search(pattern, body), body
 
 
 def test_unavailable_says_why(monkeypatch):
@@ -120,18 +182,18 @@ def fake_h100(monkeypatch):
     at the cluster backward's widths how many clusters it holds at once)."""
     monkeypatch.setattr(kernel_dispatch, "device_info", lambda index: FAKE_H100)
     monkeypatch.setattr(kernel_dispatch, "max_active_clusters",
-                        lambda device, cluster, threads, ctas_per_sm: 15)
+                        lambda device, cluster, threads, ctas_per_sm: RESIDENT_CLUSTERS)
     kernel_dispatch.decide.cache_clear()
     yield
     kernel_dispatch.decide.cache_clear()
 
 
 def _records(monkeypatch, jax_forward: bool):
-    """Every family validated but ``cute/jax-forward`` (validated with ``jax_forward``)."""
+    """Every family validated but ``cute/jax`` (validated with ``jax_forward``)."""
     record = {"device": "made-up H100", "date": "2026-01-01", "commit": "abc"}
 
     def validation_record(family):
-        if family is validation.CUTE_JAX_FORWARD and not jax_forward:
+        if family is validation.CUTE_JAX and not jax_forward:
             return None
         return record
     monkeypatch.setattr(validation, "validation_record", validation_record)
@@ -150,18 +212,20 @@ def test_covers_keeps_the_cute_forward_only_where_its_family_may_run(fake_h100, 
     _records(monkeypatch, jax_forward=False)
     off = kernels.covers(_problem(MIN_ROWS))
     assert off.uses_kernel and off.cute_forward is None and off.cute_backward is None
-    assert "cute/jax-forward" in off.reason and "experimental" in off.reason
+    assert "cute/jax: RowNormForward (CuTe DSL)" in off.reason
+    assert "experimental" in off.reason
     on = kernels.covers(_problem(MIN_ROWS, allow=True))
     assert on.cute_forward == kernel_dispatch.decide(_problem(MIN_ROWS, allow=True)).cute_forward
     assert on.cute_forward is not None and on.cute_backward is None
-    assert "runs as an XLA FFI call (cute/jax-forward experimental)" in on.reason
+    assert ("the CuTe DSL's XLA FFI calls run RowNormForward (CuTe DSL) (cute/jax "
+            "experimental)" in on.reason)
     # where the torch side keeps cuTile's forward, so does JAX
     assert kernels.covers(_problem(MIN_ROWS - 1, allow=True)).cute_forward is None
     assert kernels.covers(_problem(MIN_ROWS, cols=WIDTH + 8, allow=True)).cute_forward is None
     _records(monkeypatch, jax_forward=True)
     kernel_dispatch.decide.cache_clear()
     stable = kernels.covers(_problem(MIN_ROWS))
-    assert stable.cute_forward is not None and "cute/jax-forward stable" in stable.reason
+    assert stable.cute_forward is not None and "cute/jax stable" in stable.reason
 
 
 def test_covers_keeps_cutile_where_no_library_can_be_built(fake_h100, monkeypatch):
@@ -177,20 +241,120 @@ CLUSTER_ROUTED = [(op, cols) for op, widths in SM90.cute_forward.items()
 
 
 @pytest.mark.parametrize(("op", "cols"), CLUSTER_ROUTED)
-def test_covers_never_takes_the_cluster_forward(fake_h100, monkeypatch, op, cols):
-    """The torch side runs the cluster forward for these widths; JAX keeps cuTile's forward
-    there (its exported entry's cluster launch was never run), saying why, whatever the
-    families' records say."""
-    for jax_forward in (False, True):
-        _records(monkeypatch, jax_forward=jax_forward)
-        kernel_dispatch.decide.cache_clear()
-        problem = _problem(4096, cols=cols, allow=True, op=op)
-        assert kernel_dispatch.decide(problem).cute_forward.cluster > 1
-        decision = kernels.covers(problem)
-        assert decision.uses_kernel and decision.cute_forward is None
-        assert kernel_dispatch.CUTE_CLUSTER_FORWARD_NAME in decision.reason
-        assert "cuTile's forward runs" in decision.reason
-        assert not any("CuTe" in name for name in decision.kernels)
+def test_covers_takes_the_cluster_kernels_where_torch_does(fake_h100, monkeypatch, op, cols):
+    """Where the torch side runs the cluster forward (and for RMSNorm at 65536 / 131072 the
+    cluster backward, on the device's co-resident clusters), so does JAX once its family may
+    run; explain names them."""
+    _records(monkeypatch, jax_forward=True)
+    rows = kernel_dispatch.CUTE_FORWARD_MIN_BYTES // (2 * cols)  # the torch side's least x
+    problem = _problem(rows, cols=cols, allow=True, op=op)
+    torch_side = kernel_dispatch.decide(problem)
+    decision = kernels.covers(problem)
+    assert decision.cute_forward == torch_side.cute_forward and decision.cute_forward.cluster > 1
+    assert decision.cute_forward.grid == rows * decision.cute_forward.cluster
+    assert kernel_dispatch.CUTE_CLUSTER_FORWARD_NAME in decision.kernels
+    if op == "rms_norm" and cols in CLUSTER_BACKWARD_WIDTHS:
+        plan = decision.cute_backward
+        assert isinstance(plan, CuteClusterBackwardPlan) and plan == torch_side.cute_backward
+        assert plan.clusters == RESIDENT_CLUSTERS and plan.partial_rows == RESIDENT_CLUSTERS
+        assert kernel_dispatch.CUTE_CLUSTER_BACKWARD_NAME in decision.kernels
+        assert (f"XLA FFI calls run {kernel_dispatch.CUTE_CLUSTER_FORWARD_NAME} and "
+                f"{kernel_dispatch.CUTE_CLUSTER_BACKWARD_NAME} (cute/jax stable"
+                in decision.reason)
+    else:
+        assert decision.cute_backward is None
+    text = str(decision)
+    assert f"{kernel_dispatch.CUTE_CLUSTER_FORWARD_NAME}: CuTe DSL cluster forward" in text
+    # the family not validated and experimental kernels off: cuTile's kernels, saying why
+    _records(monkeypatch, jax_forward=False)
+    off = kernels.covers(_problem(rows, cols=cols, op=op))
+    assert off.uses_kernel and off.cute_forward is None and off.cute_backward is None
+    assert not any("CuTe" in name for name in off.kernels)
+    assert "cute/jax: " + kernel_dispatch.CUTE_CLUSTER_FORWARD_NAME in off.reason
+
+
+@pytest.mark.parametrize("cols", CLUSTER_BACKWARD_WIDTHS)
+def test_covers_keeps_cutile_for_fp32_rows_at_the_cluster_widths(fake_h100, monkeypatch,
+                                                                  cols):
+    """The CuTe DSL kernels take 2-byte x: fp32 rows of these widths run cuTile's kernels,
+    as on the torch side."""
+    _records(monkeypatch, jax_forward=True)
+    decision = kernels.covers(_problem(512, cols=cols, allow=True,
+                                       dtypes=("float32", "float32")))
+    assert decision.uses_kernel
+    assert decision.cute_forward is None and decision.cute_backward is None
+    assert not any("CuTe" in name for name in decision.kernels)
+
+
+def test_covers_leaves_the_row_backward_to_cutile(fake_h100, monkeypatch):
+    """The torch side's CuTe DSL row backward (LayerNorm at 4096) has no JAX call: cuTile's
+    backward runs, and the reason says so."""
+    _records(monkeypatch, jax_forward=True)
+    problem = _problem(4096, cols=4096, allow=True, op="layer_norm")
+    assert kernel_dispatch.decide(problem).cute_backward is not None
+    decision = kernels.covers(problem)
+    assert decision.cute_backward is None
+    assert (f"{kernel_dispatch.CUTE_BACKWARD_NAME} has no XLA FFI call, so cuTile's backward "
+            f"runs" in decision.reason)
+
+
+@pytest.mark.parametrize("cols", CLUSTER_BACKWARD_WIDTHS)
+def test_explain_names_the_cluster_kernels(fake_h100, monkeypatch, cols):
+    """``tilenorm.jax.explain`` on the installed kernel path: the torch side's names of the
+    cluster forward and backward, among the kernels it runs."""
+    _records(monkeypatch, jax_forward=True)
+    previous = tj.set_kernel_path(kernels.kernel_path())
+    try:
+        with tilenorm.experimental():
+            d = tj.explain(jax.ShapeDtypeStruct((4, 1024, cols), BF16),
+                           jax.ShapeDtypeStruct((cols,), BF16), platform="cuda")
+    finally:
+        tj.set_kernel_path(previous)
+    assert d.uses_kernel
+    text = str(d)
+    for name in (kernel_dispatch.CUTE_CLUSTER_FORWARD_NAME,
+                 kernel_dispatch.CUTE_CLUSTER_BACKWARD_NAME):
+        assert name in d.kernels.kernels and name in text
+
+
+@pytest.mark.parametrize("dx_dtype,dh,residual_dtype,offset,expected", [
+    (BF16, False, None, 0.0, (True, "bfloat16", False, False)),
+    (BF16, True, BF16, 1.0, (True, "bfloat16", True, True)),
+    (BF16, False, None, 0.0, None),  # dy in fp32 (y in fp32)
+    (BF16, True, FP32, 0.0, None),  # the residual's gradient apart from dx (fp32 residual)
+], ids=["plain", "prenorm-gemma", "fp32-dy", "fp32-residual"])
+def test_backward_variant_follows_the_call_facts(fake_h100, monkeypatch, dx_dtype, dh,
+                                                 residual_dtype, offset, expected):
+    """The cluster backward runs for the operands the torch side runs it for
+    (:func:`tilenorm.dispatch.backward_kernel`), as the compiled variant of their dtypes."""
+    _records(monkeypatch, jax_forward=True)
+    cols = CLUSTER_BACKWARD_WIDTHS[0]
+    shape = (37, cols)
+    dy_dtype = FP32 if expected is None and residual_dtype is None else BF16
+    found = []
+
+    def decide(x, r, h, dy, w, dh):
+        spec = checks.forward_spec("rms_norm", x, w, None, r, None, offset, False,
+                                   r is not None, None, None, None)
+        decision = kernels.covers(jax_dispatch._problem(spec, h, None, w, None))
+        found.append(kernels.cute_backward_variant(spec, decision, dy, dh, h, w))
+
+    h_dtype = BF16 if residual_dtype is None else residual_dtype
+    r = None if residual_dtype is None else jax.ShapeDtypeStruct(shape, residual_dtype)
+    with tilenorm.experimental():
+        jax.eval_shape(decide, jax.ShapeDtypeStruct(shape, dx_dtype), r,
+                       jax.ShapeDtypeStruct(shape, h_dtype),
+                       jax.ShapeDtypeStruct(shape, dy_dtype),
+                       jax.ShapeDtypeStruct((cols,), BF16),
+                       jax.ShapeDtypeStruct(shape, h_dtype) if dh else None)
+    (variant,) = found
+    if expected is None:
+        assert variant is None
+        return
+    plan, key = variant
+    assert isinstance(plan, CuteClusterBackwardPlan) and plan.rows == 37
+    assert (True, key.dtype, key.has_offset, key.has_dres_in) == expected
+    assert key.weight_dtype == "bfloat16" and key.cols == cols
 
 
 def _spec(x, w, b, r, layer_norm=False, offset=0.0, out_dtype=None, stream=None):
@@ -295,6 +459,43 @@ def test_lowered_step_runs_the_cute_forward_and_cutiles_backward(cute_routed, la
     assert call.endswith(results), call
 
 
+def _call_line(text: str, target: str) -> str:
+    return next(line for line in text.splitlines() if f"@{target}(" in line)
+
+
+@pytest.mark.parametrize("cols", CLUSTER_BACKWARD_WIDTHS)
+def test_lowered_step_runs_the_cluster_kernels(cute_routed, monkeypatch, cols):
+    """At the cluster backward's widths a training step is the cluster forward's call, the
+    cluster backward's (dx and the partial buffer of its co-resident clusters, 37 rows on
+    15 of them) and the FFI module's one call of cuTile's column sums over that buffer."""
+    _records(monkeypatch, jax_forward=True)
+    kernels._column_sums_recipe.cache_clear()
+    x = jax.ShapeDtypeStruct((37, cols), BF16)
+    w = jax.ShapeDtypeStruct((cols,), BF16)
+
+    def loss(x, w, r):
+        y, h = tj.rms_norm(x, w, residual=r, prenorm=True, offset=1.0)
+        return jnp.sum(y.astype(FP32)) + jnp.sum(h.astype(FP32))
+
+    text = _lowered_for_cuda(jax.grad(loss, (0, 1, 2)), x, w, x)
+    forward_plan, forward_key = _key(cols=cols, weight="bfloat16", offset=True, residual=True,
+                                     rows=37)
+    (forward,) = _cute_calls(text)
+    assert forward == cute_ffi.target_name(forward_key, ARCH)
+    assert f"grid = {forward_plan.grid} : i64" in _call_line(text, forward)
+    assert forward_plan.grid == 37 * forward_plan.cluster
+    plan, key = _backward_key(cols, offset=True, dres_in=True)
+    backward = cute_ffi.target_name(key, ARCH)
+    call = _call_line(text, backward)
+    assert f"grid = {plan.grid} : i64" in call and plan.grid == 15 * key.cluster
+    assert call.endswith(f"(tensor<37x{cols}xbf16>, tensor<15x1x{cols}xf32>)"), call
+    assert f"custom_call @{native.FORWARD_TARGET}(" not in text
+    (reduce,) = [line for line in text.splitlines()
+                 if f"custom_call @{native.BACKWARD_TARGET}(" in line]
+    assert f"(tensor<15x1x{cols}xf32>)" in reduce and f"tensor<{cols}xf32>" in reduce
+    kernels._column_sums_recipe.cache_clear()
+
+
 @pytest.mark.parametrize("transform", ["vmap", "shard_map", "checkpoint"])
 def test_transformed_forward_lowers_to_the_cute_call(cute_routed, transform):
     from jax.sharding import Mesh
@@ -342,7 +543,7 @@ def test_a_library_that_fails_to_build_leaves_cutiles_forward(cute_routed, monke
 
 
 @functools.cache
-def _host_target(key: cute.ForwardKey) -> str:
+def _host_target(key: cute_ffi.Key) -> str:
     """The variant's handler for XLA's CPU backend (``HOST_HANDLER``), registered once."""
     name = cute_ffi.target_name(key, ARCH) + "_host"
     handler = getattr(cute_ffi.library(key, ARCH), cute_ffi.HOST_HANDLER)
@@ -355,8 +556,8 @@ def cute_on_cpu(fake_h100, monkeypatch):
     """The kernel path for XLA's CPU backend whose forward is the CuTe call's host handler:
     the kernel path's own routing, operands and results, the entry's own checks."""
     monkeypatch.setattr(kernel_dispatch, "CUTE_FORWARD_MIN_BYTES", 0)
-    monkeypatch.setattr(kernels, "_cute_target",
-                        lambda key, arch: _host_target(key) if arch == (9, 0) else None)
+    monkeypatch.setattr(kernels, "_cute_target", lambda key, arch, direction:
+                        _host_target(key) if arch == (9, 0) else None)
     previous = tj.set_kernel_path(tj.KernelPath("cpu", kernels.covers, kernels.forward,
                                                 kernels.backward))
     with tilenorm.experimental():
@@ -364,10 +565,10 @@ def cute_on_cpu(fake_h100, monkeypatch):
     tj.set_kernel_path(previous)
 
 
-def _reaches_the_kernel_load(run) -> str:
+def _reaches_the_kernel_load(run, kernel: str = "forward") -> str:
     """Run ``run``: the handler's error, which must be the kernel's load (no GPU here), not
     one of the entry's argument checks."""
-    with pytest.raises(Exception, match="the CuTe DSL forward failed") as info:
+    with pytest.raises(Exception, match=f"the CuTe DSL {kernel} failed") as info:
         jax.block_until_ready(run())
     message = str(info.value)
     assert re.search("cuda", message, re.IGNORECASE), message
@@ -381,6 +582,9 @@ VARIANTS = {  # (op, x dtype, weight dtype, bias, residual, offset, width, shape
     "rms-fp16-no-weight": ("rms_norm", FP16, None, False, False, 0.0, 16384, (2, 1, 1)),
     "ln-fp16-bias-prenorm": ("layer_norm", FP16, FP16, True, True, 0.0, WIDTH, (11,)),
     "ln-bf16-fp32-params": ("layer_norm", BF16, FP32, True, False, 0.0, 8192, (4, 2)),
+    "rms-bf16-cluster-gemma": ("rms_norm", BF16, BF16, False, False, 1.0, 65536, (3,)),
+    "rms-bf16-cluster-prenorm": ("rms_norm", BF16, FP32, False, True, 0.0, 131072, (2,)),
+    "ln-bf16-cluster-bias": ("layer_norm", BF16, BF16, True, False, 0.0, 32768, (3,)),
 }
 
 
@@ -427,3 +631,36 @@ def test_the_kernels_own_checks_reach_xla_as_errors(cute_on_cpu):
         jax.block_until_ready(jax.ffi.ffi_call(target, results)(
             x, eps=np.float32(1e-6), offset=np.float32(0), grid=np.int64(plan.grid)))
     assert cute_ffi.calls_run(target) == 0  # not a registered CUDA target
+
+
+@no_gpu
+@pytest.mark.parametrize("weight,dres_in,offset", [
+    ("bfloat16", False, 0.0), ("float32", True, 1.0), (None, True, 0.0)],
+    ids=["bf16-weight", "fp32-weight-dres-gemma", "no-weight-dres"])
+def test_host_backward_call_passes_every_argument_check_of_the_kernel(cute_on_cpu, weight,
+                                                                      dres_in, offset):
+    """The cluster backward's call as the kernel path makes it (37 rows, 15 clusters):
+    every array it hands the entry passes the entry's checks."""
+    cols = CLUSTER_BACKWARD_WIDTHS[0]
+    plan, key = _backward_key(cols, weight, weight is not None and offset != 0, dres_in)
+    device = cute_on_cpu
+    rng = np.random.default_rng(1)
+
+    def arr(shape, dt):
+        return jax.device_put(jnp.asarray(rng.standard_normal(shape), dt), device)
+
+    h, dy = arr((37, cols), BF16), arr((37, cols), BF16)
+    dh = arr((37, cols), BF16) if dres_in else None
+    w = None if weight is None else arr((cols,), np.dtype(weight))
+    rstd = arr((37,), FP32)
+    r = h if dres_in else None
+    spec = _spec(h, w, None, r, offset=offset)
+    target = _host_target(key)
+
+    def call(h, dy, w, rstd, dh):
+        return kernels._cute_cluster_call(spec, plan, target, dy, dh, h, w, rstd)
+
+    lowered = jax.jit(call).lower(h, dy, w, rstd, dh).as_text()
+    line = _call_line(lowered, target)
+    assert f"grid = {plan.grid} : i64" in line
+    _reaches_the_kernel_load(lambda: jax.jit(call)(h, dy, w, rstd, dh), "cluster backward")

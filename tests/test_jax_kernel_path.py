@@ -18,14 +18,15 @@ Every test runs on two backends (the ``backend`` fixture):
   are the shapes and dtypes of the call's operands and results. It checks the layout plumbing
   and these tests themselves where there is no GPU.
 
-The CuTe DSL forward's own custom call (``cute/jax-forward``, ``test_cute_forward_*`` at the
-end) runs on the GPU only.
+The CuTe DSL kernels' own custom calls (``cute/jax``: ``test_cute_forward_*`` and
+``test_cute_cluster_*`` at the end) run on the GPU only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import re
 from unittest import mock
@@ -58,6 +59,7 @@ from tilenorm.arguments import dres_apart  # noqa: E402
 from tilenorm.jax import cute_ffi, kernels, native, sharding  # noqa: E402
 from tilenorm.jax.dispatch import varying_axes  # noqa: E402
 from tilenorm.launch import cute  # noqa: E402
+from tilenorm.planner import CuteClusterBackwardPlan  # noqa: E402
 from tilenorm.testing import float64_norm  # noqa: E402
 
 F32 = np.dtype(np.float32)
@@ -678,13 +680,15 @@ def test_flax_modules_run_the_kernel_path(backend, api, kind):
         assert _rel(grads[1], ref.dbias) <= GRAD_TOL[FP32], seed
 
 
-# --- the CuTe DSL forward: its own XLA FFI call (cute/jax-forward) --------------------------
+# --- the CuTe DSL kernels: their own XLA FFI calls (cute/jax) --------------------------------
 #
 # Where the torch side runs the CuTe DSL forward (x of 64 MiB and more at the widths of the
-# settings' ``cute_forward`` table), the kernel path's forward is the custom call of that
-# kernel's own library (tilenorm.jax.cute_ffi); the backward stays cuTile's. These run on the
-# GPU only (the emulation above replaces the cuTile calls' launches, which this call has
-# none of): tests/test_jax_cute_forward.py checks the rest on the CPU.
+# settings' ``cute_forward`` table: a row a CTA, or from 32768 / 65536 columns a row across a
+# cluster of CTAs), the kernel path's forward is the custom call of that kernel's own library
+# (tilenorm.jax.cute_ffi); so is the cluster RMSNorm backward at its widths (65536, 131072),
+# whose partial buffer cuTile's column sums reduce. These run on the GPU only (the emulation
+# above replaces the cuTile calls' launches, which these calls have none of):
+# tests/test_jax_cute_forward.py checks the rest on the CPU.
 
 needs_cute = pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
 CUTE_TARGET = re.compile(rf"stablehlo\.custom_call @({cute_ffi.TARGET_PREFIX}[0-9a-f]+)\(")
@@ -755,6 +759,13 @@ CUTE_CASES = [  # every width of the table; fp32 parameters unless ``param``
     Case("cute-ln-bf16", (777, 4096), BF16, layer_norm=True),
     Case("cute-ln-fp16-5120", (301, 5120), FP16, layer_norm=True, param=FP16),
     Case("cute-ln-bf16-prenorm", (257, 8192), BF16, layer_norm=True, residual=BF16),
+    # the cluster forward: a row across a cluster of CTAs; prime row counts
+    Case("cute-rms-bf16-65536-cluster", (67, 65536), BF16, param=BF16),
+    Case("cute-rms-bf16-131072-cluster-prenorm-gemma", (2, 37, 131072), BF16, residual=BF16,
+         offset=1.0),
+    Case("cute-ln-bf16-32768-cluster", (131, 32768), BF16, layer_norm=True, param=BF16),
+    Case("cute-ln-bf16-65536-cluster-prenorm", (67, 65536), BF16, layer_norm=True,
+         residual=BF16),
 ]
 
 
@@ -869,3 +880,102 @@ def test_cute_forward_from_the_size_the_torch_side_takes_it():
     ref = float64_norm(torch.from_numpy(np.asarray(x, np.float64)),
                        torch.from_numpy(np.asarray(w, np.float64)), None, 1e-6)
     assert _rel(y, ref.y) <= TOL[BF16], seed
+
+
+# --- the CuTe DSL cluster backward ------------------------------------------------------------
+
+CLUSTER_BACKWARD_TARGET = re.compile(
+    rf"stablehlo\.custom_call @({cute_ffi.BACKWARD_TARGET_PREFIX}[0-9a-f]+)\(")
+
+CLUSTER_CASES = [  # RMSNorm at the cluster backward's widths; prime row counts (37 to 293)
+    Case("cluster-rms-bf16-65536", (293, 65536), BF16, param=BF16),
+    Case("cluster-rms-bf16-65536-fp32-weight-prenorm-gemma", (67, 65536), BF16,
+         residual=BF16, offset=1.0),
+    Case("cluster-rms-bf16-131072-prenorm", (3, 37, 131072), BF16, residual=BF16,
+         param=BF16),
+    Case("cluster-rms-bf16-131072-fp32-weight", (131, 131072), BF16),
+]
+
+
+#: (case, with a weight): Gemma's offset needs one.
+CLUSTER_STEPS = [(case, weighted) for case in CLUSTER_CASES
+                 for weighted in ((True,) if case.offset else (True, False))]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_cute
+@pytest.mark.parametrize(("case", "weighted"), CLUSTER_STEPS,
+                         ids=[c.name + ("" if weighted else "-no-weight")
+                              for c, weighted in CLUSTER_STEPS])
+def test_cute_cluster_step_values_gradients_and_bit_identical_reruns(cute_forward_runs, case,
+                                                                     weighted):
+    """A training step at the cluster kernels' widths: the cluster forward's call, the
+    cluster backward's (on the device's co-resident clusters, as the torch side plans it)
+    and, with a weight, cuTile's column sums over its partial buffer; outputs and gradients
+    against float64, reruns bit for bit."""
+    from tilenorm.device import max_active_clusters
+
+    rng, seed = fresh_rng()
+    x, w, b, r, dy, dh = case.inputs(_cuda_backend(), rng)
+    if not weighted:
+        w = None
+    decision = case.explain(x, w, b, r)
+    assert decision.uses_kernel, str(decision)
+    forward_plan, plan = decision.kernels.cute_forward, decision.kernels.cute_backward
+    assert forward_plan is not None and forward_plan.cluster > 1, str(decision)
+    assert isinstance(plan, CuteClusterBackwardPlan), str(decision)
+    rows = math.prod(case.shape[:-1])
+    resident = max_active_clusters(0, plan.cluster, plan.threads, plan.ctas_per_sm)
+    assert plan.rows == rows and plan.clusters == min(rows, resident)
+    for name in (kernel_dispatch.CUTE_CLUSTER_FORWARD_NAME,
+                 kernel_dispatch.CUTE_CLUSTER_BACKWARD_NAME):
+        assert name in decision.kernels.kernels and name in str(decision)
+    step = jax.jit(_vjp_step(case.norm, case.prenorm))
+    args = (x, w, b, r, dy, dh)
+    text = step.lower(*args).as_text()
+    _one_cute_call(text)
+    (target,) = CLUSTER_BACKWARD_TARGET.findall(text)
+    # cuTile's row kernels never run; its column sums do where there is a weight
+    assert text.count(f"custom_call @{native.BACKWARD_TARGET}(") == int(weighted)
+    before = cute_ffi.calls_run(target)
+    first = jax.block_until_ready(step(*args))
+    for _ in range(2):  # the same bits: a static row-to-cluster map, fixed-order sums
+        assert _identical(step(*args), first), seed
+    assert cute_ffi.calls_run(target) - before == 3, "the cluster backward's handler ran"
+    out, (dx, dw, _, dr) = first
+    ref = case.float64(x, w, None, r, dy, dh)
+    y, h = out if case.prenorm else (out, None)
+    assert _rel(y, ref.y) <= TOL[case.dtype], seed
+    if case.prenorm:
+        assert _rel(h, ref.h) <= TOL[case.dtype], seed
+        assert _rel(dr, ref.dresidual) <= GRAD_TOL[case.dtype], seed
+    assert dx.dtype == case.dtype and _rel(dx, ref.dx) <= GRAD_TOL[case.dtype], seed
+    assert _row_errors(dx, ref.dx).max() <= 2 * GRAD_TOL[case.dtype], seed
+    if weighted:
+        assert dw.dtype == w.dtype and _rel(dw, ref.dweight) <= GRAD_TOL[case.dtype], seed
+    else:
+        assert dw is None
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_cute
+def test_cute_cluster_backward_without_the_forward_size_bound():
+    """Without the fixture's bound on the forward: x of fewer than 64 MiB keeps cuTile's
+    forward (as on the torch side) while the cluster backward runs (it has no such bound
+    there either)."""
+    rng, seed = fresh_rng()
+    case = CLUSTER_CASES[0]
+    args = case.inputs(_cuda_backend(), rng)
+    assert math.prod(case.shape) * 2 < kernel_dispatch.CUTE_FORWARD_MIN_BYTES
+    step = jax.jit(_vjp_step(case.norm, case.prenorm))
+    with tilenorm.experimental():
+        kernel_dispatch.decide.cache_clear()
+        text = step.lower(*args).as_text()
+        assert not CUTE_TARGET.search(text) and f"@{native.FORWARD_TARGET}(" in text
+        assert len(CLUSTER_BACKWARD_TARGET.findall(text)) == 1
+        y, grads = step(*args)
+    ref = case.float64(*args)
+    assert _rel(y, ref.y) <= TOL[case.dtype], seed
+    _check_grads(case, grads, ref, seed)

@@ -95,7 +95,7 @@ def test_a_family_whose_modules_are_missing_is_not_runnable():
 
 
 #: Host code in a family's digest: the C++ of a call path that only a GPU runs end to end
-#: (the XLA FFI handler of JAX's CuTe DSL forward), validated with the kernels it calls.
+#: (the XLA FFI handler of JAX's CuTe DSL calls), validated with the kernels it calls.
 GPU_ONLY_HOST_CODE = {"jax/cute_ffi_calls.cc"}
 
 
@@ -112,22 +112,26 @@ def test_digest_covers_the_kernels_folder_and_the_measured_settings():
         assert (validation.PACKAGE_DIR / source).is_file(), source
 
 
-def test_jax_cute_forward_is_a_family_of_its_own():
-    """JAX's CuTe DSL forward call is validated apart from the kernel's torch path: its
-    handler, the kernel it calls (and the module that kernel imports) and the settings."""
-    family = validation.CUTE_JAX_FORWARD
-    assert family in validation.FAMILIES and family.name == "cute/jax-forward"
-    assert set(family.sources) == {"jax/cute_ffi_calls.cc", "kernels/cute_row_norm_forward.py",
-                                   "kernels/cute_rows.py", "settings.py"}
+def test_jax_cute_calls_are_a_family_of_their_own():
+    """JAX's CuTe DSL calls are validated apart from the kernels' torch path: their handler,
+    the kernels they call (the row and cluster forwards, the cluster backward and the
+    reduction of its partial buffer, with the module they import) and the settings."""
+    family = validation.CUTE_JAX
+    assert family in validation.FAMILIES and family.name == "cute/jax"
+    assert set(family.sources) == {
+        "jax/cute_ffi_calls.cc", "kernels/cute_row_norm_forward.py",
+        "kernels/cute_cluster_norm_forward.py", "kernels/cute_cluster_norm_backward.py",
+        "kernels/cute_rows.py", "kernels/cutile_column_sums.py", "settings.py"}
     assert family.digest() != validation.CUTE_NORM.digest()
 
 
-def test_the_cluster_forward_is_in_the_cute_family_only():
-    """The cluster forward (kernels/cute_cluster_norm_forward.py) runs from the torch ops'
-    CuTe DSL path; JAX keeps cuTile's forward for its widths, so its family leaves it out."""
-    source = "kernels/cute_cluster_norm_forward.py"
-    assert source in validation.CUTE_NORM.sources
-    assert [f for f in validation.FAMILIES if source in f.sources] == [validation.CUTE_NORM]
+@pytest.mark.parametrize("source", ["kernels/cute_cluster_norm_forward.py",
+                                    "kernels/cute_cluster_norm_backward.py"])
+def test_the_cluster_kernels_are_in_the_cute_and_jax_families(source):
+    """The cluster kernels run from the torch ops' CuTe DSL path and from JAX's calls: an
+    edit asks both families for a GPU re-run."""
+    assert [f for f in validation.FAMILIES if source in f.sources] == [validation.CUTE_NORM,
+                                                                       validation.CUTE_JAX]
 
 
 def test_a_family_holds_the_kernel_modules_its_kernels_import():

@@ -247,7 +247,9 @@ def build_cute_ahead_of_time(all_dtypes: bool) -> bool:
               + [(key, cute.compile_backward) for key in cute.aot_keys(all_dtypes)]
               + [(key, cute.compile_cluster_backward)
                  for key in cute.aot_cluster_backward_keys(all_dtypes)]
-              + [(key, cute.compile_fp8_forward) for key in cute.aot_fp8_keys(all_dtypes)])
+              + [(key, cute.compile_fp8_forward) for key in cute.aot_fp8_keys(all_dtypes)]
+              + [(key, cute.compile_fp8_transpose)
+                 for key in cute.aot_fp8_transpose_keys(all_dtypes)])
     print(f"  {len(builds) * len(cute.AOT_ARCHS)} CuTe DSL kernel builds for "
           f"{', '.join(cute.AOT_ARCHS)}", flush=True)
     ok, start = True, time.perf_counter()

@@ -25,6 +25,7 @@ from tilenorm.planner import (
     CuteClusterBackwardPlan,
     CuteForwardPlan,
     CuteFp8ForwardPlan,
+    CuteFp8TransposePlan,
     MxSwizzlePlan,
     Op,
     RowNormPlan,
@@ -33,6 +34,7 @@ from tilenorm.planner import (
     plan_cute_cluster_backward,
     plan_cute_forward,
     plan_cute_fp8_forward,
+    plan_cute_fp8_transpose,
     plan_fp8_column_amax,
     plan_fp8_mx_swizzle,
     plan_fp8_quantize,
@@ -427,6 +429,9 @@ class Fp8Decision:
     device: DeviceInfo | None = None
     #: The CuTe DSL row kernel's plan where it runs instead of cuTile's ``forward``.
     cute_forward: CuteFp8ForwardPlan | None = None
+    #: The CuTe DSL transposed copy's plan where it runs instead of cuTile's
+    #: ``fp8_quantize_transposed`` (``quantize`` is then None).
+    cute_transpose: CuteFp8TransposePlan | None = None
 
     @property
     def uses_kernel(self) -> bool:
@@ -440,7 +445,9 @@ class Fp8Decision:
         names = (CUTE_FP8_FORWARD_NAME if self.cute_forward else "norm_fwd_fp8_single",)
         if self.column_amax is not None:
             names += ("fp8_column_amax",)
-        if self.quantize is not None:
+        if self.cute_transpose is not None:
+            names += (CUTE_FP8_TRANSPOSE_NAME,)
+        elif self.quantize is not None:
             names += ("fp8_quantize_normed",) if self.scaling in ("tensor", "delayed") \
                 else ("fp8_quantize_transposed",)
         elif self.scaling == "delayed":
@@ -460,7 +467,7 @@ class Fp8Decision:
             f"{self.device.sm_count} SMs)",
             f"  status:   {self.family.name} {_family_status(self.family)}",
         ]
-        if self.cute_forward is not None:
+        if self.cute_forward is not None or self.cute_transpose is not None:
             lines.append(f"            {CUTE_NORM_FP8.name} {_family_status(CUTE_NORM_FP8)}")
         lines += [f"  kernels:  {', '.join(self.kernels)}",
                   f"  forward:  {(self.cute_forward or self.forward).describe()}"]
@@ -468,6 +475,8 @@ class Fp8Decision:
             lines.append(f"  columns:  {self.column_amax.describe()}")
         if self.quantize is not None:
             lines.append(f"  quantize: {self.quantize.describe()}")
+        if self.cute_transpose is not None:
+            lines.append(f"  copy:     {self.cute_transpose.describe()}")
         for swizzle in (self.swizzle, self.swizzle_t):
             if swizzle is not None:
                 lines.append(f"  swizzle:  {swizzle.describe()}")
@@ -530,35 +539,68 @@ def decide_fp8(p: Fp8Problem) -> Fp8Decision:
                                      dependent_launch=forward.dependent_launch,
                                      max_offset=p.max_offset,
                                      column_blocks=p.scales_along_rows and p.scaling != "row")
+    cute_transpose = _cute_fp8_transpose(p, info)
+    cute_forward = _cute_fp8_forward(p, info, column_amax=cute_transpose is not None)
     if p.scales_along_rows and p.scaling == "row":
-        column_amax = plan_fp8_column_amax(forward.grid, p.cols, arch=info.arch,
+        # The column amaxes: the CuTe row kernel's with the CuTe copy (which then computes y
+        # as that kernel does), else cuTile's row kernel's, whose y both copies compute.
+        if cute_forward is not None:
+            cute_transpose = dataclasses.replace(cute_transpose, weight_first=True)
+        partials = (cute_forward or forward).grid
+        column_amax = plan_fp8_column_amax(partials, p.cols, arch=info.arch,
                                            dependent_launch=forward.dependent_launch)
-    cute_forward = None if column_amax is not None else _cute_fp8_forward(p, info)
     reason = ("validated kernels cover this case" if stable
               else "experimental kernels are enabled")
     if cute_forward is not None:
         reason += ("; the CuTe DSL row kernel keeps the next rows' loads in flight "
                    "(bench/NOTES.md #56)")
+    if cute_transpose is not None:
+        quantize = None
+        reason += ("; the CuTe DSL transposed copy fits its registers where cuTile's pass "
+                   "does not (bench/NOTES.md #60)")
     return Fp8Decision(op=p.op, reason=reason, scaling=p.scaling, family=family,
                        forward=forward, quantize=quantize, column_amax=column_amax,
                        swizzle=swizzle, swizzle_t=swizzle_t, backward=backward, device=info,
-                       cute_forward=cute_forward)
+                       cute_forward=cute_forward, cute_transpose=cute_transpose)
 
 
-#: What ``Fp8Decision.kernels`` calls the CuTe DSL FP8-output row kernel.
+#: What ``Fp8Decision.kernels`` calls the CuTe DSL FP8-output row kernel and transposed copy.
 CUTE_FP8_FORWARD_NAME = "RowNormFp8Forward (CuTe DSL)"
+CUTE_FP8_TRANSPOSE_NAME = "TransposedFp8Quantize (CuTe DSL)"
 
 
-def _cute_fp8_forward(p: Fp8Problem, info: DeviceInfo) -> CuteFp8ForwardPlan | None:
+def _cute_fp8_forward(p: Fp8Problem, info: DeviceInfo, column_amax: bool = False
+                      ) -> CuteFp8ForwardPlan | None:
     """The CuTe DSL row kernel where the planner has one for the width, x's element size
     (2-byte x, or FP8 x whose groups are whole 16-byte vectors) and group, the kernel covers
     the features (RMSNorm, no residual; ``decide_fp8`` has checked the parameters' dtypes),
-    and it may run (installed; validated or allowed)."""
+    and it may run (installed; validated or allowed). A per-row scaling's transposed copy
+    needs its column amaxes: only where ``column_amax`` (the CuTe copy runs after it: 2-byte
+    x), the weight is not fp32 (whose fp32 copy and the column maxima spill:
+    settings_fp8.py) and the planner keeps them at the width."""
     if not (validation.is_stable(CUTE_NORM_FP8) or p.allow_experimental):
         return None
     if p.op != "rms_norm" or p.has_residual or not cute.available():
         return None
+    keeps_columns = p.scales_along_rows and p.scaling == "row"
+    if keeps_columns and (not column_amax or "float32" in p.dtypes[1:]):
+        return None
     return plan_cute_fp8_forward(p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]],
                                  sm_count=info.sm_count, arch=info.arch,
                                  scaling=p.row_scaling, max_offset=p.max_offset,
-                                 group=p.group)
+                                 group=p.group, column_amax=keeps_columns)
+
+
+def _cute_fp8_transpose(p: Fp8Problem, info: DeviceInfo) -> CuteFp8TransposePlan | None:
+    """The CuTe DSL transposed copy for a copy with scales along M where the planner has a
+    tile for the shape (2-byte x, rows a multiple of 16), the kernel covers the features
+    (RMSNorm of x itself: no residual, no FP8 x) and it may run (installed; validated or
+    allowed)."""
+    if not p.scales_along_rows or p.op != "rms_norm" or p.has_residual:
+        return None
+    if not (validation.is_stable(CUTE_NORM_FP8) or p.allow_experimental):
+        return None
+    if p.dtypes[0] not in ("bfloat16", "float16") or not cute.available():
+        return None
+    return plan_cute_fp8_transpose(p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]],
+                                   arch=info.arch, max_offset=p.max_offset)

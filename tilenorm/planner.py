@@ -473,10 +473,13 @@ class CuteFp8ForwardPlan(CuteRowPlan):
     and recomputes t = x * w at each use instead of holding both across the row."""
 
     recompute_t: bool = False
+    #: The kernel's ``column_amax``: per-program column amaxes for a per-row scaling's copy.
+    column_amax: bool = False
 
     def describe(self) -> str:
         return (f"CuTe DSL, {self._launch()}"
-                + (", t = x * w recomputed at each use" if self.recompute_t else ""))
+                + (", t = x * w recomputed at each use" if self.recompute_t else "")
+                + (", column amaxes kept" if self.column_amax else ""))
 
 
 #: FP8 x's elements in a 16-byte vector of the CuTe DSL FP8 row kernel: a group of its
@@ -486,7 +489,8 @@ FP8_VECTOR = 16
 
 def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
                           arch: tuple[int, int], scaling: str, max_offset: int | None = None,
-                          group: int = 0) -> CuteFp8ForwardPlan | None:
+                          group: int = 0, column_amax: bool = False
+                          ) -> CuteFp8ForwardPlan | None:
     """The CuTe DSL FP8-output row kernel for ``rows`` rows of ``cols`` 2-byte elements, or
     of FP8 x (``itemsize`` 1) with one multiplier per ``group`` elements, with the row
     kernel's ``scaling`` (a name of the kernel's ``SCALINGS``), or None where cuTile's runs:
@@ -494,8 +498,19 @@ def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
     ``cute_forward_fp8_input``), other element sizes, FP8 groups smaller than a 16-byte
     vector, and offsets past 32 bits (the kernel indexes with 32). For 2-byte x the
     settings' ``cute_forward_recompute_t`` entry of the scaling and width, where there is
-    one, takes the place of ``cute_forward``'s, with ``recompute_t``."""
+    one, takes the place of ``cute_forward``'s, with ``recompute_t``. ``column_amax`` (a
+    per-row scaling's transposed copy): only 2-byte x (the CuTe copy that takes them reads
+    2-byte x) at the widths of the settings' ``cute_forward_column_amax``, at
+    ``cute_forward``'s entry."""
     settings = fp8_settings_for(arch)
+    if column_amax:
+        if itemsize != 2 or scaling != "row" or cols not in settings.cute_forward_column_amax:
+            return None
+        plan = plan_cute_fp8_forward(rows, cols, itemsize=itemsize, sm_count=sm_count,
+                                     arch=arch, scaling=scaling, max_offset=max_offset)
+        if plan is None or plan.recompute_t:
+            return None
+        return dataclasses.replace(plan, column_amax=True)
     if max_offset is None:
         max_offset = rows * cols - 1
     if rows < 1 or max_offset > MAX_INT32_OFFSET:
@@ -511,6 +526,53 @@ def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
         return None
     return dataclasses.replace(CuteFp8ForwardPlan.of(rows, cols, entry, sm_count),
                                recompute_t=recompute_t is not None)
+
+
+@dataclass(frozen=True)
+class CuteFp8TransposePlan:
+    """The CuTe DSL transposed FP8 copy over (rows, cols): one CTA a tile of 128 rows by
+    ``tile_cols`` columns, ``grid`` (column tiles, row tiles), ``ctas_per_sm`` resident CTAs
+    an SM it is compiled for."""
+
+    rows: int
+    cols: int
+    tile_cols: int
+    ctas_per_sm: int
+    #: y as the CuTe row kernel computes it, whose column amaxes a per-row scaling takes.
+    weight_first: bool = False
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.cols // self.tile_cols, cdiv(self.rows, CUTE_FP8_TRANSPOSE_ROWS)
+
+    def describe(self) -> str:
+        return (f"CuTe DSL, {CUTE_FP8_TRANSPOSE_ROWS}x{self.tile_cols} tiles, grid "
+                f"{self.grid[0]}x{self.grid[1]}, {self.ctas_per_sm} CTAs an SM")
+
+
+#: Rows of a tile of the CuTe transposed copy (cute_fp8_transpose.py's ``TILE_ROWS``), and the
+#: multiple of 16 its row count must be (its ``ROW_MULTIPLE``: whole 16-byte runs of q_t).
+CUTE_FP8_TRANSPOSE_ROWS = 128
+CUTE_FP8_TRANSPOSE_ROW_MULTIPLE = 16
+
+
+def plan_cute_fp8_transpose(rows: int, cols: int, *, itemsize: int, arch: tuple[int, int],
+                            max_offset: int | None = None) -> CuteFp8TransposePlan | None:
+    """The CuTe DSL transposed copy for ``rows`` rows of ``cols`` ``itemsize``-byte
+    elements, or None where cuTile's ``fp8_quantize_transposed`` runs: other element sizes
+    than 2, row counts not a multiple of 16, widths no tile of the FP8 settings'
+    ``cute_transpose`` divides, more row tiles than the grid's second dimension holds, and
+    offsets past 32 bits (the kernel indexes with 32)."""
+    if max_offset is None:
+        max_offset = rows * cols - 1
+    if (itemsize != 2 or rows < 1 or rows % CUTE_FP8_TRANSPOSE_ROW_MULTIPLE
+            or cdiv(rows, CUTE_FP8_TRANSPOSE_ROWS) > MAX_GRID_Y
+            or max_offset > MAX_INT32_OFFSET):
+        return None
+    for tile_cols, ctas_per_sm in fp8_settings_for(arch).cute_transpose:
+        if cols % tile_cols == 0:
+            return CuteFp8TransposePlan(rows, cols, int(tile_cols), int(ctas_per_sm))
+    return None
 
 
 def max_fp8_cols(direction: Direction, op: Op, itemsize: int, arch: tuple[int, int]) -> int:

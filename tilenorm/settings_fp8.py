@@ -54,9 +54,9 @@ class Fp8Settings:
     #: The CuTe DSL row kernel (tilenorm/kernels/cute_row_norm_fp8.py), which keeps the next
     #: rows' loads in flight, per row width: (threads, stages, CTAs per SM). It runs instead
     #: of cuTile's for RMSNorm of 2-byte x (FP8 x: ``cute_forward_fp8_input``) without a
-    #: residual, every scaling but a per-row scaling's transposed copy (whose column amaxes
-    #: the cuTile kernel keeps): H200, row scaling 65-73% -> 85-94% of copy (#56). Widths
-    #: absent were not measured.
+    #: residual, every scaling (a per-row scaling's transposed copy, whose column amaxes
+    #: the row kernel keeps, only at ``cute_forward_column_amax``'s widths): H200, row
+    #: scaling 65-73% -> 85-94% of copy (#56). Widths absent were not measured.
     cute_forward: dict = field(default_factory=lambda: {
         2048: (128, 4, 6), 4096: (128, 4, 4), 8192: (256, 4, 2), 16384: (512, 4, 1)})
     #: Per scaling of the row kernel (its ``SCALINGS``), widths that take the kernel's
@@ -69,6 +69,22 @@ class Fp8Settings:
     #: still spill a little here (2-40 stores against the old route's 3-74) and are untimed.
     cute_forward_recompute_t: dict = field(default_factory=lambda: {
         "block": {16384: (256, 2, 2)}})
+    #: The CuTe DSL transposed copy of "row", "block" and "mx"
+    #: (tilenorm/kernels/cute_fp8_transpose.py), which runs instead of cuTile's
+    #: ``fp8_quantize_transposed`` (128 registers, 206 for "row": #60) for RMSNorm of 2-byte
+    #: x without a residual and a row count that is a multiple of 16: (tile columns, CTAs
+    #: per SM), the first whose columns divide the row width. 128-column tiles at three CTAs
+    #: an SM take 80 registers on sm_90a (block scaling keeps one 4-byte spill a tile), at
+    #: two 96 and none; neither is timed yet.
+    cute_transpose: tuple = ((128, 3), (64, 6))
+    #: Widths of ``cute_forward`` whose row kernel also keeps per-program column amaxes
+    #: for a per-row scaling's copy (its ``column_amax``), with the CuTe copy after it, in
+    #: place of cuTile's row kernel (which spills there, #60). On sm_90a, with a bf16
+    #: weight or none, it spills 0 / 4 / 3 registers at 2048 / 4096 / 8192 columns (the
+    #: cuTile kernel 8 and 4 stores at 4096 and 8192, #60), 15 at 16384, left out; an fp32
+    #: weight spills 10-12 stores and 96 loads (without column amaxes 0 and 8 stores at
+    #: 2048 and 4096), so it keeps cuTile's row kernel (``dispatch``). Untimed.
+    cute_forward_column_amax: tuple = (2048, 4096, 8192)
     #: The same kernel reading FP8 x and its group multipliers (groups of 16 elements or
     #: more: one multiplier a 16-byte vector), per row width: (threads, stages, CTAs per
     #: SM). The cuTile FP8-input forward reaches 40-51% of copy on an H200 (record
@@ -78,8 +94,10 @@ class Fp8Settings:
     #: offset, which at 4096-16384 columns stores 6 registers (2-byte x's kernel with an fp32
     #: weight and the offset: 84). Spill-free for the offset too, to be timed: (256, 8, 2)
     #: at 4096 and (512, 8, 1) at 8192 (one vector a thread); 8 rows in registers at the
-    #: table's thread counts spill. ``bench/bench_fp8.py --scalings fp8x-row --variants``
-    #: times other values.
+    #: table's thread counts spill. A per-row scaling's transposed copy of FP8 x keeps
+    #: cuTile's row kernel: the CuTe copy reads 2-byte x only, and cuTile's copy takes the
+    #: column amaxes of y as cuTile's row kernel computes it (``dispatch``).
+    #: ``bench/bench_fp8.py --scalings fp8x-row --variants`` times other values.
     cute_forward_fp8_input: dict = field(default_factory=lambda: {
         2048: (128, 4, 6), 4096: (128, 4, 4), 8192: (256, 4, 2), 16384: (512, 4, 1)})
 

@@ -70,10 +70,12 @@ CUTILE_NORM_FP8 = KernelFamily(
     "cutile/norm-fp8", "cuTile",
     ("kernels/cutile_row_norm_fp8.py", "kernels/cutile_column_sums.py", "settings.py",
      "settings_fp8.py"))
-#: The CuTe DSL FP8-output row kernel; its settings live in settings_fp8.py.
+#: The CuTe DSL FP8-output row kernel and transposed copy; their settings live in
+#: settings_fp8.py.
 CUTE_NORM_FP8 = KernelFamily(
     "cute/norm-fp8", "CuTe DSL",
-    ("kernels/cute_row_norm_fp8.py", "kernels/cute_rows.py", "settings_fp8.py"),
+    ("kernels/cute_row_norm_fp8.py", "kernels/cute_fp8_transpose.py", "kernels/cute_rows.py",
+     "settings_fp8.py"),
     _cute_installed)
 
 
@@ -87,16 +89,19 @@ def _cute_jax_installed() -> bool:
         for name in ("jax_cuda13_plugin", "jax_cuda12_plugin"))
 
 
-#: The CuTe DSL forward called from JAX (issue 18): an XLA FFI handler that hands XLA's
-#: buffers and stream to the kernel's TVM-FFI export (bench/NOTES.md #68). Its C++ is in the
-#: digest beside the kernel and its settings: the CPU tests build it and call it up to the
-#: kernel's load, but only a GPU runs the launch (XLA's stream, the buffers' device memory).
-CUTE_JAX_FORWARD = KernelFamily(
-    "cute/jax-forward", "CuTe DSL",
-    ("jax/cute_ffi_calls.cc", "kernels/cute_row_norm_forward.py", "kernels/cute_rows.py",
-     "settings.py"),
+#: The CuTe DSL kernels called from JAX (issue 18): an XLA FFI handler that hands XLA's
+#: buffers and stream to a kernel's TVM-FFI export (bench/NOTES.md #68), for the forwards (a
+#: row a CTA, and a row across a cluster of CTAs) and the cluster RMSNorm backward, whose
+#: partial buffer cuTile's reduction sums. Its C++ is in the digest beside the kernels and
+#: their settings: the CPU tests build it and call it up to the kernel's load, but only a GPU
+#: runs the launch (XLA's stream, the buffers' device memory, the cluster launch).
+CUTE_JAX = KernelFamily(
+    "cute/jax", "CuTe DSL",
+    ("jax/cute_ffi_calls.cc", "kernels/cute_row_norm_forward.py",
+     "kernels/cute_cluster_norm_forward.py", "kernels/cute_cluster_norm_backward.py",
+     "kernels/cute_rows.py", "kernels/cutile_column_sums.py", "settings.py"),
     _cute_jax_installed)
-FAMILIES = (CUTILE_NORM, CUTE_NORM, CUTILE_NORM_FP8, CUTE_NORM_FP8, CUTE_JAX_FORWARD)
+FAMILIES = (CUTILE_NORM, CUTE_NORM, CUTILE_NORM_FP8, CUTE_NORM_FP8, CUTE_JAX)
 
 
 @functools.cache

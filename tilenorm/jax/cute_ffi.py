@@ -1,8 +1,10 @@
-"""The CuTe DSL forward as an XLA FFI custom call (bench/NOTES.md #68): for one compiled
-variant (a :class:`tilenorm.launch.cute.ForwardKey` on one architecture), the DSL's export
-of the compiled kernel (an object whose one entry takes the TVM-FFI safe-call ABI, the cubin
-inside) linked with ``cute_ffi_calls.cc``, the XLA FFI handler that calls it on XLA's
-stream, into a library of its own.
+"""The CuTe DSL kernels as XLA FFI custom calls (bench/NOTES.md #68): for one compiled
+variant (a :class:`tilenorm.launch.cute.ForwardKey`, the row or the cluster forward, or a
+:class:`~tilenorm.launch.cute.ClusterBackwardKey`, the cluster RMSNorm backward, on one
+architecture), the DSL's export of the compiled kernel (an object whose one entry takes the
+TVM-FFI safe-call ABI, the cubin inside, and launches it with the kernel's cluster shape)
+linked with ``cute_ffi_calls.cc``, the XLA FFI handler that calls it on XLA's stream, into a
+library of its own.
 
 A library is built on first use into :func:`tilenorm.launch.build.cache_root` (beside the
 FFI module of :mod:`tilenorm.jax.native`), once per variant, architecture, sources and
@@ -22,6 +24,7 @@ import shutil
 import tempfile
 from dataclasses import astuple
 from pathlib import Path
+from typing import TypeAlias
 
 from tilenorm.launch import build as launch_build
 from tilenorm.launch import cute
@@ -30,15 +33,21 @@ SOURCE = Path(__file__).with_name("cute_ffi_calls.cc")
 #: Files whose text goes into what a library holds beyond its key: the handler, the kernel
 #: and the module that compiles it.
 _PACKAGE = Path(__file__).resolve().parent.parent
-BUILD_SOURCES = (SOURCE, _PACKAGE / "kernels" / "cute_row_norm_forward.py",
-                 _PACKAGE / "kernels" / "cute_rows.py", _PACKAGE / "launch" / "cute.py")
+BUILD_SOURCES = (SOURCE, *(_PACKAGE / "kernels" / name for name in (
+    "cute_row_norm_forward.py", "cute_cluster_norm_forward.py",
+    "cute_cluster_norm_backward.py", "cute_rows.py")), _PACKAGE / "launch" / "cute.py")
 #: The XLA FFI handler of every library (each is loaded on its own, so the names agree).
-HANDLER = "tilenorm_cute_forward"
+HANDLER = "tilenorm_cute_call"
 #: The same call for XLA's CPU backend: the CPU tests' way into the exported entry's argument
 #: checks (see ``cute_ffi_calls.cc``); never registered for CUDA.
-HOST_HANDLER = "tilenorm_cute_forward_without_gpu"
-#: The custom-call targets, one per library: this prefix and its build key.
+HOST_HANDLER = "tilenorm_cute_call_without_gpu"
+#: The library's count of calls that reached the kernel.
+CALLS = "tilenorm_cute_calls"
+#: A compiled variant a library holds.
+Key: TypeAlias = cute.ForwardKey | cute.ClusterBackwardKey
+#: The custom-call targets, one per library: the kernel's prefix and the build key.
 TARGET_PREFIX = "tilenorm_cute_forward_"
+BACKWARD_TARGET_PREFIX = "tilenorm_cute_cluster_backward_"
 #: The distributions whose versions a built library depends on.
 _VERSIONED = ("nvidia-cutlass-dsl-libs-base", "apache-tvm-ffi", "jaxlib")
 
@@ -57,20 +66,25 @@ def _version(distribution: str) -> str:
         return "none"
 
 
-def build_key(key: cute.ForwardKey, arch: str) -> str:
+def build_key(key: Key, arch: str) -> str:
     """A short hash of the variant, the architecture, the sources and the toolchain."""
     versions = " ".join(f"{d} {_version(d)}" for d in _VERSIONED)
-    return launch_build.source_key(BUILD_SOURCES, f"{astuple(key)} {arch} {versions}")
+    return launch_build.source_key(
+        BUILD_SOURCES, f"{type(key).__name__} {astuple(key)} {arch} {versions}")
 
 
-def target_name(key: cute.ForwardKey, arch: str) -> str:
+def _is_forward(key: Key) -> bool:
+    return isinstance(key, cute.ForwardKey)
+
+
+def target_name(key: Key, arch: str) -> str:
     """The custom-call target of the variant's library."""
-    return TARGET_PREFIX + build_key(key, arch)
+    return (TARGET_PREFIX if _is_forward(key) else BACKWARD_TARGET_PREFIX) + build_key(key, arch)
 
 
-def library_path(key: cute.ForwardKey, arch: str) -> Path:
+def library_path(key: Key, arch: str) -> Path:
     return (launch_build.cache_root() / f"jax-cute-{build_key(key, arch)}"
-            / "tilenorm_cute_forward.so")
+            / "tilenorm_cute_call.so")
 
 
 # --- the toolchain ---------------------------------------------------------------------------
@@ -124,31 +138,51 @@ def unavailable() -> str | None:
 # --- building --------------------------------------------------------------------------------
 
 
-def _defines(key: cute.ForwardKey, entry: str) -> list[str]:
-    return [f"-DTILENORM_CUTE_ENTRY={entry}",
-            f"-DTILENORM_CUTE_HAS_RESIDUAL={int(key.has_residual)}",
-            f"-DTILENORM_CUTE_HAS_WEIGHT={int(key.weight_dtype is not None)}",
-            f"-DTILENORM_CUTE_HAS_BIAS={int(key.has_bias)}",
-            f"-DTILENORM_CUTE_LAYER_NORM={int(key.layer_norm)}"]
+#: How the handler fills one of the entry's array arguments (``TILENORM_CUTE_ARRAYS``).
+_ABSENT, _OPERAND, _RESULT = 0, 1, 2
+
+
+def entry_arrays(key: Key) -> tuple[int, ...]:
+    """The entry's array arguments as the handler fills them: absent (None), the call's next
+    operand or its next result. The forward's: x, residual, weight, bias, y, h, mean, rstd;
+    the cluster backward's: h, dy, weight, rstd, dres_in, dx, partial."""
+    has_weight = key.weight_dtype is not None
+
+    def given(present: bool, kind: int) -> int:
+        return kind if present else _ABSENT
+
+    if _is_forward(key):
+        return (_OPERAND, given(key.has_residual, _OPERAND), given(has_weight, _OPERAND),
+                given(key.has_bias, _OPERAND), _RESULT, given(key.has_residual, _RESULT),
+                given(key.layer_norm, _RESULT), _RESULT)
+    return (_OPERAND, _OPERAND, given(has_weight, _OPERAND), _OPERAND,
+            given(key.has_dres_in, _OPERAND), _RESULT, given(has_weight, _RESULT))
+
+
+def _defines(key: Key, entry: str) -> list[str]:
+    kernel = "forward" if _is_forward(key) else "cluster backward"
+    return [f"-DTILENORM_CUTE_ENTRY={entry}", f"-DTILENORM_CUTE_KERNEL=\"{kernel}\"",
+            f"-DTILENORM_CUTE_ARRAYS={','.join(map(str, entry_arrays(key)))}",
+            f"-DTILENORM_CUTE_TAKES_EPS={int(_is_forward(key))}"]
 
 
 #: The library's exported symbols (a linker version script): its handlers and the call
 #: counter; the exported object's own symbols stay inside it.
-_EXPORTS = ("{ global: " + HANDLER + "; " + HOST_HANDLER + "; tilenorm_cute_forward_calls; "
-            "local: *; };\n")
+_EXPORTS = "{ global: " + HANDLER + "; " + HOST_HANDLER + "; " + CALLS + "; local: *; };\n"
 
 
-def _export_object(key: cute.ForwardKey, arch: str, path: Path, name: str) -> None:
+def _export_object(key: Key, arch: str, path: Path, name: str) -> None:
     """Compile the variant for ``arch`` (no GPU needed) and export it to the object ``path``,
     its entry ``__tvm_ffi_<name>``; written beside and moved into place complete."""
-    compiled = cute.compile_forward(key, arch)
+    compiled = (cute.compile_forward(key, arch) if _is_forward(key)
+                else cute.compile_cluster_backward(key, arch))
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = Path(tmp) / path.name
         compiled.export_to_c(str(out), function_name=name)
         os.replace(out, path)
 
 
-def build(key: cute.ForwardKey, arch: str, verbose: bool = False) -> Path:
+def build(key: Key, arch: str, verbose: bool = False) -> Path:
     """Build the variant's library into the cache (once): export the kernel, then compile
     the handler and link the two. ``RuntimeError`` where a step fails (the DSL's own errors
     are wrapped)."""
@@ -161,13 +195,13 @@ def build(key: cute.ForwardKey, arch: str, verbose: bool = False) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     # The entry's name is unique to the build, so that a symbol of one library never stands
     # in for another's, whatever the loader does.
-    name = f"tilenorm_cute_forward_{build_key(key, arch)}"
-    obj = target.with_name("forward.o")
+    name = f"tilenorm_cute_{build_key(key, arch)}"
+    obj = target.with_name("kernel.o")
     if not obj.exists():
         try:
             _export_object(key, arch, obj, name)
         except Exception as error:  # the DSL's compile errors are its own classes
-            raise RuntimeError(f"compiling the CuTe DSL forward {key} for {arch} failed: "
+            raise RuntimeError(f"compiling the CuTe DSL kernel {key} for {arch} failed: "
                                f"{type(error).__name__}: {error}") from error
     exports = target.with_name("exports.map")
     if not exports.exists():
@@ -177,21 +211,22 @@ def build(key: cute.ForwardKey, arch: str, verbose: bool = False) -> Path:
     flags = ["-O2", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden",
              *_defines(key, f"__tvm_ffi_{name}"), str(obj), *_link_inputs(),
              f"-Wl,--version-script={exports}"]
-    return launch_build.build_library(SOURCE, target, flags, f"the CuTe DSL forward {key}",
+    return launch_build.build_library(SOURCE, target, flags, f"the CuTe DSL kernel {key}",
                                       verbose)
 
 
 @functools.cache
-def library(key: cute.ForwardKey, arch: str) -> ctypes.CDLL:
+def library(key: Key, arch: str) -> ctypes.CDLL:
     """The variant's library, loaded (built first where needed)."""
     lib = ctypes.CDLL(str(build(key, arch, verbose=True)))
-    lib.tilenorm_cute_forward_calls.restype = ctypes.c_int64
-    lib.tilenorm_cute_forward_calls.argtypes = []
+    calls = getattr(lib, CALLS)
+    calls.restype = ctypes.c_int64
+    calls.argtypes = []
     return lib
 
 
 @functools.cache
-def target(key: cute.ForwardKey, arch: str) -> str:
+def target(key: Key, arch: str) -> str:
     """The variant's custom-call target, registered with XLA for CUDA (built and loaded
     first, once a process); ``RuntimeError`` or ``OSError`` where that fails."""
     import jax
@@ -214,4 +249,4 @@ def calls_run(name: str) -> int:
     """How many calls of a registered target reached its kernel in this process (0 for a
     target not registered here)."""
     lib = _registered.get(name)
-    return 0 if lib is None else lib.tilenorm_cute_forward_calls()
+    return 0 if lib is None else getattr(lib, CALLS)()

@@ -1,23 +1,29 @@
-// The XLA FFI custom call of tilenorm.jax's CuTe DSL forward: one compiled variant of
-// RowNormForward (tilenorm/kernels/cute_row_norm_forward.py), exported by the DSL to an object
-// whose one entry, TILENORM_CUTE_ENTRY, takes the TVM-FFI safe-call ABI
-// (tvm/ffi/c_api.h: TVMFFISafeCallType), called on XLA's stream.
+// The XLA FFI custom call of a CuTe DSL kernel of tilenorm.jax: one compiled variant of
+// RowNormForward or ClusterRowNormForward (tilenorm/kernels/cute_row_norm_forward.py,
+// cute_cluster_norm_forward.py) or of ClusterRowNormBackward (cute_cluster_norm_backward.py),
+// exported by the DSL to an object whose one entry, TILENORM_CUTE_ENTRY, takes the TVM-FFI
+// safe-call ABI (tvm/ffi/c_api.h: TVMFFISafeCallType), called on XLA's stream. The exported
+// entry launches the kernel itself, cluster shape included: its host code calls
+// cudaLaunchKernelEx with the cluster-dimension attribute of the kernel's compile, as the
+// DSL's own JIT does (the JIT loads an export of the same module; tests/test_jax_cute_forward.py
+// reads it in the exported host code).
 //
 // Built on first use by tilenorm.jax.cute_ffi, once per compiled variant: this file and the
 // exported object are linked into one library with the DSL's runtime (libcute_dsl_runtime.so,
 // the CUDA calls of the exported code) and TVM-FFI (libtvm_ffi.so: its error and stream
 // functions). The build defines:
 //
-//   TILENORM_CUTE_ENTRY         the exported entry's symbol (__tvm_ffi_<name>)
-//   TILENORM_CUTE_HAS_RESIDUAL  1: the variant adds a residual (and writes h)
-//   TILENORM_CUTE_HAS_WEIGHT    1: it takes a weight
-//   TILENORM_CUTE_HAS_BIAS      1: it takes a bias
-//   TILENORM_CUTE_LAYER_NORM    1: LayerNorm (it writes the mean)
+//   TILENORM_CUTE_ENTRY     the exported entry's symbol (__tvm_ffi_<name>)
+//   TILENORM_CUTE_KERNEL    the kernel's name in messages ("forward", "cluster backward")
+//   TILENORM_CUTE_ARRAYS    the entry's array arguments in order, each 0 (absent: None), 1 (the
+//                           call's next operand) or 2 (its next result)
+//   TILENORM_CUTE_TAKES_EPS 1: the entry's scalars are (eps, offset, grid); 0: (offset, grid)
 //
-// The entry is called as fn(x, residual, weight, bias, y, h, mean, rstd, eps, offset, grid)
-// (tilenorm.launch.cute.compile_forward), None for the absent arrays; it checks every
-// array's dtype, shape, strides, device and alignment itself, so a mismatch is its error
-// message, returned to XLA.
+// The forward's entry is fn(x, residual, weight, bias, y, h, mean, rstd, eps, offset, grid)
+// (tilenorm.launch.cute.compile_forward), the cluster backward's fn(h, dy, weight, rstd,
+// dres_in, dx, partial, offset, grid) (compile_cluster_backward), None for the absent arrays;
+// the entry checks every array's dtype, shape, strides, device and alignment itself, so a
+// mismatch is its error message, returned to XLA.
 
 #include <dlpack/dlpack.h>
 #include <tvm/ffi/c_api.h>
@@ -29,10 +35,9 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if !defined(TILENORM_CUTE_ENTRY) || !defined(TILENORM_CUTE_HAS_RESIDUAL) ||    \
-    !defined(TILENORM_CUTE_HAS_WEIGHT) || !defined(TILENORM_CUTE_HAS_BIAS) || \
-    !defined(TILENORM_CUTE_LAYER_NORM)
-#error "tilenorm.jax.cute_ffi defines the entry and the variant's operands"
+#if !defined(TILENORM_CUTE_ENTRY) || !defined(TILENORM_CUTE_KERNEL) || \
+    !defined(TILENORM_CUTE_ARRAYS) || !defined(TILENORM_CUTE_TAKES_EPS)
+#error "tilenorm.jax.cute_ffi defines the entry and the variant's arrays"
 #endif
 
 extern "C" int TILENORM_CUTE_ENTRY(void* handle, const TVMFFIAny* args, int32_t num_args,
@@ -42,15 +47,25 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-constexpr bool kHasResidual = TILENORM_CUTE_HAS_RESIDUAL;
-constexpr bool kHasWeight = TILENORM_CUTE_HAS_WEIGHT;
-constexpr bool kHasBias = TILENORM_CUTE_HAS_BIAS;
-constexpr bool kLayerNorm = TILENORM_CUTE_LAYER_NORM;
-constexpr size_t kOperands = 1 + kHasResidual + kHasWeight + kHasBias;  // x, r, w, b
-constexpr size_t kResults = 2 + kHasResidual + kLayerNorm;              // y, h, mean, rstd
-// The kernel's arrays are (rows, cols) and (cols,) or (rows,): ranks up to 2.
-constexpr int kMaxRank = 2;
-constexpr int kArrays = 8;  // x, residual, weight, bias, y, h, mean, rstd
+constexpr char kKernel[] = TILENORM_CUTE_KERNEL;
+enum Slot : int { kAbsent = 0, kOperand = 1, kResult = 2 };
+constexpr int kSlots[] = {TILENORM_CUTE_ARRAYS};
+constexpr int kArrays = sizeof(kSlots) / sizeof(kSlots[0]);
+constexpr bool kTakesEps = TILENORM_CUTE_TAKES_EPS;
+
+constexpr size_t count(int kind) {
+  size_t n = 0;
+  for (int slot : kSlots) n += slot == kind;
+  return n;
+}
+constexpr size_t kOperands = count(kOperand);
+constexpr size_t kResults = count(kResult);
+static_assert(kOperands + kResults + count(kAbsent) == kArrays, "slots are 0, 1 or 2");
+// The kernels' arrays are (rows, cols), (cols,), (rows,) and the cluster backward's partial
+// buffer (clusters, 1, cols): ranks up to 3.
+constexpr int kMaxRank = 3;
+// The entry's scalars after its arrays: eps (the forward's), offset, grid.
+constexpr int kScalars = kTakesEps ? 3 : 2;
 
 // Calls that reached the kernel, for the tests' check that this target ran.
 std::atomic<int64_t> calls_run{0};
@@ -74,8 +89,8 @@ ffi::Error dl_dtype(ffi::DataType type, DLDataType* out) {
       *out = DLDataType{kDLFloat, 32, 1};
       return ffi::Error::Success();
     default:
-      return ffi::Error::InvalidArgument(
-          "tilenorm: the CuTe DSL forward takes bfloat16, float16 and float32 arrays");
+      return ffi::Error::InvalidArgument(std::string("tilenorm: the CuTe DSL ") + kKernel +
+                                         " takes bfloat16, float16 and float32 arrays");
   }
 }
 
@@ -84,8 +99,9 @@ ffi::Error dl_dtype(ffi::DataType type, DLDataType* out) {
 ffi::Error make_view(const ffi::AnyBuffer& buffer, int32_t device, TensorView* view) {
   auto dims = buffer.dimensions();
   if (dims.size() < 1 || dims.size() > kMaxRank) {
-    return ffi::Error::InvalidArgument("tilenorm: the CuTe DSL forward's arrays have rank 1 "
-                                       "or 2");
+    return ffi::Error::InvalidArgument(std::string("tilenorm: the CuTe DSL ") + kKernel +
+                                       "'s arrays have rank 1 to " +
+                                       std::to_string(kMaxRank));
   }
   ffi::Error error = dl_dtype(buffer.element_type(), &view->tensor.dtype);
   if (error.failure()) return error;
@@ -157,39 +173,36 @@ ffi::Error run(void* stream, int32_t device, float eps, float offset, int64_t gr
                ffi::RemainingArgs args, ffi::RemainingRets rets) {
   if (args.size() != kOperands || rets.size() != kResults) {
     return ffi::Error::InvalidArgument(
-        "tilenorm: the CuTe DSL forward's call has other operands or results than its "
-        "compiled variant (" + std::to_string(kOperands) + " and " +
+        std::string("tilenorm: the CuTe DSL ") + kKernel + "'s call has other operands or "
+        "results than its compiled variant (" + std::to_string(kOperands) + " and " +
         std::to_string(kResults) + ")");
   }
-  // Operands x[, residual][, weight][, bias]; results y[, h][, mean], rstd: slots in the
-  // entry's order, null where the variant has none.
+  // The call's operands, then its results, in the entry's order; null where the variant
+  // has none.
   TensorView views[kArrays];
-  TensorView* slots[kArrays] = {};
-  const bool operand_present[4] = {true, kHasResidual, kHasWeight, kHasBias};
-  const bool result_present[4] = {true, kHasResidual, kLayerNorm, true};
-  size_t next = 0;
-  for (int slot = 0; slot < 4; ++slot) {
-    if (!operand_present[slot]) continue;
-    auto buffer = args.get<ffi::AnyBuffer>(next++);
-    if (buffer.has_error()) return buffer.error();
-    ffi::Error error = make_view(*buffer, device, &views[slot]);
-    if (error.failure()) return error;
-    slots[slot] = &views[slot];
-  }
-  next = 0;
-  for (int slot = 0; slot < 4; ++slot) {
-    if (!result_present[slot]) continue;
-    auto buffer = rets.get<ffi::AnyBuffer>(next++);
-    if (buffer.has_error()) return buffer.error();
-    ffi::Error error = make_view(**buffer, device, &views[4 + slot]);
-    if (error.failure()) return error;
-    slots[4 + slot] = &views[4 + slot];
-  }
   TVMFFIAny call_args[kArrays + 3];
-  for (int i = 0; i < kArrays; ++i) call_args[i] = tensor_arg(slots[i]);
-  call_args[kArrays] = float_arg(eps);
-  call_args[kArrays + 1] = float_arg(offset);
-  call_args[kArrays + 2] = int_arg(grid);
+  size_t next_operand = 0, next_result = 0;
+  for (int slot = 0; slot < kArrays; ++slot) {
+    TensorView* view = nullptr;
+    if (kSlots[slot] == kOperand) {
+      auto buffer = args.get<ffi::AnyBuffer>(next_operand++);
+      if (buffer.has_error()) return buffer.error();
+      ffi::Error error = make_view(*buffer, device, &views[slot]);
+      if (error.failure()) return error;
+      view = &views[slot];
+    } else if (kSlots[slot] == kResult) {
+      auto buffer = rets.get<ffi::AnyBuffer>(next_result++);
+      if (buffer.has_error()) return buffer.error();
+      ffi::Error error = make_view(**buffer, device, &views[slot]);
+      if (error.failure()) return error;
+      view = &views[slot];
+    }
+    call_args[slot] = tensor_arg(view);
+  }
+  int next = kArrays;
+  if (kTakesEps) call_args[next++] = float_arg(eps);
+  call_args[next++] = float_arg(offset);
+  call_args[next++] = int_arg(grid);
 
   // The exported code launches on TVM-FFI's stream of x's device (TVMFFIEnvGetStream): set
   // it to XLA's for the call and put back what was there (a torch call on this thread
@@ -200,7 +213,7 @@ ffi::Error run(void* stream, int32_t device, float eps, float offset, int64_t gr
                                 raised_error());
   }
   TVMFFIAny result = none();
-  const int failed = TILENORM_CUTE_ENTRY(nullptr, call_args, kArrays + 3, &result);
+  const int failed = TILENORM_CUTE_ENTRY(nullptr, call_args, kArrays + kScalars, &result);
   std::string message;
   if (failed) {
     message = raised_error();
@@ -209,7 +222,8 @@ ffi::Error run(void* stream, int32_t device, float eps, float offset, int64_t gr
   }
   TVMFFIEnvSetStream(kDLCUDA, device, previous, nullptr);
   if (failed) {
-    return ffi::Error::Internal("tilenorm: the CuTe DSL forward failed: " + message);
+    return ffi::Error::Internal(std::string("tilenorm: the CuTe DSL ") + kKernel +
+                                " failed: " + message);
   }
   calls_run.fetch_add(1, std::memory_order_relaxed);
   return ffi::Error::Success();
@@ -232,9 +246,10 @@ ffi::Error run_without_gpu(float eps, float offset, int64_t grid, ffi::Remaining
 }  // namespace
 
 // Exported for jax.ffi.pycapsule and ctypes (the library is built with hidden visibility and
-// a version script: it exports nothing else, the exported object's symbols included).
+// a version script: it exports nothing else, the exported object's symbols included). Every
+// call carries eps, offset and grid: an entry without eps (the backward's) is not given it.
 #pragma GCC visibility push(default)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(tilenorm_cute_forward, run_on_cuda,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(tilenorm_cute_call, run_on_cuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()
                                   .Ctx<ffi::DeviceOrdinal>()
@@ -244,7 +259,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tilenorm_cute_forward, run_on_cuda,
                                   .RemainingArgs()
                                   .RemainingRets());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(tilenorm_cute_forward_without_gpu, run_without_gpu,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(tilenorm_cute_call_without_gpu, run_without_gpu,
                               ffi::Ffi::Bind()
                                   .Attr<float>("eps")
                                   .Attr<float>("offset")
@@ -253,7 +268,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(tilenorm_cute_forward_without_gpu, run_without_gpu
                                   .RemainingRets());
 
 // How many calls reached the kernel in this process (tests).
-extern "C" int64_t tilenorm_cute_forward_calls() {
+extern "C" int64_t tilenorm_cute_calls() {
   return calls_run.load(std::memory_order_relaxed);
 }
 #pragma GCC visibility pop

@@ -1,15 +1,18 @@
-"""The kernel path for CUDA: tilenorm's cuTile kernels, and the CuTe DSL forward, as XLA FFI
-custom calls.
+"""The kernel path for CUDA: tilenorm's cuTile kernels, and the CuTe DSL forwards and cluster
+backward, as XLA FFI custom calls.
 
 When a call is traced for CUDA and :func:`tilenorm.dispatch.decide` covers its shard, the
 forward (backward) here prepares the shard's kernel launches through
 :mod:`tilenorm.launch` (a cubin per operand layout, its parameter block written once; this
 needs the GPU, at trace time), registers them with the FFI module
 (:mod:`tilenorm.jax.native`) and emits one custom call that launches them on XLA's stream.
-Where the torch side runs the CuTe DSL forward (x of 64 MiB and more at the widths it was
-measured to gain), the forward is instead the custom call of that kernel's own library
-(:mod:`tilenorm.jax.cute_ffi`), once its family (``cute/jax-forward``) is validated on a GPU
-or experimental kernels are on.
+Where the torch side runs a CuTe DSL forward (x of 64 MiB and more at the widths it was
+measured to gain; the cluster forward, a row across a cluster of CTAs, from 32768 or 65536
+columns) or the cluster RMSNorm backward (65536 and 131072 columns), that kernel runs instead
+as the custom call of its own library (:mod:`tilenorm.jax.cute_ffi`), once their family
+(``cute/jax``) is validated on a GPU or experimental kernels are on. The cluster backward's
+fp32 partial buffer (a row of dweight's sums per cluster) is a result of its call, summed by
+cuTile's fixed-order ``column_sums`` in a call of its own, as on the torch side.
 
 The kernels index every operand as dense (rows, heads, cols) arrays: the shard's operands are
 reshaped to that (free for the usual layouts; the vmapped dimensions of a batching rule's
@@ -49,10 +52,10 @@ from tilenorm.arguments import dres_apart
 from tilenorm.jax import dispatch
 from tilenorm.jax.spec import NormSpec
 from tilenorm.layout import contiguous_strides, view_strides
-from tilenorm.planner import CuteForwardPlan
+from tilenorm.planner import CuteClusterBackwardPlan, CuteForwardPlan
 
 if TYPE_CHECKING:
-    from tilenorm.launch.cute import ForwardKey
+    from tilenorm.launch.cute import ClusterBackwardKey, ForwardKey
 
 #: The slices of the placeholder result, 16 bytes each: more than the operands any kernel
 #: leaves unused.
@@ -250,7 +253,7 @@ def forward(spec: NormSpec, decision: kernel_dispatch.Decision, x, residual, wei
 
     variant = cute_forward_variant(spec, decision, x, residual, weight, bias)
     if variant is not None:
-        target = _cute_target(variant[1], decision.device.arch)
+        target = _cute_target(variant[1], decision.device.arch, "forward")
         if target is not None:
             return _cute_forward(spec, variant[0], target, x, residual, weight, bias)
     s = _Shape3.of(spec, x.shape)
@@ -316,17 +319,19 @@ def cute_forward_variant(spec: NormSpec, decision: kernel_dispatch.Decision, x, 
 
 
 @functools.lru_cache(maxsize=256)
-def _cute_target(key: ForwardKey, arch: tuple[int, int]) -> str | None:
+def _cute_target(key: ForwardKey | ClusterBackwardKey, arch: tuple[int, int], direction: str
+                 ) -> str | None:
     """The variant's custom-call target, built and registered once a process; None (with a
-    warning, once) where its library cannot be built: cuTile's forward runs instead. A
-    failure is cached too, so that a trace does not compile the kernel again to fail."""
+    warning, once) where its library cannot be built: cuTile's ``direction`` ("forward",
+    "backward") runs instead. A failure is cached too, so that a trace does not compile the
+    kernel again to fail."""
     from tilenorm.jax import cute_ffi
 
     try:
         return cute_ffi.target(key, cute_ffi.arch_name(arch))
     except (RuntimeError, OSError, AttributeError) as error:
-        warnings.warn(f"tilenorm: the CuTe DSL forward's XLA FFI call for {key} is "
-                      f"unavailable ({error}); cuTile's forward runs", RuntimeWarning,
+        warnings.warn(f"tilenorm: the CuTe DSL {direction}'s XLA FFI call for {key} is "
+                      f"unavailable ({error}); cuTile's {direction} runs", RuntimeWarning,
                       stacklevel=2)
         return None
 
@@ -424,9 +429,17 @@ def backward(spec: NormSpec, decision: kernel_dispatch.Decision, dy, dh, h, weig
              mean, rstd):
     """``(dx, dresidual, dweight, dbias)`` of one shard as
     :func:`tilenorm.jax.reference.backward`, by the backward kernels: the weight and bias
-    gradients in float32, summed over the shard's rows (per vmapped example)."""
+    gradients in float32, summed over the shard's rows (per vmapped example). The CuTe DSL
+    cluster backward where the decision has it, the call's operands allow it and its library
+    builds (:func:`cute_backward_variant`), else cuTile's kernels."""
     from tilenorm.jax import native
 
+    variant = cute_backward_variant(spec, decision, dy, dh, h, weight)
+    if variant is not None:
+        target = _cute_target(variant[1], decision.device.arch, "backward")
+        if target is not None:
+            return _cute_cluster_backward(spec, decision, variant[0], target, dy, dh, h,
+                                          weight, rstd)
     s = _Shape3.of(spec, h.shape)
     call = _Call()
     call.operand("dy", s.to_kernel(dy))
@@ -471,6 +484,100 @@ def backward(spec: NormSpec, decision: kernel_dispatch.Decision, dy, dh, h, weig
     return dx, dres, dweight, dbias
 
 
+# --- the CuTe DSL cluster backward ----------------------------------------------------------
+
+
+def cute_backward_variant(spec: NormSpec, decision: kernel_dispatch.Decision, dy, dh, h,
+                          weight) -> tuple[CuteClusterBackwardPlan, ClusterBackwardKey] | None:
+    """``(plan, key)`` of the CuTe DSL cluster backward for this shard, or None where
+    cuTile's kernels run: :func:`tilenorm.dispatch.backward_kernel` on the call's facts, as
+    the torch side decides (dy, h, dx and the gradient that reached h in x's dtype, the
+    residual's gradient dx itself). JAX's operands are dense and XLA's buffers aligned (the
+    exported entry checks both): the kernel reads them as (rows, cols), a free reshape."""
+    if not isinstance(decision.cute_backward, CuteClusterBackwardPlan):
+        return None
+    x_dtype = np.dtype(spec.x_dtype)
+    facts = kernel_dispatch.BackwardFacts(
+        has_residual=spec.residual_dtype is not None, has_dres_in=dh is not None,
+        has_offset=spec.offset != 0,
+        same_dtypes=(x_dtype == np.dtype(h.dtype) == np.dtype(dy.dtype)
+                     and (dh is None or np.dtype(dh.dtype) == x_dtype)),
+        dense_aligned=True, max_offset=math.prod(h.shape) - 1,
+        dres_apart=dres_apart(spec.x_dtype, spec.residual_dtype))
+    plan = kernel_dispatch.backward_kernel(decision, facts)
+    if not isinstance(plan, CuteClusterBackwardPlan):
+        return None
+    from tilenorm.launch import cute
+
+    key = cute.ClusterBackwardKey.of(plan, x_dtype.name,
+                                     None if weight is None else _name(weight.dtype),
+                                     weight is not None and spec.offset != 0, dh is not None)
+    return plan, key
+
+
+def _cute_cluster_call(spec: NormSpec, plan: CuteClusterBackwardPlan, target: str, dy, dh, h,
+                       weight, rstd) -> tuple[jax.Array, jax.Array | None]:
+    """``(dx, partial)`` of one shard by the cluster backward's custom call: h, dy and dh as
+    (rows, cols), the weight (cols,), rstd (rows,); dx (rows, cols) and, with a weight, the
+    fp32 partial buffer (clusters, 1, cols) of dweight's per-cluster sums, a result of the
+    call that the caller reduces."""
+    rows, cols = plan.rows, plan.cols
+    if math.prod(h.shape) != rows * cols:
+        raise ValueError(f"tilenorm: the CuTe DSL backward was planned for {rows} x {cols}, "
+                         f"the shard is {h.shape}")
+    operands = [h.reshape(rows, cols), dy.reshape(rows, cols)]
+    if weight is not None:
+        operands.append(weight.reshape(cols))
+    operands.append(rstd.astype(_FLOAT32).reshape(rows))
+    if dh is not None:
+        operands.append(dh.reshape(rows, cols))
+    results = [jax.ShapeDtypeStruct((rows, cols), np.dtype(spec.x_dtype))]
+    if weight is not None:
+        results.append(jax.ShapeDtypeStruct((plan.partial_rows, 1, cols), _FLOAT32))
+    operands, results = _varying_alike(operands, results)
+    out = jax.ffi.ffi_call(target, results)(
+        *operands, eps=np.float32(spec.eps), offset=np.float32(spec.offset),
+        grid=np.int64(plan.grid))
+    return out[0], out[1] if weight is not None else None
+
+
+@functools.lru_cache(maxsize=256)
+def _column_sums_recipe(decision: kernel_dispatch.Decision, partial_shape: tuple[int, ...]):
+    """cuTile's fixed-order reduction of a (slots, 1, cols) partial buffer into (cols,), as
+    the torch side launches it after the CuTe DSL backwards (the decision's cuTile plan sets
+    its grid and tiles)."""
+    from tilenorm.launch import cutile
+    from tilenorm.launch.driver import ArrayLayout
+
+    return launch_recipe(cutile.bind_reduce(decision.backward, 1), {
+        "partial": ArrayLayout("float32", partial_shape, contiguous_strides(partial_shape)),
+        "out_a": ArrayLayout("float32", partial_shape[2:], (1,))}, decision)
+
+
+def _cute_cluster_backward(spec: NormSpec, decision: kernel_dispatch.Decision,
+                           plan: CuteClusterBackwardPlan, target: str, dy, dh, h, weight,
+                           rstd):
+    """``(dx, dresidual, dweight, None)`` of one shard by the cluster backward's call, then
+    cuTile's ``column_sums`` over its partial buffer in a call of the FFI module. The sum is
+    the kernel torch's side runs, in its fixed order: every rerun, and the torch side on the
+    same partial buffer, gets the same bits (XLA's own reduce of the buffer may split its
+    columns differently per compile, and, split across blocks, add with atomics)."""
+    from tilenorm.jax import native
+
+    dx, partial = _cute_cluster_call(spec, plan, target, dy, dh, h, weight, rstd)
+    dx = dx.reshape(h.shape)
+    dres = None if spec.residual_dtype is None else dx
+    if weight is None:
+        return dx, dres, None, None
+    call = _Call()
+    call.operand("partial", partial)
+    call.at_result("out_a", call.result((plan.cols,), _FLOAT32))
+    call.launches = (_column_sums_recipe(decision, tuple(partial.shape)),)
+    (dweight,) = call.emit(native.BACKWARD_TARGET, spec)
+    param_shape = h.shape[:spec.batch_dims] + h.shape[h.ndim - spec.param_dims:]
+    return dx, dres, dweight.reshape(param_shape), None
+
+
 # --- installing ------------------------------------------------------------------------------
 
 
@@ -488,52 +595,57 @@ def unavailable() -> str | None:
 
 
 def covers(problem: kernel_dispatch.Problem) -> kernel_dispatch.Decision:
-    """:func:`tilenorm.dispatch.decide`, where the FFI module is available, without the CuTe
-    DSL backward (the backward's FFI call launches cuTile's kernels) and with the CuTe DSL
-    forward only where its own call may run (:func:`_cute_forward_plan`)."""
+    """:func:`tilenorm.dispatch.decide`, where the FFI module is available, with the CuTe DSL
+    forward and cluster backward only where their own calls may run (:func:`_cute_plans`);
+    the CuTe DSL row backward has no call here (the backward's FFI call launches cuTile's
+    kernels)."""
     reason = unavailable()
     if reason is not None:
         return kernel_dispatch.Decision(op=problem.op, reason=reason)
     decision = kernel_dispatch.decide(problem)
     if not decision.uses_kernel:
         return decision
-    cute_forward, why = _cute_forward_plan(problem, decision)
-    return dataclasses.replace(decision, cute_forward=cute_forward, cute_backward=None,
+    cute_forward, cute_backward, why = _cute_plans(problem, decision)
+    return dataclasses.replace(decision, cute_forward=cute_forward, cute_backward=cute_backward,
                                reason=decision.reason + why)
 
 
-def _cute_forward_plan(problem: kernel_dispatch.Problem, decision: kernel_dispatch.Decision
-                       ) -> tuple[CuteForwardPlan | None, str]:
-    """The decision's CuTe DSL forward where JAX may run it, and what to add to its reason.
-    Its XLA FFI call (:mod:`tilenorm.jax.cute_ffi`) is a family of its own,
-    :data:`tilenorm.validation.CUTE_JAX_FORWARD`: it runs once a GPU run validated it, or
-    where experimental kernels are allowed, and only where its libraries can be built. The
-    cluster forward (a row across a cluster of CTAs) has no such call: its cluster launch
-    through the exported entry was never run, so cuTile's forward runs those rows."""
-    plan = decision.cute_forward
-    if plan is None:
-        return None, ""
-    if plan.cluster > 1:
-        return None, (f"; the CuTe DSL forward for this width is "
-                      f"{kernel_dispatch.cute_forward_name(plan)}, which has no XLA FFI call, "
-                      f"so cuTile's forward runs")
-    family = validation.CUTE_JAX_FORWARD
+def _cute_plans(problem: kernel_dispatch.Problem, decision: kernel_dispatch.Decision
+                ) -> tuple[CuteForwardPlan | None, CuteClusterBackwardPlan | None, str]:
+    """The decision's CuTe DSL forward and cluster backward where JAX may run them, and what
+    to add to its reason. Their XLA FFI calls (:mod:`tilenorm.jax.cute_ffi`) are a family of
+    their own, :data:`tilenorm.validation.CUTE_JAX`: they run once a GPU run validated it,
+    or where experimental kernels are allowed, and only where their libraries can be built."""
+    forward = decision.cute_forward
+    backward = decision.cute_backward
+    why = ""
+    if backward is not None and not isinstance(backward, CuteClusterBackwardPlan):
+        why = (f"; the torch side's {kernel_dispatch.cute_backward_name(backward)} has no "
+               f"XLA FFI call, so cuTile's backward runs")
+        backward = None
+    if forward is None and backward is None:
+        return None, None, why
+    names = " and ".join(
+        ([kernel_dispatch.cute_forward_name(forward)] if forward is not None else [])
+        + ([kernel_dispatch.cute_backward_name(backward)] if backward is not None else []))
+    family = validation.CUTE_JAX
     record = validation.validation_record(family)
     if record is None and not problem.allow_experimental:
-        return None, (f"; the CuTe DSL forward's XLA FFI call ({family.name}) is experimental "
-                      f"(not yet validated on a GPU at this source) and experimental kernels "
-                      f"are off, so cuTile's forward runs (TILENORM_EXPERIMENTAL=1 enables "
-                      f"it)")
+        return None, None, why + (
+            f"; the XLA FFI calls of the CuTe DSL kernels ({family.name}: {names}) are "
+            f"experimental (not yet validated on a GPU at this source) and experimental "
+            f"kernels are off, so cuTile's kernels run (TILENORM_EXPERIMENTAL=1 enables them)")
     from tilenorm.jax import cute_ffi
 
     reason = cute_ffi.unavailable()
     if reason is not None:
-        return None, (f"; the CuTe DSL forward's XLA FFI call cannot be built ({reason}), so "
-                      f"cuTile's forward runs")
+        return None, None, why + (f"; the XLA FFI calls of the CuTe DSL kernels ({names}) "
+                                  f"cannot be built ({reason}), so cuTile's kernels run")
     status = ("experimental" if record is None
               else f"stable (validated on {record['device']}, {record['date']}, commit "
                    f"{record['commit']})")
-    return plan, f"; the CuTe DSL forward runs as an XLA FFI call ({family.name} {status})"
+    return forward, backward, why + (f"; the CuTe DSL's XLA FFI calls run {names} "
+                                     f"({family.name} {status})")
 
 
 def kernel_path(covers: Callable = covers) -> dispatch.KernelPath:

@@ -26,6 +26,10 @@ Scalings (``scaling``): ``"row"`` (q and one fp32 ``scale_inv`` a row, (rows, 1)
 (E8M0 bytes of 1 x 32 blocks, (rows, cols / 32) row-major), ``"delayed"`` (q with the given
 scale, and this program's amax), ``"amax"`` (no q: rstd and the program's amax, pass 1 of
 the per-tensor current scaling, whose pass 2 is cuTile's ``fp8_quantize_normed``).
+``column_amax`` ("row", 2-byte x): also each column's largest ``|t * rstd|`` (y as q takes it)
+over the program's rows, row ``p`` of the (grid, cols) fp32 ``amax`` operand, for the
+per-column scales of the transposed copy (cute_fp8_transpose.py with ``weight_first``, after
+cuTile's ``fp8_column_amax``); kept in shared memory, each thread its own columns.
 
 Layout: program ``p`` of ``grid`` takes rows ``p, p + grid, ...``; ``threads`` threads each
 hold ``reps`` 16-byte vectors of a row, ``threads`` vectors apart, so every load is
@@ -98,57 +102,12 @@ def _widen_half(word: Int32, zero: Int32, high: bool, bf16: bool, *, loc=None,
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
-class RowNormFp8Forward(RowKernel):
-    """The kernel for one (dtypes, width, scaling, launch config, ``recompute_t``, FP8 x's
-    ``group``: 0 for x that is not FP8); ``__call__`` launches it on ``grid`` programs
-    (``mXScale`` None but for FP8 x)."""
+class Fp8Scales:
+    """The scale arithmetic of the CuTe FP8 kernels (this row kernel and the transposed
+    copy's, cute_fp8_transpose.py), exactly cutile_row_norm_fp8.py's; ``fp8_max`` is the
+    format's largest finite value."""
 
-    def __init__(self, dtype, weight_dtype, fp8_dtype, fp8_max: float, cols: int,
-                 threads: int, stages: int, ctas_per_sm: int, scaling: str,
-                 has_offset: bool, recompute_t: bool = False, group: int = 0):
-        if scaling not in SCALINGS:
-            raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
-        self.dtype = dtype
-        self.weight_dtype = weight_dtype
-        self.fp8_dtype = fp8_dtype
-        self.fp8_max = fp8_max
-        self.cols = cols
-        self.threads = threads
-        self.vec = 128 // dtype.width
-        if cols % (self.vec * threads):
-            raise ValueError(f"{cols} columns are not whole {self.vec}-element vectors of "
-                             f"{threads} threads")
-        self.reps = cols // (self.vec * threads)
-        self.block_lanes = BLOCK_COLS.get(scaling, self.vec) // self.vec
-        if self.block_lanes < 1 or threads % max(self.block_lanes, 1):
-            raise ValueError(f"{scaling} blocks are not whole vectors of a thread group")
-        if stages < 2 or stages % 2:
-            # Consecutive rows reduce in two shared-memory slots by their place in the ring:
-            # an odd ring puts its last row and the next ring's first in one slot.
-            raise ValueError(f"stages must be even and >= 2, got {stages}")
-        if recompute_t and dtype.width != 16:
-            raise ValueError("recompute_t widens x from its 16-bit words: 2-byte x only")
-        if (group != 0) != (dtype.width == 8) or group % self.vec:
-            raise ValueError(f"FP8 x takes a group of whole {self.vec}-element vectors (and "
-                             f"only FP8 x one): got {group} for {dtype}")
-        self.stages = stages
-        self.ctas_per_sm = ctas_per_sm
-        self.scaling = scaling
-        self.has_weight = weight_dtype is not None
-        self.has_offset = has_offset
-        self.recompute_t = recompute_t
-        self.group = group
-        self.warps = threads // cute.arch.WARP_SIZE
-
-    @cute.jit
-    def __call__(self, mX: cute.Tensor, mXScale: cute.Tensor | None, mW: cute.Tensor | None,
-                 mScale: cute.Tensor | None, mQ: cute.Tensor | None,
-                 mQScale: cute.Tensor | None, mRstd: cute.Tensor, mAmax: cute.Tensor | None,
-                 eps: Float32, offset: Float32, grid: Int32, stream):
-        self.kernel(mX, mXScale, mW, mScale, mQ, mQScale, mRstd, mAmax, eps, offset).launch(
-            grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream,
-            max_number_threads=[self.threads, 1, 1], min_blocks_per_mp=self.ctas_per_sm,
-            preferred_smem_carveout=SMEM_CARVEOUT)
+    fp8_max: float
 
     @cute.jit
     def _scale_of(self, amax: Float32) -> Float32:
@@ -192,6 +151,68 @@ class RowNormFp8Forward(RowKernel):
         if v < Float32(-self.fp8_max):
             v = Float32(-self.fp8_max)
         return v
+
+
+class RowNormFp8Forward(RowKernel, Fp8Scales):
+    """The kernel for one (dtypes, width, scaling, launch config, ``recompute_t``,
+    ``column_amax``, FP8 x's ``group``: 0 for x that is not FP8); ``__call__`` launches it
+    on ``grid`` programs (``mXScale`` None but for FP8 x)."""
+
+    def __init__(self, dtype, weight_dtype, fp8_dtype, fp8_max: float, cols: int,
+                 threads: int, stages: int, ctas_per_sm: int, scaling: str,
+                 has_offset: bool, recompute_t: bool = False, column_amax: bool = False,
+                 group: int = 0):
+        if scaling not in SCALINGS:
+            raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+        self.dtype = dtype
+        self.weight_dtype = weight_dtype
+        self.fp8_dtype = fp8_dtype
+        self.fp8_max = fp8_max
+        self.cols = cols
+        self.threads = threads
+        self.vec = 128 // dtype.width
+        if cols % (self.vec * threads):
+            raise ValueError(f"{cols} columns are not whole {self.vec}-element vectors of "
+                             f"{threads} threads")
+        self.reps = cols // (self.vec * threads)
+        self.block_lanes = BLOCK_COLS.get(scaling, self.vec) // self.vec
+        if self.block_lanes < 1 or threads % max(self.block_lanes, 1):
+            raise ValueError(f"{scaling} blocks are not whole vectors of a thread group")
+        if stages < 2 or stages % 2:
+            # Consecutive rows reduce in two shared-memory slots by their place in the ring:
+            # an odd ring puts its last row and the next ring's first in one slot.
+            raise ValueError(f"stages must be even and >= 2, got {stages}")
+        if recompute_t and dtype.width != 16:
+            raise ValueError("recompute_t widens x from its 16-bit words: 2-byte x only")
+        if column_amax and (scaling != "row" or recompute_t):
+            raise ValueError("column amaxes are kept for a per-row scaling's transposed copy, "
+                             "by the kernel that holds t")
+        if (group != 0) != (dtype.width == 8) or group % self.vec:
+            raise ValueError(f"FP8 x takes a group of whole {self.vec}-element vectors (and "
+                             f"only FP8 x one): got {group} for {dtype}")
+        if column_amax and group:
+            # Their one reader, the CuTe copy with weight_first (cute_fp8_transpose.py),
+            # reads 2-byte x: FP8 x's row-scaled copy keeps cuTile's kernels (dispatch).
+            raise ValueError("column amaxes are kept for the CuTe copy of 2-byte x only")
+        self.stages = stages
+        self.ctas_per_sm = ctas_per_sm
+        self.scaling = scaling
+        self.has_weight = weight_dtype is not None
+        self.has_offset = has_offset
+        self.recompute_t = recompute_t
+        self.column_amax = column_amax
+        self.group = group
+        self.warps = threads // cute.arch.WARP_SIZE
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mXScale: cute.Tensor | None, mW: cute.Tensor | None,
+                 mScale: cute.Tensor | None, mQ: cute.Tensor | None,
+                 mQScale: cute.Tensor | None, mRstd: cute.Tensor, mAmax: cute.Tensor | None,
+                 eps: Float32, offset: Float32, grid: Int32, stream):
+        self.kernel(mX, mXScale, mW, mScale, mQ, mQScale, mRstd, mAmax, eps, offset).launch(
+            grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream,
+            max_number_threads=[self.threads, 1, 1], min_blocks_per_mp=self.ctas_per_sm,
+            preferred_smem_carveout=SMEM_CARVEOUT)
 
     @cute.jit
     def _quantize(self, t: cute.Tensor, q: cute.Tensor, rstd: Float32, scale: Float32, i: int):
@@ -294,6 +315,16 @@ class RowNormFp8Forward(RowKernel):
             if tidx == 0:
                 zeros[0] = Int32(0)
             cute.arch.barrier()
+        # column_amax: each column's largest |y| over the program's rows, in shared memory
+        # (registers hold the ring); each thread keeps the slots of its own columns, so no
+        # barrier orders them.
+        columns = None
+        if const_expr(self.column_amax):
+            columns = self._thread_view(
+                smem.allocate_tensor(Float32, cute.make_layout((self.cols,)), 16), tidx)
+            for r in cutlass.range_constexpr(self.reps):
+                for e in cutlass.range_constexpr(self.vec):
+                    columns[e, r] = Float32(0.0)
 
         shape = (self.vec, self.reps)
         # The weight as loaded, and (but with recompute_t) in fp32 for every row.
@@ -380,6 +411,8 @@ class RowNormFp8Forward(RowKernel):
                             cute.autovec_copy(q_bytes, self._thread_view(mQ[row, None], tidx))
                             if tidx == 0:
                                 mQScale[row, 0] = Float32(1.0) / scale
+                            if const_expr(self.column_amax):
+                                self._column_maxima(columns, t, rstd)
                         else:
                             acc[0] = cute.arch.fmax(acc[0], amax)
                             if const_expr(self.scaling == "delayed"):
@@ -395,6 +428,21 @@ class RowNormFp8Forward(RowKernel):
         if const_expr(self.scaling in ("amax", "delayed")):  # noqa: SIM102
             if tidx == 0:
                 mAmax[program] = acc[0]
+        if const_expr(self.column_amax):
+            out = cute.make_rmem_tensor(shape, Float32)
+            cute.autovec_copy(columns, out)
+            cute.autovec_copy(out, self._thread_view(mAmax[program, None], tidx))
+
+    @cute.jit
+    def _column_maxima(self, columns: cute.Tensor, t: cute.Tensor, rstd: Float32):
+        """This thread's column maxima (shared memory) with the row's ``|t * rstd|``: y as
+        the row's q scales it. A vector at a time: registers hold the ring."""
+        for r in cutlass.range_constexpr(self.reps):
+            m = cute.make_rmem_tensor((self.vec,), Float32)
+            cute.autovec_copy(columns[None, r], m)
+            for e in cutlass.range_constexpr(self.vec):
+                m[e] = cute.arch.fmax(m[e], cute.math.absf(t[e, r] * rstd))
+            cute.autovec_copy(m, columns[None, r])
 
     @cute.jit
     def _quantize_blocks(self, t, y, q, q_bytes, rstd, row, tidx, lane, bits, mQ, mQScale):

@@ -1,7 +1,8 @@
 """The CuTe DSL kernels (:mod:`tilenorm.kernels.cute_row_norm_forward`,
 :mod:`~tilenorm.kernels.cute_cluster_norm_forward`,
 :mod:`~tilenorm.kernels.cute_row_norm_backward`,
-:mod:`~tilenorm.kernels.cute_cluster_norm_backward`, :mod:`~tilenorm.kernels.cute_row_norm_fp8`):
+:mod:`~tilenorm.kernels.cute_cluster_norm_backward`, :mod:`~tilenorm.kernels.cute_row_norm_fp8`,
+:mod:`~tilenorm.kernels.cute_fp8_transpose`):
 compiled per launch plan and called through TVM-FFI, which takes DLPack arrays (torch tensors
 among them) and launches on the caller's current stream.
 
@@ -367,6 +368,8 @@ class Fp8ForwardKey:
     ctas_per_sm: int
     #: The kernel's ``recompute_t``: the weight and t = x * w not held across the row.
     recompute_t: bool = False
+    #: The kernel's ``column_amax`` ("row"): per-program column amaxes for the copy.
+    column_amax: bool = False
     #: FP8 x (``dtype`` an FP8 format): the elements one of ``x_scale_inv``'s multipliers
     #: covers; 0 for x that is not FP8.
     group: int = 0
@@ -381,7 +384,8 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
     row-major (None for other x); ``q`` (rows, cols) uint8 (the FP8 bytes), ``q_scale``
     (rows, 1)
     fp32 for "row", (rows, cols / 128) fp32 with strides (1, rows) for "block", (rows,
-    cols / 32) uint8 for "mx"; ``amax_partial`` (grid,) fp32 for "amax" and "delayed".
+    cols / 32) uint8 for "mx"; ``amax_partial`` (grid,) fp32 for "amax" and "delayed", and
+    with ``column_amax`` the (grid, cols) fp32 column amaxes.
     ``row_major_block_scales`` lays "block" scales out (rows, cols / 128) row-major instead:
     a measurement of what the GEMM layout's column-major stores cost (bench/NOTES.md #57),
     not a layout the ops return; ``kernel_class`` a subclass of the kernel under
@@ -401,7 +405,8 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
     fp8 = fp8_dtypes[key.fp8_dtype]
     kernel = (kernel_class or RowNormFp8Forward)(
         dtype, weight_dtype, fp8, FP8_MAX[key.fp8_dtype], key.cols, key.threads, key.stages,
-        key.ctas_per_sm, key.scaling, key.has_offset, key.recompute_t, key.group)
+        key.ctas_per_sm, key.scaling, key.has_offset, key.recompute_t, key.column_amax,
+        key.group)
 
     rows = cute.sym_int() if key.rows is None else key.rows
     cols, slots = key.cols, cute.sym_int()
@@ -428,6 +433,8 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
         q_scale = None
     rstd = _fake(Float32, (rows,), (1,), 4)
     amax = _fake(Float32, (slots,), (1,), 4) if key.scaling in ("amax", "delayed") else None
+    if key.column_amax:
+        amax = _fake(Float32, (slots, cols), (cols, 1), 16)
     return _compile(kernel, arch, x, x_scale_inv, weight, scale, q, q_scale, rstd, amax,
                     Float32(1e-6), Float32(0.0), Int32(1))
 
@@ -441,10 +448,13 @@ def aot_fp8_keys(all_dtypes: bool = False) -> list[Fp8ForwardKey]:
     every scaling and weight dtype (or none), E4M3, in bf16; and the rest of the features
     (E5M2, the Gemma offset; fp16 x with ``all_dtypes``) at each width's row scaling. Each
     entry of its ``cute_forward_recompute_t`` table with ``recompute_t`` at its scaling:
-    every weight dtype, E5M2, the offset (and fp16 x). Each width of its
+    every weight dtype, E5M2, the offset (and fp16 x). At the widths of its
+    ``cute_forward_column_amax``, row scaling with column amaxes, a 2-byte weight or none
+    (an fp32 weight keeps cuTile's row kernel there). Each width of its
     ``cute_forward_fp8_input`` table with FP8 x: every scaling and group of
     :data:`FP8_INPUT_GROUPS`, E4M3, a bf16 weight; no weight, an fp32 weight, E5M2 x and q,
-    the offset (an fp16 weight with ``all_dtypes``) at one scaling each."""
+    the offset (an fp16 weight with ``all_dtypes``) at one scaling each (no column amaxes:
+    FP8 x's row-scaled copy keeps cuTile's kernels)."""
     from tilenorm.kernels.cute_row_norm_fp8 import SCALINGS
     from tilenorm.settings_fp8 import SM90_FP8
 
@@ -460,6 +470,11 @@ def aot_fp8_keys(all_dtypes: bool = False) -> list[Fp8ForwardKey]:
         if all_dtypes:
             keys.append(Fp8ForwardKey(AOT_ROWS, "float16", "float16", "float8_e4m3fn", "mx",
                                       False, cols, *config))
+        if cols in SM90_FP8.cute_forward_column_amax:  # a per-row scaling's copy
+            keys += [Fp8ForwardKey(AOT_ROWS, x, weight, "float8_e4m3fn", "row", False, cols,
+                                   *config, column_amax=True)
+                     for x, weight in (("bfloat16", None), ("bfloat16", "bfloat16"))
+                     + ((("float16", "float16"),) if all_dtypes else ())]
     recompute_t_features = [  # (x, weight, FP8, offset)
         ("bfloat16", None, "float8_e4m3fn", False),
         ("bfloat16", "bfloat16", "float8_e4m3fn", False),
@@ -492,3 +507,100 @@ def aot_fp8_keys(all_dtypes: bool = False) -> list[Fp8ForwardKey]:
 def compiled_fp8_forward(key: Fp8ForwardKey):
     """``key``'s kernel for this process's GPU, compiled once."""
     return compile_fp8_forward(key)
+
+
+@dataclass(frozen=True)
+class Fp8TransposeKey:
+    """What selects a compiled variant of the transposed FP8 copy
+    (:mod:`tilenorm.kernels.cute_fp8_transpose`); dtypes by name. The row count is not one
+    of them (a runtime multiple of 16)."""
+
+    dtype: str
+    weight_dtype: str | None
+    fp8_dtype: str
+    scaling: str
+    has_offset: bool
+    cols: int
+    tile_cols: int
+    ctas_per_sm: int
+    #: y as the CuTe row kernel computes it, (x * w) * rstd: a per-row scaling's copy after
+    #: that kernel's column amaxes.
+    weight_first: bool = False
+
+
+def compile_fp8_transpose(key: Fp8TransposeKey, arch: str | None = None,
+                          cubin_dir: str | None = None):
+    """Compile ``key``'s kernel (``arch`` and ``cubin_dir`` as in :func:`compile_forward`).
+    The result is called as ``fn(x, weight, rstd, column_amax, q_t, q_t_scale, offset,
+    row_tiles)`` with DLPack arrays (None for the absent weight, and column_amax but for
+    "row") on the current stream: x (rows, cols) contiguous, rows a multiple of 16; rstd
+    (rows,); column_amax (cols,) fp32; ``q_t`` (cols, rows) uint8 (the FP8 bytes);
+    ``q_t_scale`` (cols, 1) fp32 for "row", (cols, cdiv(rows, 128)) fp32 with strides (1,
+    cols) for "block", (cols, cdiv(rows, 32)) uint8 for "mx"; ``row_tiles`` cdiv(rows,
+    128)."""
+    _require_dsl()
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from tilenorm.kernels.cute_fp8_transpose import ROW_MULTIPLE, TransposedFp8Quantize
+    from tilenorm.launch.cutile_fp8 import FP8_MAX
+
+    dtypes = _dtypes()
+    dtype = dtypes[key.dtype]
+    weight_dtype = None if key.weight_dtype is None else dtypes[key.weight_dtype]
+    kernel = TransposedFp8Quantize(dtype, weight_dtype, _fp8_dtypes()[key.fp8_dtype],
+                                   FP8_MAX[key.fp8_dtype], key.cols, key.tile_cols,
+                                   key.ctas_per_sm, key.scaling, key.has_offset,
+                                   key.weight_first)
+    rows, cols, blocks = cute.sym_int(divisibility=ROW_MULTIPLE), key.cols, cute.sym_int()
+    x = _fake(dtype, (rows, cols), (cols, 1), 16)
+    weight = None if weight_dtype is None else _fake(weight_dtype, (cols,), (1,), 16)
+    rstd = _fake(Float32, (rows,), (1,), 4)
+    column_amax = _fake(Float32, (cols,), (1,), 4) if key.scaling == "row" else None
+    q_t = _fake(cutlass.Uint8, (cols, rows), (rows, 1), 16)
+    if key.scaling == "row":
+        q_t_scale = _fake(Float32, (cols, 1), (1, 1), 4)
+    elif key.scaling == "block":
+        q_t_scale = _fake(Float32, (cols, blocks), (1, cols), 4)
+    else:
+        q_t_scale = _fake(cutlass.Uint8, (cols, blocks), (blocks, 1), 1)
+    return _compile(kernel, arch, x, weight, rstd, column_amax, q_t, q_t_scale, Float32(0.0),
+                    Int32(1), cubin_dir=cubin_dir)
+
+
+def aot_fp8_transpose_keys(all_dtypes: bool = False) -> list[Fp8TransposeKey]:
+    """The transposed FP8 copy's variants: at every width of the FP8 settings' row kernel
+    table, each scaling with a bf16 weight, E4M3, bf16 x, at the width's planned tile (and
+    ``weight_first`` for "row" where the row kernel keeps column amaxes); at 4096 the other
+    features (no weight, an fp32 weight, E5M2, the offset; fp16 x with ``all_dtypes``)."""
+    from tilenorm.kernels.cute_fp8_transpose import SCALINGS
+    from tilenorm.planner import plan_cute_fp8_transpose
+    from tilenorm.settings_fp8 import SM90_FP8
+
+    keys = []
+    for cols in SM90_FP8.cute_forward:
+        plan = plan_cute_fp8_transpose(AOT_ROWS, cols, itemsize=2, arch=(9, 0))
+        tile = (plan.tile_cols, plan.ctas_per_sm)
+        keys += [Fp8TransposeKey("bfloat16", "bfloat16", "float8_e4m3fn", scaling, False,
+                                 cols, *tile) for scaling in SCALINGS]
+        if cols in SM90_FP8.cute_forward_column_amax:  # after the CuTe row kernel's amaxes
+            keys.append(Fp8TransposeKey("bfloat16", "bfloat16", "float8_e4m3fn", "row", False,
+                                        cols, *tile, weight_first=True))
+        if cols == 4096:
+            keys += [Fp8TransposeKey("bfloat16", None, "float8_e4m3fn", "mx", False, cols,
+                                     *tile),
+                     Fp8TransposeKey("bfloat16", "float32", "float8_e4m3fn", "block", True,
+                                     cols, *tile),
+                     Fp8TransposeKey("bfloat16", "bfloat16", "float8_e5m2", "row", False,
+                                     cols, *tile)]
+            if all_dtypes:
+                keys.append(Fp8TransposeKey("float16", "float16", "float8_e4m3fn", "block",
+                                            False, cols, *tile))
+    return keys
+
+
+@functools.lru_cache(maxsize=MAX_COMPILED)
+def compiled_fp8_transpose(key: Fp8TransposeKey):
+    """``key``'s kernel for this process's GPU, compiled once."""
+    return compile_fp8_transpose(key)

@@ -81,7 +81,12 @@ every run). ``fp8_quantize_transposed`` then re-reads x (or h) over 128 x 128 bl
 128 for "row") with the saved rstd (and mean), takes each block's 128 x 1 (four 32 x 1)
 amaxes on chip, or the column's, and writes the copy and its scales. Rows past M count in
 no amax (a padding row normalizes to LayerNorm's bias). x is read twice, as for per-tensor
-current scaling. No atomics: reruns are bit-identical.
+current scaling. No atomics: reruns are bit-identical. For RMSNorm of 2-byte x without a
+residual, M a multiple of 16, the CuTe DSL pass ``TransposedFp8Quantize``
+(``tilenorm/kernels/cute_fp8_transpose.py``) writes the copy instead, with the same math
+and scales (``tilenorm.dispatch`` decides; bench/NOTES.md #60 says why); for "row" at the
+CuTe row kernel's widths that kernel keeps the column amaxes, and the copy computes y as it
+does (``x * w`` first, then ``rstd``).
 
 MX scales for Blackwell
 -----------------------
@@ -142,11 +147,13 @@ FP8 input
 ``x`` may be FP8 with ``x_scale_inv`` of shape (M, N / group_size) fp32 (one dequantize
 multiplier per group of ``group_size`` consecutive elements of a row, a power of two up to
 128; COAT uses 16): the kernels dequantize as they load. RMSNorm of FP8 x without a residual,
-in groups of 16 elements or more, reads it in the CuTe DSL row kernel where its widths are
-measured (``settings_fp8.cute_forward_fp8_input``), which keeps the next rows' loads in
-flight; other cases take cuTile's. The backward re-reads FP8 x and its scales (nothing bf16
-is saved). With a fused residual, h = dequant(x) + residual is stored and
-the backward reads h, as the bf16 ops do.
+in groups of 16 elements or more, reads it in the CuTe DSL row kernel at the widths of
+``settings_fp8.cute_forward_fp8_input``, which keeps the next rows' loads in flight; other
+cases take cuTile's. A transposed copy of FP8 x is cuTile's ``fp8_quantize_transposed`` (the
+CuTe copy reads 2-byte x), after the CuTe row kernel for "block" and "mx" scales; for "row"
+scales cuTile's row kernel runs, whose y the copy's column amaxes are taken of. The backward
+re-reads FP8 x and its scales (nothing bf16 is saved). With a fused
+residual, h = dequant(x) + residual is stored and the backward reads h, as the bf16 ops do.
 
 Autograd: how the FP8 output's gradient arrives in bf16
 -------------------------------------------------------
@@ -211,7 +218,7 @@ from tilenorm.launch import cute, cutile, cutile_fp8
 from tilenorm.launch.cutile_fp8 import Fp8NormFeatures
 from tilenorm.launch.driver import ArrayLayout, DriverLaunch
 from tilenorm.layout import contiguous_strides
-from tilenorm.planner import CuteFp8ForwardPlan
+from tilenorm.planner import CuteFp8ForwardPlan, CuteFp8TransposePlan
 from tilenorm.pytorch import calls, checks, reference
 from tilenorm.pytorch.calls import DTYPE_NAMES, NormSpec
 
@@ -464,7 +471,10 @@ class _CuteLauncher:
             plan.rows, DTYPE_NAMES[x.dtype],
             None if weight is None else DTYPE_NAMES[weight.dtype],
             DTYPE_NAMES[spec.fp8_dtype], self.scaling, spec.has_offset, plan.cols,
-            plan.threads, plan.stages, plan.ctas_per_sm, plan.recompute_t, spec.group))
+            plan.threads, plan.stages, plan.ctas_per_sm, plan.recompute_t, plan.column_amax,
+            spec.group))
+        # The program's amax, or with column_amax its column amaxes.
+        self.amax = "column_amax_partial" if plan.column_amax else "amax_partial"
 
     def __call__(self, stream: int, tensors: dict[str, torch.Tensor],
                  scalars: dict[str, float]):
@@ -477,8 +487,29 @@ class _CuteLauncher:
             x_scale_inv = tensors["x_scale_inv"].view(rows, cols // self.group)
         self.fn(x, x_scale_inv, None if weight is None else weight.view(cols),
                 tensors["scale"].reshape(1) if self.scaling == "delayed" else None, q,
-                tensors.get("q_scale"), tensors["rstd"], tensors.get("amax_partial"),
+                tensors.get("q_scale"), tensors["rstd"], tensors.get(self.amax),
                 scalars["eps"], scalars["offset"], self.plan.grid)
+
+
+class _CuteTransposeLauncher:
+    """The CuTe DSL transposed copy (scales along M), compiled for one width, launched like
+    a :class:`_Launcher` (TVM-FFI launches on the current stream)."""
+
+    def __init__(self, plan: CuteFp8TransposePlan, spec: Fp8Spec, x, weight):
+        self.plan = plan
+        self.fn = cute.compiled_fp8_transpose(cute.Fp8TransposeKey(
+            DTYPE_NAMES[x.dtype], None if weight is None else DTYPE_NAMES[weight.dtype],
+            DTYPE_NAMES[spec.fp8_dtype], spec.scaling, spec.has_offset, plan.cols,
+            plan.tile_cols, plan.ctas_per_sm, plan.weight_first))
+
+    def __call__(self, stream: int, tensors: dict[str, torch.Tensor],
+                 scalars: dict[str, float]):
+        rows, cols = self.plan.rows, self.plan.cols
+        weight = tensors.get("weight")
+        self.fn(tensors["x"].view(rows, cols), None if weight is None else weight.view(cols),
+                tensors["rstd"], tensors.get("column_amax"),
+                tensors["q_t"].view(torch.uint8), tensors["q_t_scale"], scalars["offset"],
+                self.plan.grid[1])
 
 
 def _dense(dtype: torch.dtype, shape: tuple[int, ...]) -> ArrayLayout:
@@ -735,6 +766,9 @@ def build_forward(spec: Fp8Spec, x, weight, bias, residual, residual_dtype,
                       else [])
     call.launchers += [_Launcher(b, {k: v for k, v in kernel_layouts.items() if k in b.arrays},
                                  x.device, arch) for b, kernel_layouts in kernels]
+    # The CuTe DSL transposed copy where the decision has it, after the column amaxes.
+    if decision.cute_transpose is not None:
+        call.launchers.append(_CuteTransposeLauncher(decision.cute_transpose, spec, x, weight))
     # The swizzle re-lays the row-major scales the kernels above wrote: q's, then q_t's.
     for swizzle, scales in ((decision.swizzle, "q_scale"), (decision.swizzle_t, "q_t_scale")):
         if swizzle is not None:

@@ -53,10 +53,12 @@ def _affine(x_hat, weight, bias, offset, acc):
     for p in (weight, bias):  # an fp64 parameter on fp32 input: the product in fp64
         if p is not None and p.dtype == torch.float64:
             y = y.to(torch.float64)
+    # Type promotion multiplies a 16-bit weight in y's dtype without a cast of its own, and a
+    # zero offset adds nothing: the traced graph is then torch's rms_norm's, op for op (#84).
     if weight is not None:
-        y = y * (weight.to(y.dtype) + offset)
+        y = y * (weight if offset == 0 else weight.to(y.dtype) + offset)
     if bias is not None:
-        y = y + bias.to(y.dtype)
+        y = y + bias
     return y
 
 
