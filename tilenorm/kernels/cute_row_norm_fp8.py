@@ -171,10 +171,7 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         self.cols = cols
         self.threads = threads
         self.vec = 128 // dtype.width
-        if cols % (self.vec * threads):
-            raise ValueError(f"{cols} columns are not whole {self.vec}-element vectors of "
-                             f"{threads} threads")
-        self.reps = cols // (self.vec * threads)
+        self.reps = self._whole_vectors(cols)
         self.block_lanes = BLOCK_COLS.get(scaling, self.vec) // self.vec
         if self.block_lanes < 1 or threads % max(self.block_lanes, 1):
             raise ValueError(f"{scaling} blocks are not whole vectors of a thread group")
