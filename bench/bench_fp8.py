@@ -30,7 +30,10 @@ kernel) and writes row-scaled FP8: its unfused path dequantizes x with torch fir
 of :class:`tilenorm.settings_fp8.Fp8Settings` fields and, for the row kernels,
 :class:`tilenorm.settings.RowNormSettings` fields (added to ``row_overrides``), e.g.
 ``'[{}, {"tile_elements": {"forward": 16384, "backward": 4096}}]'``; only the fused kernels
-run, each variant's plan beside its numbers.
+run, each variant's plan beside its numbers. The CuTe DSL row kernel's tables take width
+keys, e.g. ``--scalings fp8x-row --variants '[{}, {"cute_forward_fp8_input": {"4096":
+[256, 4, 2]}}]'`` (with ``--experimental``, as ``fp8x-row`` itself: the CuTe kernel is
+experimental until validated).
 """
 
 from __future__ import annotations
@@ -155,6 +158,15 @@ def dequantized(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     return q.float() * s
 
 
+def _setting_value(value):
+    """A JSON value as the FP8 settings hold it: lists as tuples (``cute_transpose``'s
+    entries too), and a width table (the CuTe entries, e.g. ``{"4096": [128, 8, 4]}``) with
+    int widths; a scaling's table (``cute_forward_recompute_t``) keeps its keys."""
+    if isinstance(value, dict):
+        return {int(k) if k.isdigit() else k: _setting_value(v) for k, v in value.items()}
+    return tuple(_setting_value(v) for v in value) if isinstance(value, list) else value
+
+
 def fp8_variant(variant: dict) -> settings_fp8.Fp8Settings:
     """SM90's FP8 settings with ``variant``'s fields replaced; RowNormSettings fields join
     ``row_overrides``."""
@@ -162,7 +174,7 @@ def fp8_variant(variant: dict) -> settings_fp8.Fp8Settings:
     own = {f.name for f in dataclasses.fields(base)}
     row = {k: v for k, v in variant.items() if k not in own}
     rows = variant_settings(row)  # checks the names and converts lists as the settings hold
-    changes = {k: tuple(v) for k, v in variant.items() if k in own}
+    changes = {k: _setting_value(v) for k, v in variant.items() if k in own}
     return dataclasses.replace(base, **changes, row_overrides={
         **base.row_overrides, **{k: getattr(rows, k) for k in row}})
 

@@ -59,3 +59,33 @@ def test_speedup_below_the_bar_is_missed_and_the_plot_is_written(tmp_path):
     bench_fp8.print_summary(record)
     bench_fp8.plot(record, tmp_path / "fp8.png")
     assert (tmp_path / "fp8.png").stat().st_size > 0
+
+
+def test_variants_take_the_cute_width_tables_from_json():
+    """``--variants`` replaces a CuTe DSL width table (JSON keys are strings) with int widths
+    and tuple entries, as the settings hold them, so that the planner finds them."""
+    from tilenorm.planner import plan_cute_fp8_forward
+    from tilenorm.settings_fp8 import measuring
+
+    v = bench_fp8.fp8_variant({"cute_forward_fp8_input": {"4096": [256, 4, 2]},
+                               "cute_forward_recompute_t": {"block": {"8192": [256, 2, 2]}}})
+    assert v.cute_forward_fp8_input == {4096: (256, 4, 2)}
+    assert v.cute_forward_recompute_t == {"block": {8192: (256, 2, 2)}}
+    with measuring(v):
+        p = plan_cute_fp8_forward(1024, 4096, itemsize=1, sm_count=132, arch=(9, 0),
+                                  scaling="row", group=128)
+    assert (p.threads, p.stages, p.ctas_per_sm) == (256, 4, 2)
+
+
+def test_variants_take_the_cute_copy_tables_from_json():
+    """The transposed copy's tile list and the column-amax widths arrive as nested JSON
+    lists: tuples of tuples and of ints, as the settings hold them."""
+    from tilenorm.planner import plan_cute_fp8_transpose
+    from tilenorm.settings_fp8 import measuring
+
+    v = bench_fp8.fp8_variant({"cute_transpose": [[64, 6], [32, 8]],
+                               "cute_forward_column_amax": [2048]})
+    assert v.cute_transpose == ((64, 6), (32, 8)) and v.cute_forward_column_amax == (2048,)
+    with measuring(v):
+        p = plan_cute_fp8_transpose(1040, 4096, itemsize=2, arch=(9, 0))
+    assert (p.tile_cols, p.ctas_per_sm) == (64, 6)

@@ -705,6 +705,130 @@ def test_cute_fp8_recompute_t_runs_where_it_was_measured():
         assert not p.recompute_t and "recomputed" not in p.describe()
 
 
+def test_cute_fp8_input_forward_plans_its_own_table_for_whole_vector_groups():
+    """FP8 x takes the settings' ``cute_forward_fp8_input`` entry of its width (never
+    ``recompute_t``, which widens 2-byte words) where a group of its multipliers is whole
+    16-byte vectors of x (16 elements or more); smaller groups, and widths outside the
+    table, keep cuTile's kernel."""
+    from tilenorm.kernels.cute_row_norm_fp8 import SCALINGS as KERNEL_SCALINGS
+    from tilenorm.settings_fp8 import SM90_FP8
+
+    def plan(cols, scaling="row", group=16, rows=1037):
+        return plan_cute_fp8_forward(rows, cols, itemsize=1, sm_count=132, arch=(9, 0),
+                                     scaling=scaling, group=group)
+
+    assert SM90_FP8.cute_forward_fp8_input, "the table the GPU tests below exercise"
+    for cols, (threads, stages, ctas) in SM90_FP8.cute_forward_fp8_input.items():
+        assert cols % (16 * threads) == 0 and threads % 32 == 0, "whole 16-byte vectors"
+        for scaling in KERNEL_SCALINGS:
+            for group in (16, 32, 128):
+                p = plan(cols, scaling, group)
+                assert (p.threads, p.stages, p.ctas_per_sm) == (threads, stages, ctas)
+                assert p.grid == min(1037, 132 * ctas) and not p.recompute_t
+            for group in (0, 1, 8):
+                assert plan(cols, scaling, group) is None
+        assert plan_cute_fp8_forward(64, cols, itemsize=1, sm_count=132, arch=(9, 0),
+                                     scaling="row", group=16,
+                                     max_offset=MAX_INT32_OFFSET + 1) is None
+    assert plan(5120) is None
+    # No column amaxes for FP8 x: the CuTe copy that takes them reads 2-byte x.
+    for cols in SM90_FP8.cute_forward_column_amax:
+        assert plan_cute_fp8_forward(1040, cols, itemsize=1, sm_count=132, arch=(9, 0),
+                                     scaling="row", group=16, column_amax=True) is None
+        assert plan_cute_fp8_forward(1040, cols, itemsize=2, sm_count=132, arch=(9, 0),
+                                     scaling="row", column_amax=True).column_amax
+
+
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+@pytest.mark.parametrize("x_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_input_decision_takes_the_cute_row_kernel_where_it_covers_the_call(x_dtype):
+    """RMSNorm of FP8 x without a residual, groups of 16 or more: the CuTe row kernel (its
+    FP8-input table), with cuTile's second pass where one runs and cuTile's FP8-input
+    backward. A residual, LayerNorm, a group of 8 or a row-scaled transposed copy keep
+    cuTile's row kernel."""
+    from tilenorm import dispatch
+    from tilenorm.device import DeviceInfo
+
+    h100 = DeviceInfo(index=0, name="NVIDIA H100 80GB HBM3", sm_count=132, arch=(9, 0),
+                      l2_bytes=50 << 20)
+
+    def plan(scaling="row", transpose=False, op="rms_norm", residual=False, group=16):
+        dtypes = (x_dtype, "bfloat16") + (("bfloat16",) if residual else ())
+        p = dispatch.Fp8Problem(op, "cuda", 0, dtypes, 4096, 4096, scaling, transpose,
+                                residual, 4096 * 4096 - 1, True, group=group)
+        return dispatch._cute_fp8_forward(p, h100)
+
+    for scaling in ("tensor", "delayed", "row", "block", "mx"):
+        for group in (16, 128):
+            p = plan(scaling, group=group)
+            assert p is not None and (p.threads, p.stages) == (128, 4) and not p.recompute_t
+    assert plan("block", transpose=True) is not None
+    assert plan(residual=True) is None and plan(op="layer_norm") is None
+    assert plan(group=8) is None
+    # A row-scaled copy: no CuTe copy of FP8 x to take the row kernel's column amaxes.
+    assert plan("row", transpose=True) is None
+    p = dispatch.Fp8Problem("rms_norm", "cuda", 0, (x_dtype, "bfloat16"), 4096, 4096, "row",
+                            True, False, 4096 * 4096 - 1, True, group=16)
+    assert dispatch._cute_fp8_transpose(p, h100) is None
+    assert dispatch._cute_fp8_forward(p, h100, column_amax=True) is None
+
+
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+@pytest.mark.parametrize("scaling", ["row", "block", "mx"])
+@pytest.mark.parametrize("x_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_fp8_decision_routes_each_x_with_a_copy_along_m(x_dtype, scaling, monkeypatch):
+    """The whole decision for a transposed copy with scales along M, 1040 rows (a multiple
+    of 16) of 4096 columns: 2-byte x takes the CuTe row kernel (with column amaxes for
+    "row") and the CuTe copy; FP8 x takes cuTile's ``fp8_quantize_transposed`` (the CuTe
+    copy reads 2-byte x), after the CuTe FP8-input row kernel for "block" and "mx" and
+    after cuTile's row kernel, whose y its column amaxes are of, for "row"."""
+    from tilenorm import dispatch
+    from tilenorm.device import DeviceInfo
+
+    h100 = DeviceInfo(index=0, name="NVIDIA H100 80GB HBM3", sm_count=132, arch=(9, 0),
+                      l2_bytes=50 << 20)
+    monkeypatch.setattr(dispatch, "device_info", lambda index: h100)
+    dispatch.decide_fp8.cache_clear()
+    fp8_x = x_dtype != "bfloat16"
+    d = dispatch.decide_fp8(dispatch.Fp8Problem(
+        "rms_norm", "cuda", 0, (x_dtype, "bfloat16"), 1040, 4096, scaling, True, False,
+        1040 * 4096 - 1, True, group=16 if fp8_x else 0))
+    dispatch.decide_fp8.cache_clear()
+    copy = ("fp8_quantize_transposed",) if fp8_x else (dispatch.CUTE_FP8_TRANSPOSE_NAME,)
+    if fp8_x and scaling == "row":
+        row = ("norm_fwd_fp8_single",)
+    else:
+        row = (dispatch.CUTE_FP8_FORWARD_NAME,)
+    columns = ("fp8_column_amax",) if scaling == "row" else ()
+    forward = row + columns + copy  # FP8 x's backward kernels follow
+    assert d.kernels[:len(forward)] == forward, str(d)
+    assert (d.cute_transpose is None) == fp8_x and (d.quantize is None) == (not fp8_x)
+    if d.cute_forward is not None:
+        assert d.cute_forward.column_amax == (scaling == "row")
+        assert d.column_amax is None or d.column_amax.partials == d.cute_forward.grid
+    if d.cute_transpose is not None:
+        assert d.cute_transpose.weight_first == (scaling == "row")
+
+
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+def test_cute_fp8_kernel_takes_a_group_with_fp8_x_only():
+    import cutlass
+
+    from tilenorm.kernels.cute_row_norm_fp8 import RowNormFp8Forward
+
+    bf16, e4m3 = cutlass.BFloat16, cutlass.Float8E4M3FN
+    for x, group in ((bf16, 16), (e4m3, 0), (e4m3, 8), (e4m3, 24)):
+        with pytest.raises(ValueError, match="group"):
+            RowNormFp8Forward(x, bf16, e4m3, 448.0, 4096, 128, 4, 4, "row", False,
+                              group=group)
+    kernel = RowNormFp8Forward(e4m3, bf16, e4m3, 448.0, 4096, 128, 4, 4, "block", False,
+                               group=128)
+    assert (kernel.vec, kernel.reps, kernel.block_lanes) == (16, 2, 8)
+    with pytest.raises(ValueError, match="2-byte x only"):
+        RowNormFp8Forward(e4m3, bf16, e4m3, 448.0, 4096, 128, 4, 4, "row", False,
+                          column_amax=True, group=16)
+
+
 @pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
 @pytest.mark.parametrize("scaling,transpose", [("block", False), ("block", True),
                                                ("tensor", False), ("delayed", True),
@@ -1277,6 +1401,81 @@ def test_cute_row_kernel_runs_and_matches_float64(scaling, cols):
     assert rel_error(out.rstd.cpu(), ref.norm.rstd) <= 1e-5, seed
 
 
+def _fp8_x(g, rows, cols, x_dtype, group, device="cuda"):
+    """FP8 x as a previous layer's quantization leaves it: values spread over the format's
+    range (not zeros), and one fp32 multiplier per group in [0.5, 1.5)."""
+    x = (torch.randn(rows, cols, generator=g, device=device) * 8).to(x_dtype)
+    s = torch.rand(rows, cols // group, generator=g, device=device) + 0.5
+    return x, s
+
+
+@gpu
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+@pytest.mark.parametrize("cols,x_dtype,group,scaling", [
+    *((4096, x_dtype, group, scaling) for x_dtype in (E4M3, E5M2) for group in (16, 128)
+      for scaling in SCALINGS),
+    *((cols, E4M3, group, "row") for cols in (2048, 8192, 16384) for group in (16, 128)),
+    (16384, E5M2, 128, "block"), (2048, E4M3, 16, "mx")])
+def test_cute_row_kernel_reads_fp8_x_and_matches_float64(cols, x_dtype, group, scaling):
+    """FP8 x at the widths of the FP8 settings' ``cute_forward_fp8_input`` table takes the
+    CuTe DSL row kernel (and cuTile's second pass, for per-tensor current scaling): q, its
+    scales, amax and rstd against float64 of the dequantized x; an odd row count (not a
+    multiple of the grid), poisoned outputs, three reruns bit-identical (``run_kernels``)."""
+    from tilenorm.dispatch import CUTE_FP8_FORWARD_NAME
+
+    g, seed = fresh_generator("cuda")
+    rows = 1037
+    x, s = _fp8_x(g, rows, cols, x_dtype, group)
+    w = 1 + 0.5 * torch.randn(cols, generator=g, device="cuda")
+    kw = dict(x_scale_inv=s, group_size=group)
+    with tilenorm.experimental():
+        decision = tilenorm.fp8.explain(x, w, scaling=scaling, **kw)
+    assert decision.cute_forward is not None and CUTE_FP8_FORWARD_NAME in decision.kernels, \
+        str(decision)
+    out = run_kernels("rms_norm", x, w, None, scaling, repeats=3, **kw)
+    ref = _reference(x.cpu(), w.cpu(), None, scaling, E4M3, out, x_scale_inv=s.cpu(),
+                     group_size=group)
+    check_against_float64(out, ref, scaling, E4M3)
+    assert rel_error(out.rstd.cpu(), ref.norm.rstd) <= 1e-5, seed
+
+
+@gpu
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+@pytest.mark.parametrize("group", [16, 128])
+@pytest.mark.parametrize("scaling", ["row", "block", "mx", "delayed"])
+def test_cute_row_kernel_of_fp8_x_keeps_nan_in_its_row(scaling, group):
+    """A NaN multiplier of one group (and a NaN byte of x in another row) makes its row's y
+    NaN: that row's q is FP8 NaN throughout; every other row's q and scales are the bits of
+    the clean run, and every scale stays finite."""
+    g, _ = fresh_generator("cuda")
+    rows, cols = 515, 4096
+    x, s = _fp8_x(g, rows, cols, E4M3, group)
+    w = 1 + 0.5 * torch.randn(cols, generator=g, device="cuda")
+    kw = dict(x_scale_inv=s, group_size=group)
+    with tilenorm.experimental():
+        assert tilenorm.fp8.explain(x, w, scaling=scaling, **kw).cute_forward is not None
+    clean = run_kernels("rms_norm", x, w, None, scaling, repeats=0, **kw)
+    s_nan, x_nan = s.clone(), x.clone()
+    s_nan[100, 3] = float("nan")
+    x_nan.view(torch.uint8)[300, 77] = 0x7F  # E4M3 NaN
+    dirty = run_kernels("rms_norm", x_nan, w, None, scaling, repeats=1,
+                        x_scale_inv=s_nan, group_size=group)
+    for row in (100, 300):
+        assert dirty.data[row].float().isnan().all(), row
+        assert dirty.rstd[row].isnan()
+    others = [r for r in range(rows) if r not in (100, 300)]
+    assert torch.equal(dirty.data[others].view(torch.uint8),
+                       clean.data[others].view(torch.uint8))
+    assert torch.equal(dirty.rstd[others], clean.rstd[others])
+    if scaling == "delayed":  # the amax skips the NaN rows
+        assert dirty.amax.isfinite() and dirty.amax <= clean.amax
+    else:
+        scales = testing.fp8_scales_per_element(dirty.scale_inv.cpu(), scaling, rows, cols)
+        assert scales.isfinite().all()
+        assert torch.equal(scales[others], testing.fp8_scales_per_element(
+            clean.scale_inv.cpu(), scaling, rows, cols)[others])
+
+
 #: Weight, FP8 format and Gemma offset of each case of the recompute-t tests below.
 RECOMPUTE_T_CASES = {"bf16 weight": (torch.bfloat16, E4M3, 0.0),
                      "fp32 weight": (torch.float32, E4M3, 0.0),
@@ -1305,8 +1504,8 @@ def _cute_fp8_launch(key, x, w, offset: float, grid: int, pattern: int) -> dict:
     for t in out.values():
         _poison(t, pattern)
     scale = torch.tensor([20.0], device=dev) if key.scaling == "delayed" else None
-    cute.compiled_fp8_forward(key)(x, w, scale, out.get("q"), out.get("q_scale"), out["rstd"],
-                                   out.get("amax"), 1e-6, offset, grid)
+    cute.compiled_fp8_forward(key)(x, None, w, scale, out.get("q"), out.get("q_scale"),
+                                   out["rstd"], out.get("amax"), 1e-6, offset, grid)
     return out
 
 

@@ -1,10 +1,10 @@
-"""The CuTe DSL kernels of tilenorm.jax's kernel path (issue 18, bench/NOTES.md #68): the row
-and cluster forwards and the cluster RMSNorm backward, on the CPU: each compiled variant
-exported for sm_90a and linked with its XLA FFI handler (:mod:`tilenorm.jax.cute_ffi`), the
-cluster launch in the exported host code, the routing that picks them on a made-up H100, the
-gate of their kernel family (``cute/jax``), and the calls themselves up to the kernel's load:
-through XLA's CPU backend the handler hands the exported entry the DLTensors of the kernel
-path's operands and results, and the entry's own checks of every array (dtype, shape,
+"""The CuTe DSL kernels of tilenorm.jax's kernel path (issue 18, bench/NOTES.md #68): the row and
+cluster forwards and the cluster backward (RMSNorm and LayerNorm), on the CPU: each compiled
+variant exported for sm_90a and linked with its XLA FFI handler (:mod:`tilenorm.jax.cute_ffi`),
+the cluster launch in the exported host code, the routing that picks them on a made-up H100,
+the gate of their kernel family (``cute/jax``), and the calls themselves up to the kernel's
+load: through XLA's CPU backend the handler hands the exported entry the DLTensors of the
+kernel path's operands and results, and the entry's own checks of every array (dtype, shape,
 strides, device, alignment) pass before it stops where a GPU is needed. The GPU tests are in
 tests/test_jax_kernel_path.py (``test_cute_forward_*``, ``test_cute_cluster_*``).
 """
@@ -65,16 +65,17 @@ def _key(op="rms_norm", cols=WIDTH, dtype="bfloat16", weight="float32", bias=Fal
 
 #: Clusters the made-up H100 holds at once (``fake_h100``): fewer than most tests' rows.
 RESIDENT_CLUSTERS = 15
-#: The widths of the cluster backward (RMSNorm's).
+#: The widths of the cluster backward (RMSNorm's; LayerNorm's are the same).
 CLUSTER_BACKWARD_WIDTHS = sorted(SM90.cute_cluster_backward["rms_norm"])
 
 
 def _backward_key(cols=CLUSTER_BACKWARD_WIDTHS[0], weight="bfloat16", offset=False,
-                  dres_in=False, rows=37) -> tuple:
+                  dres_in=False, rows=37, op="rms_norm", bias=False) -> tuple:
     plan = plan_cute_cluster_backward(
-        rows, cols, itemsize=2, arch=(9, 0), op="rms_norm",
+        rows, cols, itemsize=2, arch=(9, 0), op=op,
         resident_clusters=lambda cluster, threads, ctas_per_sm: RESIDENT_CLUSTERS)
-    return plan, cute.ClusterBackwardKey.of(plan, "bfloat16", weight, offset, dres_in)
+    return plan, cute.ClusterBackwardKey.of(plan, "bfloat16", weight, offset, dres_in,
+                                            op == "layer_norm", bias)
 
 
 # --- the library -----------------------------------------------------------------------------
@@ -99,14 +100,35 @@ def test_build_key_names_the_variant_and_architecture():
 
 def test_entry_arrays_follow_the_compiled_signatures():
     """The handler fills the entry's arrays in its order: the forward's (x, residual, weight,
-    bias, y, h, mean, rstd), the cluster backward's (h, dy, weight, rstd, dres_in, dx,
-    partial); 1 an operand, 2 a result, 0 None."""
+    bias, y, h, mean, rstd), the cluster backward's (h, dy, weight, mean, rstd, dres_in, dx,
+    partial), the signature of ClusterRowNormBackward.__call__; 1 an operand, 2 a result,
+    0 None. The backward's partial buffer is a result with a weight or a bias (LayerNorm's
+    dbias group), its mean an operand for LayerNorm only."""
     assert cute_ffi.entry_arrays(_key("layer_norm", bias=True, residual=True)[1]) == (
         1, 1, 1, 1, 2, 2, 2, 2)
     assert cute_ffi.entry_arrays(_key(weight=None)[1]) == (1, 0, 0, 0, 2, 0, 0, 2)
-    assert cute_ffi.entry_arrays(_backward_key()[1]) == (1, 1, 1, 1, 0, 2, 2)
+    assert cute_ffi.entry_arrays(_backward_key()[1]) == (1, 1, 1, 0, 1, 0, 2, 2)
     assert cute_ffi.entry_arrays(_backward_key(weight=None, dres_in=True)[1]) == (
-        1, 1, 0, 1, 1, 2, 0)
+        1, 1, 0, 0, 1, 1, 2, 0)
+    assert cute_ffi.entry_arrays(_backward_key(op="layer_norm", bias=True)[1]) == (
+        1, 1, 1, 1, 1, 0, 2, 2)
+    assert cute_ffi.entry_arrays(_backward_key(weight=None, op="layer_norm", bias=True,
+                                               dres_in=True)[1]) == (1, 1, 0, 1, 1, 1, 2, 2)
+    assert cute_ffi.entry_arrays(_backward_key(weight=None, op="layer_norm")[1]) == (
+        1, 1, 0, 1, 1, 0, 2, 0)
+
+
+def test_entry_arrays_match_the_cluster_backward_signature():
+    """The backward's slots are the kernel's own array parameters, in order (what
+    compile_cluster_backward compiles it with)."""
+    import inspect
+
+    from tilenorm.kernels.cute_cluster_norm_backward import ClusterRowNormBackward
+
+    params = list(inspect.signature(ClusterRowNormBackward.__call__).parameters)
+    arrays = params[1:params.index("offset")]
+    assert arrays == ["mX", "mdY", "mW", "mMean", "mRstd", "mdResIn", "mdX", "mPartial"]
+    assert len(cute_ffi.entry_arrays(_backward_key()[1])) == len(arrays)
 
 
 def test_library_builds_once_without_a_gpu_and_exports_only_its_handlers(tmp_path,
@@ -242,9 +264,9 @@ CLUSTER_ROUTED = [(op, cols) for op, widths in SM90.cute_forward.items()
 
 @pytest.mark.parametrize(("op", "cols"), CLUSTER_ROUTED)
 def test_covers_takes_the_cluster_kernels_where_torch_does(fake_h100, monkeypatch, op, cols):
-    """Where the torch side runs the cluster forward (and for RMSNorm at 65536 / 131072 the
-    cluster backward, on the device's co-resident clusters), so does JAX once its family may
-    run; explain names them."""
+    """Where the torch side runs the cluster forward (and the cluster backward, RMSNorm's and
+    LayerNorm's, on the device's co-resident clusters), so does JAX once its family may run;
+    explain names them."""
     _records(monkeypatch, jax_forward=True)
     rows = kernel_dispatch.CUTE_FORWARD_MIN_BYTES // (2 * cols)  # the torch side's least x
     problem = _problem(rows, cols=cols, allow=True, op=op)
@@ -253,7 +275,7 @@ def test_covers_takes_the_cluster_kernels_where_torch_does(fake_h100, monkeypatc
     assert decision.cute_forward == torch_side.cute_forward and decision.cute_forward.cluster > 1
     assert decision.cute_forward.grid == rows * decision.cute_forward.cluster
     assert kernel_dispatch.CUTE_CLUSTER_FORWARD_NAME in decision.kernels
-    if op == "rms_norm" and cols in CLUSTER_BACKWARD_WIDTHS:
+    if cols in SM90.cute_cluster_backward[op]:
         plan = decision.cute_backward
         assert isinstance(plan, CuteClusterBackwardPlan) and plan == torch_side.cute_backward
         assert plan.clusters == RESIDENT_CLUSTERS and plan.partial_rows == RESIDENT_CLUSTERS
@@ -298,22 +320,27 @@ def test_covers_leaves_the_row_backward_to_cutile(fake_h100, monkeypatch):
             f"runs" in decision.reason)
 
 
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
 @pytest.mark.parametrize("cols", CLUSTER_BACKWARD_WIDTHS)
-def test_explain_names_the_cluster_kernels(fake_h100, monkeypatch, cols):
+def test_explain_names_the_cluster_kernels(fake_h100, monkeypatch, cols, op):
     """``tilenorm.jax.explain`` on the installed kernel path: the torch side's names of the
-    cluster forward and backward, among the kernels it runs."""
+    CuTe DSL forward (the cluster forward where its settings entry has a cluster) and the
+    cluster backward, among the kernels it runs."""
     _records(monkeypatch, jax_forward=True)
     previous = tj.set_kernel_path(kernels.kernel_path())
+    shape = jax.ShapeDtypeStruct((4, 1024, cols), BF16)
+    param = jax.ShapeDtypeStruct((cols,), BF16)
     try:
         with tilenorm.experimental():
-            d = tj.explain(jax.ShapeDtypeStruct((4, 1024, cols), BF16),
-                           jax.ShapeDtypeStruct((cols,), BF16), platform="cuda")
+            d = (tj.explain(shape, param, platform="cuda") if op == "rms_norm" else
+                 tj.explain(shape, param, bias=param, layer_norm=True, platform="cuda"))
     finally:
         tj.set_kernel_path(previous)
     assert d.uses_kernel
     text = str(d)
-    for name in (kernel_dispatch.CUTE_CLUSTER_FORWARD_NAME,
-                 kernel_dispatch.CUTE_CLUSTER_BACKWARD_NAME):
+    forward = (kernel_dispatch.CUTE_CLUSTER_FORWARD_NAME if len(SM90.cute_forward[op][cols]) == 4
+               else kernel_dispatch.CUTE_FORWARD_NAME)
+    for name in (forward, kernel_dispatch.CUTE_CLUSTER_BACKWARD_NAME):
         assert name in d.kernels.kernels and name in text
 
 
@@ -337,7 +364,7 @@ def test_backward_variant_follows_the_call_facts(fake_h100, monkeypatch, dx_dtyp
         spec = checks.forward_spec("rms_norm", x, w, None, r, None, offset, False,
                                    r is not None, None, None, None)
         decision = kernels.covers(jax_dispatch._problem(spec, h, None, w, None))
-        found.append(kernels.cute_backward_variant(spec, decision, dy, dh, h, w))
+        found.append(kernels.cute_backward_variant(spec, decision, dy, dh, h, w, None))
 
     h_dtype = BF16 if residual_dtype is None else residual_dtype
     r = None if residual_dtype is None else jax.ShapeDtypeStruct(shape, residual_dtype)
@@ -355,6 +382,38 @@ def test_backward_variant_follows_the_call_facts(fake_h100, monkeypatch, dx_dtyp
     assert isinstance(plan, CuteClusterBackwardPlan) and plan.rows == 37
     assert (True, key.dtype, key.has_offset, key.has_dres_in) == expected
     assert key.weight_dtype == "bfloat16" and key.cols == cols
+    assert not key.layer_norm and not key.has_bias and key.groups == 1
+
+
+@pytest.mark.parametrize("weight,bias", [(BF16, BF16), (FP32, FP32), (None, BF16),
+                                         (BF16, None)],
+                         ids=["bf16-params", "fp32-params", "bias-only", "weight-only"])
+def test_layer_norm_backward_variant_takes_mean_and_dbias(fake_h100, monkeypatch, weight,
+                                                          bias):
+    """JAX's LayerNorm at the cluster widths runs the cluster backward, as the torch side
+    does: the variant has LayerNorm's mean and the bias's gradient group (dweight's first)."""
+    _records(monkeypatch, jax_forward=True)
+    found = []
+    for cols in CLUSTER_BACKWARD_WIDTHS:
+        shape = (37, cols)
+
+        def decide(x, w, b):
+            spec = checks.forward_spec("layer_norm", x, w, b, None, None, 0.0, False, False,
+                                       None, None, None)
+            decision = kernels.covers(jax_dispatch._problem(spec, x, None, w, b))
+            found.append(kernels.cute_backward_variant(spec, decision, x, None, x, w, b))
+
+        def param(dtype, cols=cols):
+            return None if dtype is None else jax.ShapeDtypeStruct((cols,), dtype)
+
+        with tilenorm.experimental():
+            jax.eval_shape(decide, jax.ShapeDtypeStruct(shape, BF16), param(weight),
+                           param(bias))
+        plan, key = found.pop()
+        assert isinstance(plan, CuteClusterBackwardPlan) and plan.cols == cols
+        assert key.layer_norm and key.has_bias == (bias is not None) and not key.has_offset
+        assert key.weight_dtype == (None if weight is None else np.dtype(weight).name)
+        assert key.groups == (weight is not None) + (bias is not None)
 
 
 def _spec(x, w, b, r, layer_norm=False, offset=0.0, out_dtype=None, stream=None):
@@ -463,36 +522,47 @@ def _call_line(text: str, target: str) -> str:
     return next(line for line in text.splitlines() if f"@{target}(" in line)
 
 
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
 @pytest.mark.parametrize("cols", CLUSTER_BACKWARD_WIDTHS)
-def test_lowered_step_runs_the_cluster_kernels(cute_routed, monkeypatch, cols):
-    """At the cluster backward's widths a training step is the cluster forward's call, the
+def test_lowered_step_runs_the_cluster_kernels(cute_routed, monkeypatch, cols, op):
+    """At the cluster backward's widths a training step is the CuTe DSL forward's call, the
     cluster backward's (dx and the partial buffer of its co-resident clusters, 37 rows on
-    15 of them) and the FFI module's one call of cuTile's column sums over that buffer."""
+    15 of them; LayerNorm's with the mean and dweight's and dbias's groups) and the FFI
+    module's one call of cuTile's column sums over that buffer."""
     _records(monkeypatch, jax_forward=True)
     kernels._column_sums_recipe.cache_clear()
+    layer_norm = op == "layer_norm"
     x = jax.ShapeDtypeStruct((37, cols), BF16)
     w = jax.ShapeDtypeStruct((cols,), BF16)
 
     def loss(x, w, r):
-        y, h = tj.rms_norm(x, w, residual=r, prenorm=True, offset=1.0)
+        if layer_norm:
+            y, h = tj.layer_norm(x, w, w, residual=r, prenorm=True)
+        else:
+            y, h = tj.rms_norm(x, w, residual=r, prenorm=True, offset=1.0)
         return jnp.sum(y.astype(FP32)) + jnp.sum(h.astype(FP32))
 
     text = _lowered_for_cuda(jax.grad(loss, (0, 1, 2)), x, w, x)
-    forward_plan, forward_key = _key(cols=cols, weight="bfloat16", offset=True, residual=True,
-                                     rows=37)
+    forward_plan, forward_key = _key(op, cols=cols, weight="bfloat16", bias=layer_norm,
+                                     offset=not layer_norm, residual=True, rows=37)
     (forward,) = _cute_calls(text)
     assert forward == cute_ffi.target_name(forward_key, ARCH)
     assert f"grid = {forward_plan.grid} : i64" in _call_line(text, forward)
-    assert forward_plan.grid == 37 * forward_plan.cluster
-    plan, key = _backward_key(cols, offset=True, dres_in=True)
+    plan, key = _backward_key(cols, offset=not layer_norm, dres_in=True, op=op,
+                              bias=layer_norm)
     backward = cute_ffi.target_name(key, ARCH)
     call = _call_line(text, backward)
     assert f"grid = {plan.grid} : i64" in call and plan.grid == 15 * key.cluster
-    assert call.endswith(f"(tensor<37x{cols}xbf16>, tensor<15x1x{cols}xf32>)"), call
+    operands = (f"tensor<37x{cols}xbf16>, tensor<37x{cols}xbf16>, tensor<{cols}xbf16>, "
+                + "tensor<37xf32>, " * (1 + layer_norm) + f"tensor<37x{cols}xbf16>)")
+    groups = 1 + layer_norm
+    assert operands in call, call
+    assert call.endswith(f"(tensor<37x{cols}xbf16>, tensor<15x{groups}x{cols}xf32>)"), call
     assert f"custom_call @{native.FORWARD_TARGET}(" not in text
     (reduce,) = [line for line in text.splitlines()
                  if f"custom_call @{native.BACKWARD_TARGET}(" in line]
-    assert f"(tensor<15x1x{cols}xf32>)" in reduce and f"tensor<{cols}xf32>" in reduce
+    assert f"(tensor<15x{groups}x{cols}xf32>)" in reduce
+    assert reduce.split("->")[1].count(f"tensor<{cols}xf32>") == groups, reduce
     kernels._column_sums_recipe.cache_clear()
 
 
@@ -634,15 +704,21 @@ def test_the_kernels_own_checks_reach_xla_as_errors(cute_on_cpu):
 
 
 @no_gpu
-@pytest.mark.parametrize("weight,dres_in,offset", [
-    ("bfloat16", False, 0.0), ("float32", True, 1.0), (None, True, 0.0)],
-    ids=["bf16-weight", "fp32-weight-dres-gemma", "no-weight-dres"])
-def test_host_backward_call_passes_every_argument_check_of_the_kernel(cute_on_cpu, weight,
-                                                                      dres_in, offset):
+@pytest.mark.parametrize("op,weight,bias,dres_in,offset", [
+    ("rms_norm", "bfloat16", False, False, 0.0), ("rms_norm", "float32", False, True, 1.0),
+    ("rms_norm", None, False, True, 0.0), ("layer_norm", "bfloat16", True, False, 0.0),
+    ("layer_norm", "float32", False, True, 0.0), ("layer_norm", None, True, False, 0.0),
+    ("layer_norm", None, False, False, 0.0)],
+    ids=["bf16-weight", "fp32-weight-dres-gemma", "no-weight-dres", "ln-bf16-params",
+         "ln-fp32-weight-dres", "ln-bias-only", "ln-no-params"])
+def test_host_backward_call_passes_every_argument_check_of_the_kernel(cute_on_cpu, op, weight,
+                                                                      bias, dres_in, offset):
     """The cluster backward's call as the kernel path makes it (37 rows, 15 clusters):
-    every array it hands the entry passes the entry's checks."""
+    every array it hands the entry passes the entry's checks (LayerNorm's mean among them,
+    its partial buffer one or two groups)."""
     cols = CLUSTER_BACKWARD_WIDTHS[0]
-    plan, key = _backward_key(cols, weight, weight is not None and offset != 0, dres_in)
+    plan, key = _backward_key(cols, weight, weight is not None and offset != 0, dres_in,
+                              op=op, bias=bias)
     device = cute_on_cpu
     rng = np.random.default_rng(1)
 
@@ -652,15 +728,21 @@ def test_host_backward_call_passes_every_argument_check_of_the_kernel(cute_on_cp
     h, dy = arr((37, cols), BF16), arr((37, cols), BF16)
     dh = arr((37, cols), BF16) if dres_in else None
     w = None if weight is None else arr((cols,), np.dtype(weight))
+    b = arr((cols,), BF16) if bias else None
+    mean = arr((37,), FP32) if op == "layer_norm" else None
     rstd = arr((37,), FP32)
     r = h if dres_in else None
-    spec = _spec(h, w, None, r, offset=offset)
+    spec = _spec(h, w, b, r, layer_norm=op == "layer_norm", offset=offset)
     target = _host_target(key)
 
-    def call(h, dy, w, rstd, dh):
-        return kernels._cute_cluster_call(spec, plan, target, dy, dh, h, w, rstd)
+    def call(h, dy, w, b, mean, rstd, dh):
+        return kernels._cute_cluster_call(spec, plan, target, dy, dh, h, w, b, mean, rstd)
 
-    lowered = jax.jit(call).lower(h, dy, w, rstd, dh).as_text()
+    lowered = jax.jit(call).lower(h, dy, w, b, mean, rstd, dh).as_text()
     line = _call_line(lowered, target)
     assert f"grid = {plan.grid} : i64" in line
-    _reaches_the_kernel_load(lambda: jax.jit(call)(h, dy, w, rstd, dh), "cluster backward")
+    groups = (w is not None) + (b is not None)
+    partial = f"tensor<{plan.partial_rows}x{groups}x{cols}xf32>"
+    assert (partial in line) == (groups > 0), line
+    _reaches_the_kernel_load(lambda: jax.jit(call)(h, dy, w, b, mean, rstd, dh),
+                             "cluster backward")

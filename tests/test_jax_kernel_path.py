@@ -685,10 +685,10 @@ def test_flax_modules_run_the_kernel_path(backend, api, kind):
 # Where the torch side runs the CuTe DSL forward (x of 64 MiB and more at the widths of the
 # settings' ``cute_forward`` table: a row a CTA, or from 32768 / 65536 columns a row across a
 # cluster of CTAs), the kernel path's forward is the custom call of that kernel's own library
-# (tilenorm.jax.cute_ffi); so is the cluster RMSNorm backward at its widths (65536, 131072),
-# whose partial buffer cuTile's column sums reduce. These run on the GPU only (the emulation
-# above replaces the cuTile calls' launches, which these calls have none of):
-# tests/test_jax_cute_forward.py checks the rest on the CPU.
+# (tilenorm.jax.cute_ffi); so is the cluster backward (RMSNorm and LayerNorm) at its widths
+# (32768, 65536, 131072), whose partial buffer cuTile's column sums reduce. These run on the
+# GPU only (the emulation above replaces the cuTile calls' launches, which these calls have
+# none of): tests/test_jax_cute_forward.py checks the rest on the CPU.
 
 needs_cute = pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
 CUTE_TARGET = re.compile(rf"stablehlo\.custom_call @({cute_ffi.TARGET_PREFIX}[0-9a-f]+)\(")
@@ -887,17 +887,25 @@ def test_cute_forward_from_the_size_the_torch_side_takes_it():
 CLUSTER_BACKWARD_TARGET = re.compile(
     rf"stablehlo\.custom_call @({cute_ffi.BACKWARD_TARGET_PREFIX}[0-9a-f]+)\(")
 
-CLUSTER_CASES = [  # RMSNorm at the cluster backward's widths; prime row counts (37 to 293)
+CLUSTER_CASES = [  # the cluster backward's widths; prime row counts (37 to 293)
     Case("cluster-rms-bf16-65536", (293, 65536), BF16, param=BF16),
     Case("cluster-rms-bf16-65536-fp32-weight-prenorm-gemma", (67, 65536), BF16,
          residual=BF16, offset=1.0),
     Case("cluster-rms-bf16-131072-prenorm", (3, 37, 131072), BF16, residual=BF16,
          param=BF16),
     Case("cluster-rms-bf16-131072-fp32-weight", (131, 131072), BF16),
+    # the one-CTA CuTe forward at 32768, then the cluster backward
+    Case("cluster-rms-bf16-32768", (101, 32768), BF16, param=BF16),
+    # LayerNorm: the mean an operand, dbias the partial buffer's second group (the first
+    # without a weight)
+    Case("cluster-ln-bf16-32768-prenorm", (67, 32768), BF16, layer_norm=True, residual=BF16,
+         param=BF16),
+    Case("cluster-ln-bf16-65536-fp32-params", (131, 65536), BF16, layer_norm=True),
+    Case("cluster-ln-bf16-131072", (37, 131072), BF16, layer_norm=True, param=BF16),
 ]
 
 
-#: (case, with a weight): Gemma's offset needs one.
+#: (case, with a weight): Gemma's offset needs one; LayerNorm without one keeps its bias.
 CLUSTER_STEPS = [(case, weighted) for case in CLUSTER_CASES
                  for weighted in ((True,) if case.offset else (True, False))]
 
@@ -910,10 +918,11 @@ CLUSTER_STEPS = [(case, weighted) for case in CLUSTER_CASES
                               for c, weighted in CLUSTER_STEPS])
 def test_cute_cluster_step_values_gradients_and_bit_identical_reruns(cute_forward_runs, case,
                                                                      weighted):
-    """A training step at the cluster kernels' widths: the cluster forward's call, the
-    cluster backward's (on the device's co-resident clusters, as the torch side plans it)
-    and, with a weight, cuTile's column sums over its partial buffer; outputs and gradients
-    against float64, reruns bit for bit."""
+    """A training step at the cluster kernels' widths: the CuTe DSL forward's call (the
+    cluster forward where its settings entry has a cluster), the cluster backward's (on the
+    device's co-resident clusters, as the torch side plans it) and, with a weight or a bias,
+    cuTile's column sums over its partial buffer; outputs and gradients against float64,
+    reruns bit for bit."""
     from tilenorm.device import max_active_clusters
 
     rng, seed = fresh_rng()
@@ -923,28 +932,30 @@ def test_cute_cluster_step_values_gradients_and_bit_identical_reruns(cute_forwar
     decision = case.explain(x, w, b, r)
     assert decision.uses_kernel, str(decision)
     forward_plan, plan = decision.kernels.cute_forward, decision.kernels.cute_backward
-    assert forward_plan is not None and forward_plan.cluster > 1, str(decision)
+    assert forward_plan is not None, str(decision)
     assert isinstance(plan, CuteClusterBackwardPlan), str(decision)
     rows = math.prod(case.shape[:-1])
     resident = max_active_clusters(0, plan.cluster, plan.threads, plan.ctas_per_sm)
     assert plan.rows == rows and plan.clusters == min(rows, resident)
-    for name in (kernel_dispatch.CUTE_CLUSTER_FORWARD_NAME,
-                 kernel_dispatch.CUTE_CLUSTER_BACKWARD_NAME):
+    forward_name = (kernel_dispatch.CUTE_CLUSTER_FORWARD_NAME if forward_plan.cluster > 1
+                    else kernel_dispatch.CUTE_FORWARD_NAME)
+    for name in (forward_name, kernel_dispatch.CUTE_CLUSTER_BACKWARD_NAME):
         assert name in decision.kernels.kernels and name in str(decision)
     step = jax.jit(_vjp_step(case.norm, case.prenorm))
     args = (x, w, b, r, dy, dh)
     text = step.lower(*args).as_text()
     _one_cute_call(text)
     (target,) = CLUSTER_BACKWARD_TARGET.findall(text)
-    # cuTile's row kernels never run; its column sums do where there is a weight
-    assert text.count(f"custom_call @{native.BACKWARD_TARGET}(") == int(weighted)
+    # cuTile's row kernels never run; its column sums do where there is a weight or a bias
+    assert text.count(f"custom_call @{native.BACKWARD_TARGET}(") == int(
+        w is not None or b is not None)
     before = cute_ffi.calls_run(target)
     first = jax.block_until_ready(step(*args))
     for _ in range(2):  # the same bits: a static row-to-cluster map, fixed-order sums
         assert _identical(step(*args), first), seed
     assert cute_ffi.calls_run(target) - before == 3, "the cluster backward's handler ran"
-    out, (dx, dw, _, dr) = first
-    ref = case.float64(x, w, None, r, dy, dh)
+    out, (dx, dw, db, dr) = first
+    ref = case.float64(x, w, b, r, dy, dh)
     y, h = out if case.prenorm else (out, None)
     assert _rel(y, ref.y) <= TOL[case.dtype], seed
     if case.prenorm:
@@ -956,6 +967,8 @@ def test_cute_cluster_step_values_gradients_and_bit_identical_reruns(cute_forwar
         assert dw.dtype == w.dtype and _rel(dw, ref.dweight) <= GRAD_TOL[case.dtype], seed
     else:
         assert dw is None
+    if case.layer_norm:
+        assert db.dtype == b.dtype and _rel(db, ref.dbias) <= GRAD_TOL[case.dtype], seed
 
 
 @pytest.mark.gpu

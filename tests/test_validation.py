@@ -121,15 +121,18 @@ def test_jax_cute_calls_are_a_family_of_their_own():
     assert set(family.sources) == {
         "jax/cute_ffi_calls.cc", "kernels/cute_row_norm_forward.py",
         "kernels/cute_cluster_norm_forward.py", "kernels/cute_cluster_norm_backward.py",
-        "kernels/cute_rows.py", "kernels/cutile_column_sums.py", "settings.py"}
+        "kernels/cute_rows.py", "kernels/cute_cluster_rows.py", "kernels/cutile_column_sums.py",
+        "settings.py"}
     assert family.digest() != validation.CUTE_NORM.digest()
 
 
 @pytest.mark.parametrize("source", ["kernels/cute_cluster_norm_forward.py",
-                                    "kernels/cute_cluster_norm_backward.py"])
+                                    "kernels/cute_cluster_norm_backward.py",
+                                    "kernels/cute_cluster_rows.py"])
 def test_the_cluster_kernels_are_in_the_cute_and_jax_families(source):
-    """The cluster kernels run from the torch ops' CuTe DSL path and from JAX's calls: an
-    edit asks both families for a GPU re-run."""
+    """The cluster kernels run from the torch ops' CuTe DSL path and from JAX's calls, and so
+    does what they share (cute_cluster_rows.py, apart from cute_rows.py, which the FP8 family
+    pins too): an edit asks both families for a GPU re-run, never the FP8 one."""
     assert [f for f in validation.FAMILIES if source in f.sources] == [validation.CUTE_NORM,
                                                                        validation.CUTE_JAX]
 

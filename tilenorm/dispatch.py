@@ -375,6 +375,8 @@ class Fp8Problem:
     allow_experimental: bool
     #: "swizzled": MX scales re-laid into 128 x 4 tiles after the kernels that write them.
     mx_layout: str = "row_major"
+    #: FP8 x's elements a multiplier covers (``group_size``); 0 for other x.
+    group: int = 0
 
     @property
     def fp8_input(self) -> bool:
@@ -569,12 +571,13 @@ CUTE_FP8_TRANSPOSE_NAME = "TransposedFp8Quantize (CuTe DSL)"
 
 def _cute_fp8_forward(p: Fp8Problem, info: DeviceInfo, column_amax: bool = False
                       ) -> CuteFp8ForwardPlan | None:
-    """The CuTe DSL row kernel where the planner has one for the width and x's element size
-    (2-byte x), the kernel covers the features (RMSNorm, no residual; ``decide_fp8`` has
-    checked the parameters' dtypes), and it may run (installed; validated or allowed). A
-    per-row scaling's transposed copy needs its column amaxes: only where ``column_amax``
-    (the CuTe copy runs after it), the weight is not fp32 (whose fp32 copy and the column
-    maxima spill: settings_fp8.py) and the planner keeps them at the width."""
+    """The CuTe DSL row kernel where the planner has one for the width, x's element size
+    (2-byte x, or FP8 x whose groups are whole 16-byte vectors) and group, the kernel covers
+    the features (RMSNorm, no residual; ``decide_fp8`` has checked the parameters' dtypes),
+    and it may run (installed; validated or allowed). A per-row scaling's transposed copy
+    needs its column amaxes: only where ``column_amax`` (the CuTe copy runs after it: 2-byte
+    x), the weight is not fp32 (whose fp32 copy and the column maxima spill:
+    settings_fp8.py) and the planner keeps them at the width."""
     if not (validation.is_stable(CUTE_NORM_FP8) or p.allow_experimental):
         return None
     if p.op != "rms_norm" or p.has_residual or not cute.available():
@@ -585,7 +588,7 @@ def _cute_fp8_forward(p: Fp8Problem, info: DeviceInfo, column_amax: bool = False
     return plan_cute_fp8_forward(p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]],
                                  sm_count=info.sm_count, arch=info.arch,
                                  scaling=p.row_scaling, max_offset=p.max_offset,
-                                 column_amax=keeps_columns)
+                                 group=p.group, column_amax=keeps_columns)
 
 
 def _cute_fp8_transpose(p: Fp8Problem, info: DeviceInfo) -> CuteFp8TransposePlan | None:

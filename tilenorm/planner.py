@@ -324,7 +324,7 @@ def plan_cute_backward(rows: int, cols: int, *, itemsize: int, sm_count: int,
 
 @dataclass(frozen=True)
 class CuteClusterBackwardPlan:
-    """The CuTe DSL cluster RMSNorm backward's launch over ``rows`` rows of ``cols`` columns:
+    """The CuTe DSL cluster backward's launch over ``rows`` rows of ``cols`` columns:
     ``clusters`` clusters of ``cluster`` CTAs of ``threads`` threads (``ctas_per_sm``
     resident per SM), cluster ``k`` taking rows ``k, k + clusters, ...`` with ``stages`` rows
     staged in shared memory; cluster ``k`` writes partial-buffer row ``k``."""
@@ -378,19 +378,18 @@ def plan_cute_cluster_backward(rows: int, cols: int, *, itemsize: int, arch: tup
     None where another backward runs (as :func:`plan_cute_backward`, from the settings'
     ``cute_cluster_backward`` table). ``resident_clusters(cluster, threads, ctas_per_sm)``:
     how many clusters of the entry's shape are co-resident on the device
-    (:func:`tilenorm.device.max_active_clusters`), asked only where an entry applies."""
+    (:func:`tilenorm.device.max_active_clusters`), asked only where an entry applies; none
+    (a device whose GPCs cannot hold the cluster) leaves the row to another backward."""
     s = settings or settings_for(arch)
-    if set(s.cute_cluster_backward) - {"rms_norm"}:
-        # The kernel computes RMSNorm's gradient only: its key has no op to tell it otherwise.
-        raise ValueError(f"cute_cluster_backward lists {sorted(s.cute_cluster_backward)}; "
-                         f"the cluster backward is RMSNorm's only")
     entry = _cute_entry(s, s.cute_cluster_backward, op, rows, cols, itemsize, heads,
                         max_offset)
     if entry is None:
         return None
     cluster, threads, _, ctas_per_sm = entry
-    return CuteClusterBackwardPlan.of(rows, cols, entry,
-                                      resident_clusters(cluster, threads, ctas_per_sm))
+    resident = resident_clusters(cluster, threads, ctas_per_sm)
+    if resident < 1:  # a device that holds no such cluster at once: another backward runs
+        return None
+    return CuteClusterBackwardPlan.of(rows, cols, entry, resident)
 
 
 def _cute_entry(s: RowNormSettings, table: dict, op: Op, rows: int, cols: int, itemsize: int,
@@ -482,31 +481,47 @@ class CuteFp8ForwardPlan(CuteRowPlan):
                 + (", column amaxes kept" if self.column_amax else ""))
 
 
+#: FP8 x's elements in a 16-byte vector of the CuTe DSL FP8 row kernel: a group of its
+#: multipliers must hold whole vectors (one multiplier a vector).
+FP8_VECTOR = 16
+
+
 def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
                           arch: tuple[int, int], scaling: str, max_offset: int | None = None,
-                          column_amax: bool = False) -> CuteFp8ForwardPlan | None:
-    """The CuTe DSL FP8-output row kernel for ``rows`` rows of ``cols`` 2-byte elements with
-    the row kernel's ``scaling`` (a name of the kernel's ``SCALINGS``), or None where
-    cuTile's runs: widths not in the FP8 settings' ``cute_forward`` table, other element
-    sizes, and offsets past 32 bits (the kernel indexes with 32). The settings'
-    ``cute_forward_recompute_t`` entry of the scaling and width, where there is one, takes
-    the place of ``cute_forward``'s, with ``recompute_t``. ``column_amax`` (a per-row
-    scaling's transposed copy): only the widths of the settings' ``cute_forward_column_amax``,
-    at ``cute_forward``'s entry."""
+                          group: int = 0, column_amax: bool = False
+                          ) -> CuteFp8ForwardPlan | None:
+    """The CuTe DSL FP8-output row kernel for ``rows`` rows of ``cols`` 2-byte elements, or
+    of FP8 x (``itemsize`` 1) with one multiplier per ``group`` elements, with the row
+    kernel's ``scaling`` (a name of the kernel's ``SCALINGS``), or None where cuTile's runs:
+    widths not in the FP8 settings' ``cute_forward`` table (for FP8 x
+    ``cute_forward_fp8_input``), other element sizes, FP8 groups smaller than a 16-byte
+    vector, and offsets past 32 bits (the kernel indexes with 32). For 2-byte x the
+    settings' ``cute_forward_recompute_t`` entry of the scaling and width, where there is
+    one, takes the place of ``cute_forward``'s, with ``recompute_t``. ``column_amax`` (a
+    per-row scaling's transposed copy): only 2-byte x (the CuTe copy that takes them reads
+    2-byte x) at the widths of the settings' ``cute_forward_column_amax``, at
+    ``cute_forward``'s entry."""
     settings = fp8_settings_for(arch)
     if column_amax:
-        if scaling != "row" or cols not in settings.cute_forward_column_amax:
+        if itemsize != 2 or scaling != "row" or cols not in settings.cute_forward_column_amax:
             return None
         plan = plan_cute_fp8_forward(rows, cols, itemsize=itemsize, sm_count=sm_count,
                                      arch=arch, scaling=scaling, max_offset=max_offset)
         if plan is None or plan.recompute_t:
             return None
         return dataclasses.replace(plan, column_amax=True)
-    recompute_t = settings.cute_forward_recompute_t.get(scaling, {}).get(cols)
-    entry = recompute_t or settings.cute_forward.get(cols)
     if max_offset is None:
         max_offset = rows * cols - 1
-    if entry is None or itemsize != 2 or rows < 1 or max_offset > MAX_INT32_OFFSET:
+    if rows < 1 or max_offset > MAX_INT32_OFFSET:
+        return None
+    if itemsize == 1:
+        entry = settings.cute_forward_fp8_input.get(cols)
+        if entry is None or group < FP8_VECTOR or group % FP8_VECTOR:
+            return None
+        return CuteFp8ForwardPlan.of(rows, cols, entry, sm_count)
+    recompute_t = settings.cute_forward_recompute_t.get(scaling, {}).get(cols)
+    entry = recompute_t or settings.cute_forward.get(cols)
+    if entry is None or itemsize != 2:
         return None
     return dataclasses.replace(CuteFp8ForwardPlan.of(rows, cols, entry, sm_count),
                                recompute_t=recompute_t is not None)

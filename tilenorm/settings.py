@@ -104,12 +104,19 @@ class RowNormSettings:
     #: loop cannot do: LayerNorm at 32768 x 4096 on an H200, 90.0% -> 98.2% of copy bandwidth
     #: for the row kernel (#38). Widths absent here were not measured to gain.
     cute_backward: dict = field(default_factory=lambda: {"layer_norm": {4096: (256, 2, 2)}})
-    #: RMSNorm backwards of rows too wide for one CTA that a cluster of CTAs holds, reading x
-    #: and dy once, per width: (CTAs a cluster, threads, row stages in shared memory, CTAs per
-    #: SM), the weight in registers. On an H100 (bf16), 59.9% -> 97.8% of copy bandwidth at
-    #: 2048 x 65536 and 58.1% -> 92.5% at 1024 x 131072 for the row kernel (#75).
+    #: Backwards of rows too wide for one CTA that a cluster of CTAs holds, reading x and dy
+    #: once, per op and width: (CTAs a cluster, threads, row stages in shared memory, CTAs per
+    #: SM), the weight in registers. RMSNorm through the op on an H100 (bf16, % of copy, the
+    #: partial buffer's column sum included): 65536 94%, 131072 86-87%, where the two-pass
+    #: column-split backward held ~60% (#79, #81); 32768 at (2, 512, 2, 1) is the probe's
+    #: best there, 95.9% against the op's 60.1% (#81), not yet timed through the op. Every
+    #: width is past ``max_single_pass_bytes["backward"]``: the cluster kernel replaces the
+    #: column split, nothing else. LayerNorm takes RMSNorm's entries, UNTIMED (its backward
+    #: at 65536 was the column split's 61% of copy, #83): at 32768 too, where its backward
+    #: is the same column split (the one-CTA CuTe backward covers 4096 only, #38).
     cute_cluster_backward: dict = field(default_factory=lambda: {
-        "rms_norm": {65536: (8, 256, 2, 2), 131072: (8, 256, 2, 1)}})
+        op: {32768: (2, 512, 2, 1), 65536: (8, 256, 2, 2), 131072: (8, 256, 2, 1)}
+        for op in ("rms_norm", "layer_norm")})
     #: Forwards the CuTe DSL kernel runs instead of cuTile's, per op and row width:
     #: (threads, rows a CTA, CTAs per SM) of its one-shot grid, each CTA loading its rows
     #: whole before reducing them, the hardware handing CTAs to SMs as they free up: 99.5-99.8%
@@ -118,9 +125,9 @@ class RowNormSettings:
     #: weight and bias beside them spill and fall below cuTile (#69). Wider rows, and
     #: LayerNorm's at 32768, run the cluster forward: entries (threads, 1 row, CTAs per SM,
     #: cluster), a row across ``cluster`` CTAs of 16384 columns each, 256 threads, 4 CTAs an
-    #: SM (Quack's shape), 102% of copy on an H100 at 32768-131072 where cuTile's chunked
-    #: forward reads every row twice at 66% (#75). Widths absent here were not measured to
-    #: gain.
+    #: SM (Quack's shape): through the op on an H100 RMSNorm 100% of copy at 65536 and 97% at
+    #: 131072 (#79), LayerNorm 94% at 65536 (#83), where cuTile's chunked forward reads every
+    #: row twice at 66% (#75). Widths absent here were not measured to gain.
     cute_forward: dict = field(default_factory=lambda: {
         op: {4096: (128, 2, 4), 5120: (128, 1, 4), 8192: (256, 2, 2), 16384: (512, 2, 1),
              32768: (512, 1, 1) if op == "rms_norm" else _cluster_forward(32768),

@@ -53,8 +53,9 @@ class Fp8Settings:
     mx_swizzle_tiles: int = 8
     #: The CuTe DSL row kernel (tilenorm/kernels/cute_row_norm_fp8.py), which keeps the next
     #: rows' loads in flight, per row width: (threads, stages, CTAs per SM). It runs instead
-    #: of cuTile's for RMSNorm of 2-byte x without a residual, every scaling but a per-row
-    #: scaling's transposed copy (whose column amaxes the cuTile kernel keeps): H200, row
+    #: of cuTile's for RMSNorm of 2-byte x (FP8 x: ``cute_forward_fp8_input``) without a
+    #: residual, every scaling (a per-row scaling's transposed copy, whose column amaxes
+    #: the row kernel keeps, only at ``cute_forward_column_amax``'s widths): H200, row
     #: scaling 65-73% -> 85-94% of copy (#56). Widths absent were not measured.
     cute_forward: dict = field(default_factory=lambda: {
         2048: (128, 4, 6), 4096: (128, 4, 4), 8192: (256, 4, 2), 16384: (512, 4, 1)})
@@ -84,6 +85,21 @@ class Fp8Settings:
     #: weight spills 10-12 stores and 96 loads (without column amaxes 0 and 8 stores at
     #: 2048 and 4096), so it keeps cuTile's row kernel (``dispatch``). Untimed.
     cute_forward_column_amax: tuple = (2048, 4096, 8192)
+    #: The same kernel reading FP8 x and its group multipliers (groups of 16 elements or
+    #: more: one multiplier a 16-byte vector), per row width: (threads, stages, CTAs per
+    #: SM). The cuTile FP8-input forward reaches 40-51% of copy on an H200 (record
+    #: h200-2026-11-26-fp8-d10a729, case fp8x-row). Untimed: ``cute_forward``'s entries, the
+    #: thread layout measured there (#56). On sm_90a every scaling, weight dtype (or none),
+    #: FP8 format and group of 16 or 128 compiles to them without spills but the Gemma
+    #: offset, which at 4096-16384 columns stores 6 registers (2-byte x's kernel with an fp32
+    #: weight and the offset: 84). Spill-free for the offset too, to be timed: (256, 8, 2)
+    #: at 4096 and (512, 8, 1) at 8192 (one vector a thread); 8 rows in registers at the
+    #: table's thread counts spill. A per-row scaling's transposed copy of FP8 x keeps
+    #: cuTile's row kernel: the CuTe copy reads 2-byte x only, and cuTile's copy takes the
+    #: column amaxes of y as cuTile's row kernel computes it (``dispatch``).
+    #: ``bench/bench_fp8.py --scalings fp8x-row --variants`` times other values.
+    cute_forward_fp8_input: dict = field(default_factory=lambda: {
+        2048: (128, 4, 6), 4096: (128, 4, 4), 8192: (256, 4, 2), 16384: (512, 4, 1)})
 
 
 SM90_FP8 = Fp8Settings()

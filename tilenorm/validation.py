@@ -61,7 +61,7 @@ CUTE_NORM = KernelFamily(
     "cute/norm", "CuTe DSL",
     ("kernels/cute_row_norm_forward.py", "kernels/cute_cluster_norm_forward.py",
      "kernels/cute_row_norm_backward.py", "kernels/cute_cluster_norm_backward.py",
-     "kernels/cute_rows.py",
+     "kernels/cute_rows.py", "kernels/cute_cluster_rows.py",
      "kernels/cutile_column_sums.py", "settings.py"),
     _cute_installed)
 #: The FP8-output norms (issue 19): their kernels, the reduction their backward shares, and
@@ -91,15 +91,17 @@ def _cute_jax_installed() -> bool:
 
 #: The CuTe DSL kernels called from JAX (issue 18): an XLA FFI handler that hands XLA's
 #: buffers and stream to a kernel's TVM-FFI export (bench/NOTES.md #68), for the forwards (a
-#: row a CTA, and a row across a cluster of CTAs) and the cluster RMSNorm backward, whose
-#: partial buffer cuTile's reduction sums. Its C++ is in the digest beside the kernels and
-#: their settings: the CPU tests build it and call it up to the kernel's load, but only a GPU
-#: runs the launch (XLA's stream, the buffers' device memory, the cluster launch).
+#: row a CTA, and a row across a cluster of CTAs) and the cluster backward (RMSNorm and
+#: LayerNorm), whose partial buffer cuTile's reduction sums. Its C++ is in the digest beside
+#: the kernels and their settings: the CPU tests build it and call it up to the kernel's
+#: load, but only a GPU runs the launch (XLA's stream, the buffers' device memory, the
+#: cluster launch).
 CUTE_JAX = KernelFamily(
     "cute/jax", "CuTe DSL",
     ("jax/cute_ffi_calls.cc", "kernels/cute_row_norm_forward.py",
      "kernels/cute_cluster_norm_forward.py", "kernels/cute_cluster_norm_backward.py",
-     "kernels/cute_rows.py", "kernels/cutile_column_sums.py", "settings.py"),
+     "kernels/cute_rows.py", "kernels/cute_cluster_rows.py", "kernels/cutile_column_sums.py",
+     "settings.py"),
     _cute_jax_installed)
 FAMILIES = (CUTILE_NORM, CUTE_NORM, CUTILE_NORM_FP8, CUTE_NORM_FP8, CUTE_JAX)
 

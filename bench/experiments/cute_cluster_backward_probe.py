@@ -5,8 +5,9 @@ every row twice (the two-pass bound, 3/5 of copy bandwidth; ~2.5 TB/s on an H200
 The kernel is tilenorm's own (:class:`~tilenorm.kernels.cute_cluster_norm_backward.
 ClusterRowNormBackward`, whose docstring has the math, layout and synchronisation), bf16 x,
 dy, w and dx, fp32 rstd and partial; this probe times its configurations beyond the routed
-ones (``stages``, threads, CTAs per SM, the weight in registers or shared memory, the
-``cp.async`` cache mode). dweight's partial buffer (clusters x 1 x N, fp32) is checked with
+ones (cluster, threads, ``stages``, CTAs per SM; the weight in shared memory, slower in
+#75, and the ``cp.async`` cache mode are no longer the kernel's options).
+dweight's partial buffer (clusters x 1 x N, fp32) is checked with
 ``partial.double().sum``, timed with ``torch.sum(partial, 0)`` (deterministic, but not the
 product's reduction, ``tilenorm/kernels/cutile_column_sums.py``).
 
@@ -60,14 +61,8 @@ import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
 
-from bench.experiments.cute_cluster_forward_probe import (  # noqa: E402
-    _SMEM_PER_SM,
-    CACHE_MODES,
-)
-from tilenorm.kernels.cute_cluster_norm_backward import (  # noqa: E402
-    WEIGHT_IN,
-    ClusterRowNormBackward,
-)
+from bench.experiments.cute_cluster_forward_probe import _SMEM_PER_SM  # noqa: E402
+from tilenorm.kernels.cute_cluster_norm_backward import ClusterRowNormBackward  # noqa: E402
 
 EPS = 1e-6
 #: x of 256 MB in bf16 for every width: several times the L2.
@@ -79,29 +74,24 @@ SLICE = 16384
 class Config(NamedTuple):
     """One kernel configuration: ``stages`` row buffers of x and dy in shared memory (2 x
     32 KiB a stage at 16384 columns a CTA), ``ctas_per_sm`` asked of the compiler
-    (``min_blocks_per_mp``), the weight in registers or shared memory."""
+    (``min_blocks_per_mp``)."""
 
     cluster: int
     threads: int
     stages: int
     ctas_per_sm: int
-    weight: str = "regs"
 
     def label(self) -> str:
-        return (f"C{self.cluster} t{self.threads} s{self.stages} k{self.ctas_per_sm} "
-                f"w{self.weight}")
+        return f"C{self.cluster} t{self.threads} s{self.stages} k{self.ctas_per_sm}"
 
 
 def default_configs(n: int) -> list[Config]:
     """Width ``n``'s candidates: 16384 columns a CTA; 2 and 3 stages at one CTA an SM (128 /
-    192 KiB; 255 registers hold the weight and dweight); 512 threads at 2 stages; one stage at
-    2 CTAs an SM (64 KiB, plus 32 KiB of weight: in registers, 256 threads spill at 128);
-    and, at 32768 and 65536, Quack's Hopper backward shape (8192 columns a CTA of 256 threads,
-    its cluster N / 8192 kept portable, two stages, 2 CTAs an SM)."""
+    192 KiB; 255 registers hold the weight and dweight); 512 threads at 2 stages; and, at
+    32768 and 65536, Quack's Hopper backward shape (8192 columns a CTA of 256 threads, its
+    cluster N / 8192 kept portable, two stages, 2 CTAs an SM)."""
     c = n // SLICE
-    out = [Config(c, 256, 2, 1), Config(c, 256, 3, 1), Config(c, 512, 2, 1),
-           Config(c, 256, 1, 2, "smem"), Config(c, 512, 1, 2, "smem"),
-           Config(c, 256, 2, 1, "smem")]
+    out = [Config(c, 256, 2, 1), Config(c, 256, 3, 1), Config(c, 512, 2, 1)]
     if n // 8192 <= 8:
         out.append(Config(n // 8192, 256, 2, 2))
     return out
@@ -119,50 +109,46 @@ HANG_S = 60
 _REGS_PER_SM, _THREADS_PER_SM = 65536, 2048
 
 
-def make_kernel(cols: int, config: Config, dtype=None,
-                cache: str = "global") -> ClusterRowNormBackward:
-    """tilenorm's kernel at ``config``, the weight in x's dtype."""
-    if config.weight not in WEIGHT_IN:
-        raise ValueError(f"weight in {config.weight!r}: take one of {WEIGHT_IN}")
+def make_kernel(cols: int, config: Config, dtype=None) -> ClusterRowNormBackward:
+    """tilenorm's RMSNorm kernel at ``config``, the weight in x's dtype."""
     dtype = dtype or cutlass.BFloat16
     return ClusterRowNormBackward(dtype, dtype, cols, config.cluster, config.threads,
-                                  config.stages, config.ctas_per_sm, weight_in=config.weight,
-                                  cache_mode=CACHE_MODES[cache])
+                                  config.stages, config.ctas_per_sm)
 
 
 def compile_kernel(cols: int, config: Config, arch: str | None = None,
-                   cubin_dir: str | None = None, cache: str = "global"):
-    """Compiled for every row and cluster count; called as ``fn(x, dy, w, rstd, None, dx,
-    partial, 0.0, grid)`` on the current stream (no residual's gradient, no weight offset).
-    ``arch`` compiles without a GPU; ``cubin_dir`` keeps the cubin there."""
-    kernel = make_kernel(cols, config, cache=cache)
+                   cubin_dir: str | None = None):
+    """Compiled for every row and cluster count; called as ``fn(x, dy, w, None, rstd, None,
+    dx, partial, 0.0, grid)`` on the current stream (RMSNorm: no mean; no residual's
+    gradient, no weight offset). ``arch`` compiles without a GPU; ``cubin_dir`` keeps the
+    cubin there."""
+    kernel = make_kernel(cols, config)
     dtype = kernel.dtype
     rows, clusters = cute.sym_int(), cute.sym_int()
     x, dy, dx = (cute_launch._fake(dtype, (rows, cols), (cols, 1), 16) for _ in range(3))
     w = cute_launch._fake(dtype, (cols,), (1,), 16)
     rstd = cute_launch._fake(Float32, (rows,), (1,), 4)
     partial = cute_launch._fake(Float32, (clusters, 1, cols), (cols, cols, 1), 16)
-    return cute_launch._compile(kernel, arch, x, dy, w, rstd, None, dx, partial, Float32(0.0),
-                                Int32(1), cubin_dir=cubin_dir)
+    return cute_launch._compile(kernel, arch, x, dy, w, None, rstd, None, dx, partial,
+                                Float32(0.0), Int32(1), cubin_dir=cubin_dir)
 
 
 def configs_for(n: int, wanted: list[list[str]] | None) -> list[Config]:
     """The configurations of width ``n``: ``wanted``, each ``[cluster, threads, stages,
-    ctas_per_sm, weight]`` (cluster ``auto``: N / 16384; weight optional, ``regs``), else
-    :data:`CONFIGS`."""
+    ctas_per_sm]`` (cluster ``auto``: N / 16384), else :data:`CONFIGS`."""
     if not wanted:
         return CONFIGS[n]
     out = []
     for c in wanted:
         cluster = n // SLICE if c[0] == "auto" else int(c[0])
-        out.append(Config(cluster, *(int(v) for v in c[1:4]), *c[4:]))
+        out.append(Config(cluster, *(int(v) for v in c[1:4])))
     return out
 
 
 # --- compile only (no GPU) --------------------------------------------------------------------
 
 
-def compile_only(widths, wanted, arch: str, cache: str) -> None:
+def compile_only(widths, wanted, arch: str) -> None:
     """Every configuration compiled for ``arch`` without a GPU, its cubin read by cuobjdump:
     registers, stack bytes, spill stores / loads (``STL`` / ``LDL``), shared-memory loads,
     ``cp.async`` and 16-byte global stores (``LDS`` / ``LDGSTS`` / ``STG.128``), static
@@ -182,7 +168,7 @@ def compile_only(widths, wanted, arch: str, cache: str) -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 t0 = time.time()
                 try:
-                    compile_kernel(n, config, arch, cubin_dir=tmp, cache=cache)
+                    compile_kernel(n, config, arch, cubin_dir=tmp)
                 except Exception as e:
                     failed += 1
                     print(f"{name:>30} FAILED {type(e).__name__}: {e}", flush=True)
@@ -195,7 +181,7 @@ def compile_only(widths, wanted, arch: str, cache: str) -> None:
                 r = resources(cubins[0])
                 tool = find_cuobjdump()
                 sass = cubin_resources(cubins[0], tool)[1] if tool else ""
-            kernel = make_kernel(n, config, cache=cache)
+            kernel = make_kernel(n, config)
             dynamic = kernel.shared_bytes()
             threads = config.threads
             fits = None
@@ -301,8 +287,8 @@ def reference(x, dy, w):
     return dx, dweight
 
 
-def measure_width(n: int, configs, rounds: int, record: dict, copy: float, cache: str,
-                  save, reruns: int = 5) -> None:
+def measure_width(n: int, configs, rounds: int, record: dict, copy: float, save,
+                  reruns: int = 5) -> None:
     import torch
 
     import tilenorm
@@ -326,8 +312,8 @@ def measure_width(n: int, configs, rounds: int, record: dict, copy: float, cache
         try:
             c = config.cluster
             with tempfile.TemporaryDirectory() as tmp:
-                fn = compile_kernel(n, config, cubin_dir=tmp, cache=cache)
-            resident, source = max_clusters(fn, make_kernel(n, config, cache=cache))
+                fn = compile_kernel(n, config, cubin_dir=tmp)
+            resident, source = max_clusters(fn, make_kernel(n, config))
             clusters = min(resident, m)
             grid = clusters * c
             dx = torch.full_like(x, float("nan"))
@@ -336,7 +322,7 @@ def measure_width(n: int, configs, rounds: int, record: dict, copy: float, cache
             dw = torch.empty_like(w)
 
             def kernel(fn=fn, dx=dx, partial=partial, grid=grid):
-                fn(x, dy, w, rstd, None, dx, partial, 0.0, grid)
+                fn(x, dy, w, None, rstd, None, dx, partial, 0.0, grid)
 
             def with_sum(kernel=kernel, partial=partial, dw32=dw32, dw=dw):
                 kernel()
@@ -369,7 +355,7 @@ def measure_width(n: int, configs, rounds: int, record: dict, copy: float, cache
                 dx_few = torch.full_like(x[:rows], float("nan"))
                 partial_few = torch.full((few, 1, n), float("nan"), device="cuda")
                 faulthandler.dump_traceback_later(HANG_S, exit=True)
-                fn(x[:rows], dy[:rows], w, rstd[:rows], None, dx_few, partial_few, 0.0,
+                fn(x[:rows], dy[:rows], w, None, rstd[:rows], None, dx_few, partial_few, 0.0,
                    few * c)
                 torch.cuda.synchronize()
                 faulthandler.cancel_dump_traceback_later()
@@ -434,7 +420,7 @@ def measure_width(n: int, configs, rounds: int, record: dict, copy: float, cache
               f"dw err {errs.get('dweight', float('nan')):.1e}", flush=True)
 
 
-def run(widths, wanted, rounds: int, out: Path, cache: str, reruns: int) -> None:
+def run(widths, wanted, rounds: int, out: Path, reruns: int) -> None:
     import torch
 
     from bench.common import git_commit
@@ -442,14 +428,14 @@ def run(widths, wanted, rounds: int, out: Path, cache: str, reruns: int) -> None
 
     copy = copy_gbps()
     record = {"device": torch.cuda.get_device_name(), "commit": git_commit(),
-              "copy_gbps": copy, "cache": cache, "bytes": "3*M*N*2 + N*2 + M*4",
+              "copy_gbps": copy, "bytes": "3*M*N*2 + N*2 + M*4",
               "rows": [], "failures": []}
     print(f"{record['device']}: copy {copy:.0f} GB/s", flush=True)
     def save():
         out.write_text(json.dumps(record, indent=1) + "\n")
 
     for n in widths:
-        measure_width(n, configs_for(n, wanted), rounds, record, copy, cache, save, reruns)
+        measure_width(n, configs_for(n, wanted), rounds, record, copy, save, reruns)
         save()
         torch.cuda.empty_cache()
     for failure in record["failures"]:
@@ -460,11 +446,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--widths", default=",".join(map(str, CONFIGS)))
     parser.add_argument("--configs", default="",
-                        help="semicolon-separated cluster,threads,stages,ctas_per_sm[,weight] "
-                             "(cluster 'auto': N/16384; weight regs or smem), e.g. "
-                             "'auto,256,3,1;auto,256,1,2,smem'; default: CONFIGS")
-    parser.add_argument("--cache", choices=sorted(CACHE_MODES), default="global",
-                        help="cp.async cache mode (.cg past L1 by default)")
+                        help="semicolon-separated cluster,threads,stages,ctas_per_sm "
+                             "(cluster 'auto': N/16384), e.g. 'auto,256,3,1;2,512,2,1'; "
+                             "default: CONFIGS")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reruns", type=int, default=5,
                         help="reruns each compared bit for bit with the first")
@@ -477,11 +461,11 @@ def main() -> None:
     widths = [int(n) for n in args.widths.split(",")]
     wanted = [c.split(",") for c in args.configs.split(";") if c]
     if args.compile_only:
-        compile_only(widths, wanted, args.arch, args.cache)
+        compile_only(widths, wanted, args.arch)
         return
     if args.out is None:
         parser.error("--out is required (unless --compile-only)")
-    run(widths, wanted, args.rounds, args.out, args.cache, args.reruns)
+    run(widths, wanted, args.rounds, args.out, args.reruns)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,12 @@ resident until its peers have read its sums.
 
 Variants (``--kinds``): ``cluster``, the above (pull); ``push``, one row a cluster with the
 partials pushed by ``st.async`` into every peer's shared memory, x in registers
-(:class:`ClusterPushRmsNormForward`); ``smem`` / ``smem-cg``, the push reduction with x staged
-in shared memory by 16-byte ``cp.async`` (``.ca`` / ``.cg``) and read from there twice, 16384
-columns a CTA of 256 threads, 4 CTAs an SM: Quack's recipe (NOTES #66), shipped as
-``ClusterRowNormForward`` (tilenorm/kernels/cute_cluster_norm_forward.py, #75), which these
-kinds build (:func:`smem_kernel`).
+(:class:`ClusterPushRmsNormForward`); ``smem``, the push reduction with x staged in shared
+memory by 16-byte ``cp.async`` (``.ca``; #75 timed ``.cg`` no faster, and the product kernel
+no longer takes it) and read from there twice, 16384 columns a CTA of 256 threads, 4 CTAs an
+SM: Quack's recipe (NOTES #66), shipped as ``ClusterRowNormForward``
+(tilenorm/kernels/cute_cluster_norm_forward.py, #75), which this kind builds
+(:func:`smem_kernel`).
 
 For each shape and (cluster, threads, CTAs per SM, rows a cluster): y and rstd poisoned, one
 launch checked against float64, a rerun bit-identical, then CUDA-graph time in rounds beside
@@ -54,10 +55,8 @@ from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
 
 from bench.experiments import forward_probe_cases  # noqa: E402
 from bench.experiments.forward_probe_cases import EPS  # noqa: E402
-from tilenorm.kernels.cute_cluster_norm_forward import (  # noqa: E402
-    ClusterRowNormForward,
-    float_bits,
-)
+from tilenorm.kernels.cute_cluster_norm_forward import ClusterRowNormForward  # noqa: E402
+from tilenorm.kernels.cute_cluster_rows import float_bits  # noqa: E402
 
 #: Width -> (cluster, threads, CTAs per SM, rows a cluster) candidates: each CTA's slice whole
 #: 16-byte vectors of its threads.
@@ -71,9 +70,6 @@ CONFIGS = {
 #: stores at 64 registers, sm_90a); and 2 CTAs an SM, which does not have to.
 PUSH_CONFIGS = {n: [(n // 16384, 256, 4, 1), (n // 16384, 256, 2, 1)]
                 for n in (32768, 65536, 131072)}
-#: The cp.async cache modes the shared-memory variant takes.
-CACHE_MODES = {"always": cute.nvgpu.LoadCacheMode.ALWAYS,
-               "global": cute.nvgpu.LoadCacheMode.GLOBAL}
 #: Shared memory per SM on Hopper and Blackwell datacenter parts (228 KB).
 _SMEM_PER_SM = 233472
 
@@ -247,18 +243,15 @@ class ClusterPushRmsNormForward(ClusterRmsNormForward):
 
 
 def smem_kernel(dtype, cols: int, cluster: int, threads: int, ctas_per_sm: int,
-                rows_per_cluster: int = 1, cache: str = "always") -> ClusterRowNormForward:
+                rows_per_cluster: int = 1) -> ClusterRowNormForward:
     """Quack's cluster forward recipe (bench/NOTES.md #66), as shipped: the product kernel
     (:class:`~tilenorm.kernels.cute_cluster_norm_forward.ClusterRowNormForward`, x staged in
     shared memory by ``cp.async``, the partials pushed with ``st.async``), RMSNorm with a
-    weight in x's dtype; ``cache`` the ``cp.async`` cache mode, ``"always"`` (``.ca``,
-    Quack's) or ``"global"`` (``.cg``, past L1)."""
+    weight in x's dtype."""
     if rows_per_cluster != 1:
         raise ValueError("the shared-memory variant takes one row a cluster")
-    if cache not in CACHE_MODES:
-        raise ValueError(f"cache mode {cache!r} is not one of {sorted(CACHE_MODES)}")
     return ClusterRowNormForward(dtype, dtype, cols, threads, cluster, ctas_per_sm, False,
-                                 False, False, False, cache_mode=CACHE_MODES[cache])
+                                 False, False, False)
 
 
 def make_kernel(kind: str, dtype, cols: int, config: tuple[int, int, int, int]):
@@ -411,11 +404,10 @@ def main() -> None:
 KINDS = {
     "cluster": (ClusterRmsNormForward, {}),
     "push": (ClusterPushRmsNormForward, {}),
-    "smem": (smem_kernel, {"cache": "always"}),
-    "smem-cg": (smem_kernel, {"cache": "global"}),
+    "smem": (smem_kernel, {}),
 }
 #: The shared-memory variants.
-SMEM_KINDS = ("smem", "smem-cg")
+SMEM_KINDS = ("smem",)
 #: The shared-memory variant's configs: Quack's shape (16384 columns a CTA of 256 threads,
 #: 4 CTAs an SM, one row a cluster).
 SMEM_CONFIGS = {n: [(n // 16384, 256, 4, 1)] for n in (32768, 65536, 131072)}

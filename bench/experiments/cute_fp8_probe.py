@@ -125,7 +125,7 @@ def run(key: cute.Fp8ForwardKey, x, w, scale, grid, row_major_blocks: bool = Fal
     out = outputs(*x.shape, key.scaling, grid, row_major_blocks)
 
     def launch():
-        fn(x, w, scale if key.scaling == "delayed" else None, out["q"], out["q_scale"],
+        fn(x, None, w, scale if key.scaling == "delayed" else None, out["q"], out["q_scale"],
            out["rstd"], out["amax"], EPS, 0.0, grid)
     return launch, out
 

@@ -1,6 +1,6 @@
 """The CuTe DSL kernels as XLA FFI custom calls (bench/NOTES.md #68): for one compiled
 variant (a :class:`tilenorm.launch.cute.ForwardKey`, the row or the cluster forward, or a
-:class:`~tilenorm.launch.cute.ClusterBackwardKey`, the cluster RMSNorm backward, on one
+:class:`~tilenorm.launch.cute.ClusterBackwardKey`, the cluster backward, on one
 architecture), the DSL's export of the compiled kernel (an object whose one entry takes the
 TVM-FFI safe-call ABI, the cubin inside, and launches it with the kernel's cluster shape)
 linked with ``cute_ffi_calls.cc``, the XLA FFI handler that calls it on XLA's stream, into a
@@ -35,7 +35,8 @@ SOURCE = Path(__file__).with_name("cute_ffi_calls.cc")
 _PACKAGE = Path(__file__).resolve().parent.parent
 BUILD_SOURCES = (SOURCE, *(_PACKAGE / "kernels" / name for name in (
     "cute_row_norm_forward.py", "cute_cluster_norm_forward.py",
-    "cute_cluster_norm_backward.py", "cute_rows.py")), _PACKAGE / "launch" / "cute.py")
+    "cute_cluster_norm_backward.py", "cute_rows.py", "cute_cluster_rows.py")),
+    _PACKAGE / "launch" / "cute.py")
 #: The XLA FFI handler of every library (each is loaded on its own, so the names agree).
 HANDLER = "tilenorm_cute_call"
 #: The same call for XLA's CPU backend: the CPU tests' way into the exported entry's argument
@@ -145,7 +146,8 @@ _ABSENT, _OPERAND, _RESULT = 0, 1, 2
 def entry_arrays(key: Key) -> tuple[int, ...]:
     """The entry's array arguments as the handler fills them: absent (None), the call's next
     operand or its next result. The forward's: x, residual, weight, bias, y, h, mean, rstd;
-    the cluster backward's: h, dy, weight, rstd, dres_in, dx, partial."""
+    the cluster backward's: h, dy, weight, mean, rstd, dres_in, dx, partial (dweight's
+    and/or dbias's groups, ``ClusterBackwardKey.groups``)."""
     has_weight = key.weight_dtype is not None
 
     def given(present: bool, kind: int) -> int:
@@ -155,8 +157,8 @@ def entry_arrays(key: Key) -> tuple[int, ...]:
         return (_OPERAND, given(key.has_residual, _OPERAND), given(has_weight, _OPERAND),
                 given(key.has_bias, _OPERAND), _RESULT, given(key.has_residual, _RESULT),
                 given(key.layer_norm, _RESULT), _RESULT)
-    return (_OPERAND, _OPERAND, given(has_weight, _OPERAND), _OPERAND,
-            given(key.has_dres_in, _OPERAND), _RESULT, given(has_weight, _RESULT))
+    return (_OPERAND, _OPERAND, given(has_weight, _OPERAND), given(key.layer_norm, _OPERAND),
+            _OPERAND, given(key.has_dres_in, _OPERAND), _RESULT, given(key.groups > 0, _RESULT))
 
 
 def _defines(key: Key, entry: str) -> list[str]:

@@ -20,10 +20,10 @@
 //   TILENORM_CUTE_TAKES_EPS 1: the entry's scalars are (eps, offset, grid); 0: (offset, grid)
 //
 // The forward's entry is fn(x, residual, weight, bias, y, h, mean, rstd, eps, offset, grid)
-// (tilenorm.launch.cute.compile_forward), the cluster backward's fn(h, dy, weight, rstd,
-// dres_in, dx, partial, offset, grid) (compile_cluster_backward), None for the absent arrays;
-// the entry checks every array's dtype, shape, strides, device and alignment itself, so a
-// mismatch is its error message, returned to XLA.
+// (tilenorm.launch.cute.compile_forward), the cluster backward's fn(h, dy, weight, mean,
+// rstd, dres_in, dx, partial, offset, grid) (compile_cluster_backward), None for the absent
+// arrays; the entry checks every array's dtype, shape, strides, device and alignment itself,
+// so a mismatch is its error message, returned to XLA.
 
 #include <dlpack/dlpack.h>
 #include <tvm/ffi/c_api.h>
@@ -62,7 +62,7 @@ constexpr size_t kOperands = count(kOperand);
 constexpr size_t kResults = count(kResult);
 static_assert(kOperands + kResults + count(kAbsent) == kArrays, "slots are 0, 1 or 2");
 // The kernels' arrays are (rows, cols), (cols,), (rows,) and the cluster backward's partial
-// buffer (clusters, 1, cols): ranks up to 3.
+// buffer (clusters, groups, cols): ranks up to 3.
 constexpr int kMaxRank = 3;
 // The entry's scalars after its arrays: eps (the forward's), offset, grid.
 constexpr int kScalars = kTakesEps ? 3 : 2;

@@ -8,11 +8,12 @@ needs the GPU, at trace time), registers them with the FFI module
 (:mod:`tilenorm.jax.native`) and emits one custom call that launches them on XLA's stream.
 Where the torch side runs a CuTe DSL forward (x of 64 MiB and more at the widths it was
 measured to gain; the cluster forward, a row across a cluster of CTAs, from 32768 or 65536
-columns) or the cluster RMSNorm backward (65536 and 131072 columns), that kernel runs instead
-as the custom call of its own library (:mod:`tilenorm.jax.cute_ffi`), once their family
-(``cute/jax``) is validated on a GPU or experimental kernels are on. The cluster backward's
-fp32 partial buffer (a row of dweight's sums per cluster) is a result of its call, summed by
-cuTile's fixed-order ``column_sums`` in a call of its own, as on the torch side.
+columns) or the cluster backward (RMSNorm and LayerNorm from 32768 columns), that kernel
+runs instead as the custom call of its own library (:mod:`tilenorm.jax.cute_ffi`), once
+their family (``cute/jax``) is validated on a GPU or experimental kernels are on. The cluster
+backward's fp32 partial buffer (a row of dweight's and/or dbias's sums per cluster) is a
+result of its call, summed by cuTile's fixed-order ``column_sums`` in a call of its own, as
+on the torch side.
 
 The kernels index every operand as dense (rows, heads, cols) arrays: the shard's operands are
 reshaped to that (free for the usual layouts; the vmapped dimensions of a batching rule's
@@ -434,12 +435,12 @@ def backward(spec: NormSpec, decision: kernel_dispatch.Decision, dy, dh, h, weig
     builds (:func:`cute_backward_variant`), else cuTile's kernels."""
     from tilenorm.jax import native
 
-    variant = cute_backward_variant(spec, decision, dy, dh, h, weight)
+    variant = cute_backward_variant(spec, decision, dy, dh, h, weight, bias)
     if variant is not None:
         target = _cute_target(variant[1], decision.device.arch, "backward")
         if target is not None:
             return _cute_cluster_backward(spec, decision, variant[0], target, dy, dh, h,
-                                          weight, rstd)
+                                          weight, bias, mean, rstd)
     s = _Shape3.of(spec, h.shape)
     call = _Call()
     call.operand("dy", s.to_kernel(dy))
@@ -488,7 +489,8 @@ def backward(spec: NormSpec, decision: kernel_dispatch.Decision, dy, dh, h, weig
 
 
 def cute_backward_variant(spec: NormSpec, decision: kernel_dispatch.Decision, dy, dh, h,
-                          weight) -> tuple[CuteClusterBackwardPlan, ClusterBackwardKey] | None:
+                          weight, bias
+                          ) -> tuple[CuteClusterBackwardPlan, ClusterBackwardKey] | None:
     """``(plan, key)`` of the CuTe DSL cluster backward for this shard, or None where
     cuTile's kernels run: :func:`tilenorm.dispatch.backward_kernel` on the call's facts, as
     the torch side decides (dy, h, dx and the gradient that reached h in x's dtype, the
@@ -511,16 +513,18 @@ def cute_backward_variant(spec: NormSpec, decision: kernel_dispatch.Decision, dy
 
     key = cute.ClusterBackwardKey.of(plan, x_dtype.name,
                                      None if weight is None else _name(weight.dtype),
-                                     weight is not None and spec.offset != 0, dh is not None)
+                                     weight is not None and spec.offset != 0, dh is not None,
+                                     spec.layer_norm, bias is not None)
     return plan, key
 
 
 def _cute_cluster_call(spec: NormSpec, plan: CuteClusterBackwardPlan, target: str, dy, dh, h,
-                       weight, rstd) -> tuple[jax.Array, jax.Array | None]:
+                       weight, bias, mean, rstd) -> tuple[jax.Array, jax.Array | None]:
     """``(dx, partial)`` of one shard by the cluster backward's custom call: h, dy and dh as
-    (rows, cols), the weight (cols,), rstd (rows,); dx (rows, cols) and, with a weight, the
-    fp32 partial buffer (clusters, 1, cols) of dweight's per-cluster sums, a result of the
-    call that the caller reduces."""
+    (rows, cols), the weight (cols,), LayerNorm's mean and rstd (rows,); dx (rows, cols) and,
+    with a weight or a bias, the fp32 partial buffer (clusters, groups, cols) of dweight's
+    then dbias's per-cluster sums, a result of the call that the caller reduces (the bias
+    itself is no operand: its gradient needs only dy)."""
     rows, cols = plan.rows, plan.cols
     if math.prod(h.shape) != rows * cols:
         raise ValueError(f"tilenorm: the CuTe DSL backward was planned for {rows} x {cols}, "
@@ -528,54 +532,63 @@ def _cute_cluster_call(spec: NormSpec, plan: CuteClusterBackwardPlan, target: st
     operands = [h.reshape(rows, cols), dy.reshape(rows, cols)]
     if weight is not None:
         operands.append(weight.reshape(cols))
+    if spec.layer_norm:
+        operands.append(mean.astype(_FLOAT32).reshape(rows))
     operands.append(rstd.astype(_FLOAT32).reshape(rows))
     if dh is not None:
         operands.append(dh.reshape(rows, cols))
     results = [jax.ShapeDtypeStruct((rows, cols), np.dtype(spec.x_dtype))]
-    if weight is not None:
-        results.append(jax.ShapeDtypeStruct((plan.partial_rows, 1, cols), _FLOAT32))
+    groups = (weight is not None) + (bias is not None)
+    if groups:
+        results.append(jax.ShapeDtypeStruct((plan.partial_rows, groups, cols), _FLOAT32))
     operands, results = _varying_alike(operands, results)
     out = jax.ffi.ffi_call(target, results)(
         *operands, eps=np.float32(spec.eps), offset=np.float32(spec.offset),
         grid=np.int64(plan.grid))
-    return out[0], out[1] if weight is not None else None
+    return out[0], out[1] if groups else None
 
 
 @functools.lru_cache(maxsize=256)
 def _column_sums_recipe(decision: kernel_dispatch.Decision, partial_shape: tuple[int, ...]):
-    """cuTile's fixed-order reduction of a (slots, 1, cols) partial buffer into (cols,), as
-    the torch side launches it after the CuTe DSL backwards (the decision's cuTile plan sets
-    its grid and tiles)."""
+    """cuTile's fixed-order reduction of a (slots, groups, cols) partial buffer into one
+    (cols,) per group, as the torch side launches it after the CuTe DSL backwards (the
+    decision's cuTile plan sets its grid and tiles)."""
     from tilenorm.launch import cutile
     from tilenorm.launch.driver import ArrayLayout
 
-    return launch_recipe(cutile.bind_reduce(decision.backward, 1), {
+    groups = partial_shape[1]
+    outs = {name: ArrayLayout("float32", partial_shape[2:], (1,))
+            for name in ("out_a", "out_b")[:groups]}
+    return launch_recipe(cutile.bind_reduce(decision.backward, groups), {
         "partial": ArrayLayout("float32", partial_shape, contiguous_strides(partial_shape)),
-        "out_a": ArrayLayout("float32", partial_shape[2:], (1,))}, decision)
+        **outs}, decision)
 
 
 def _cute_cluster_backward(spec: NormSpec, decision: kernel_dispatch.Decision,
-                           plan: CuteClusterBackwardPlan, target: str, dy, dh, h, weight,
-                           rstd):
-    """``(dx, dresidual, dweight, None)`` of one shard by the cluster backward's call, then
+                           plan: CuteClusterBackwardPlan, target: str, dy, dh, h, weight, bias,
+                           mean, rstd):
+    """``(dx, dresidual, dweight, dbias)`` of one shard by the cluster backward's call, then
     cuTile's ``column_sums`` over its partial buffer in a call of the FFI module. The sum is
     the kernel torch's side runs, in its fixed order: every rerun, and the torch side on the
     same partial buffer, gets the same bits (XLA's own reduce of the buffer may split its
     columns differently per compile, and, split across blocks, add with atomics)."""
     from tilenorm.jax import native
 
-    dx, partial = _cute_cluster_call(spec, plan, target, dy, dh, h, weight, rstd)
+    dx, partial = _cute_cluster_call(spec, plan, target, dy, dh, h, weight, bias, mean, rstd)
     dx = dx.reshape(h.shape)
     dres = None if spec.residual_dtype is None else dx
-    if weight is None:
+    if partial is None:
         return dx, dres, None, None
     call = _Call()
     call.operand("partial", partial)
-    call.at_result("out_a", call.result((plan.cols,), _FLOAT32))
+    for out_name in ("out_a", "out_b")[:partial.shape[1]]:
+        call.at_result(out_name, call.result((plan.cols,), _FLOAT32))
     call.launches = (_column_sums_recipe(decision, tuple(partial.shape)),)
-    (dweight,) = call.emit(native.BACKWARD_TARGET, spec)
+    sums = call.emit(native.BACKWARD_TARGET, spec)
     param_shape = h.shape[:spec.batch_dims] + h.shape[h.ndim - spec.param_dims:]
-    return dx, dres, dweight.reshape(param_shape), None
+    dweight = sums.pop(0).reshape(param_shape) if weight is not None else None
+    dbias = sums.pop(0).reshape(param_shape) if bias is not None else None
+    return dx, dres, dweight, dbias
 
 
 # --- installing ------------------------------------------------------------------------------

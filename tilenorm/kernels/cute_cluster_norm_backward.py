@@ -1,11 +1,14 @@
-"""RMSNorm backward in the CuTe DSL for rows too wide for one CTA: a cluster of CTAs holds a
-row, reading x and dy once (issue 20). From 32768 columns the other backwards read every row
-twice (the two-pass bound, 3/5 of copy bandwidth); this one ran at 97.8% of copy at
-2048 x 65536 and 92.5% at 1024 x 131072 on an H100 (bench/NOTES.md #75).
+"""RMSNorm and LayerNorm backward in the CuTe DSL for rows too wide for one CTA: a cluster
+of CTAs holds a row, reading x and dy once (issue 20). From 32768 columns the other backwards
+read every row twice (the two-pass bound, 3/5 of copy bandwidth); through the op the RMSNorm
+backward runs at 94% of copy at 2048 x 65536 and 86-87% at 1024 x 131072 on an H100 (bench/
+NOTES.md #79, #81).
 
-Math (fp32): ``xhat = x * rstd`` (rstd as the forward saved it), ``g = dy * (w + offset)``,
-``c = sum_row(g * xhat) / N``, ``dx = rstd * (g - xhat * c) (+ dres_in)``;
-``dweight = sum_rows(dy * xhat)``.
+Math (fp32), the mean and rstd as the forward saved them: ``xhat = (x - mean) * rstd``
+(RMSNorm: ``x * rstd``), ``g = dy * (w + offset)``, ``c = sum_row(g * xhat) / N``,
+``b = sum_row(g) / N`` (LayerNorm only), ``dx = rstd * (g - (xhat * c + b)) (+ dres_in)``
+(RMSNorm: ``rstd * (g - xhat * c)``); ``dweight = sum_rows(dy * xhat)``,
+``dbias = sum_rows(dy)``.
 
 Layout (:class:`ClusterRowNormBackward`): a cluster of ``cluster`` CTAs holds a row, CTA
 ``r`` columns ``[r * N / C, (r + 1) * N / C)``, each thread ``reps`` 16-byte vectors
@@ -21,14 +24,16 @@ Per row, per CTA:
   row's last read is done, and other CTAs of the SM cover the gap). A thread reads back only
   the vectors it copied, so ``cp.async.wait_group`` alone orders the staging: no block
   barrier in the row loop.
-- pass 1 (shared memory -> registers, a vector at a time): the thread's partial of
-  ``sum(g * xhat)`` in vector order, and ``dweight += dy * xhat`` into fp32 registers (the
-  CTA's slice of dweight lives in its threads' registers across all its rows);
-- the row sum crosses the cluster by push: warp ``w`` of CTA ``r`` ``st.async``-es its warp
-  sum into slot ``r * warps + w`` of every CTA (lane ``l`` to CTA ``l``), counted by that
-  CTA's mbarrier (armed for ``warps * C * 4`` bytes); every thread then adds the slots in rank
-  order, warps in order, so every CTA of the cluster (and every rerun) has the same bits of
-  ``c``;
+- pass 1 (shared memory -> registers, a vector at a time): the thread's partials of
+  ``sum(g * xhat)`` (and LayerNorm's ``sum(g)``) in vector order, and ``dweight += dy *
+  xhat`` (``dbias += dy``) into fp32 registers (the CTA's slices of dweight and dbias live
+  in its threads' registers across all its rows);
+- the row sums cross the cluster by push (:meth:`ClusterRowKernel._push_sums`,
+  cute_cluster_rows.py): warp ``w`` of CTA ``r`` ``st.async``-es its warp sums into slot
+  ``r * warps + w`` of every CTA (lane ``l`` to CTA ``l``), counted by that CTA's mbarrier
+  (armed for ``sums * warps * C * 4`` bytes: LayerNorm's two sums are pushed together);
+  every thread then adds the slots in rank order, warps in order, so every CTA of the
+  cluster (and every rerun) has the same bits of ``c`` (and ``b``);
 - pass 2 (shared memory again): dx, stored from registers (16-byte stores), with the
   gradient that reached h through a fused residual add (``dres_in``) added in fp32.
 
@@ -45,117 +50,77 @@ One relaxed cluster arrive at entry (its wait before the first push: every peer'
 initialised); one full cluster barrier at the end, once per CTA, not per row (no CTA exits
 while a peer's ``st.async`` to it may be in flight, or while it may still push to a peer).
 
-dweight: at the end each CTA writes its fp32 slice to ``partial[cluster, 0, cols]``
-(clusters x 1 x N; no atomics, no M x N temporary), which tilenorm's fixed-order
-``column_sums`` (cutile_column_sums.py) reduces. The grid is as many clusters as are
-co-resident (:func:`tilenorm.device.max_active_clusters`): a persistent grid larger than that
-would run its last clusters after the others.
+dweight and dbias: at the end each CTA writes its fp32 slices to ``partial[cluster, group,
+cols]`` (clusters x groups x N, dweight's group first; no atomics, no M x N temporary), which
+tilenorm's fixed-order ``column_sums`` (cutile_column_sums.py) reduces. The grid is as many
+clusters as are co-resident (:func:`tilenorm.device.max_active_clusters`): a persistent grid
+larger than that would run its last clusters after the others.
 """
 
 from __future__ import annotations
 
-import operator
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
-from cutlass.cutlass_dsl import T, dsl_user_op
 
+from tilenorm.kernels.cute_cluster_rows import PARTIAL_BYTES, ClusterRowKernel
 from tilenorm.kernels.cute_rows import SMEM_CARVEOUT
 
-#: Where a CTA's slice of the weight may live: registers (its own dtype, converted to fp32 at
-#: each use) or shared memory (read back a vector at a time in each pass). The routed
-#: configurations keep it in registers (#75).
-WEIGHT_IN = ("regs", "smem")
-#: Portable cluster sizes: every Hopper and Blackwell part launches them.
-MAX_CLUSTER = 8
 
-
-@dsl_user_op
-def float_bits(value: Float32, *, loc=None, ip=None) -> Int32:
-    """The bits of an fp32 as an i32 (``st.async`` stores i32 words)."""
-    return Int32(llvm.bitcast(T.i32(), Float32(value).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
-
-
-class ClusterRowNormBackward:
-    """RMSNorm backward of bf16 / fp16 rows, one row a cluster of ``cluster`` CTAs at a time,
-    persistent over rows; dweight's per-cluster sums into the partial buffer. The weight is
-    in x's dtype or fp32 (or absent: no dweight, no partial buffer); ``has_offset`` adds the
-    launch's ``offset`` to it (Gemma's ``1 + w``); ``has_dres_in`` adds ``dres_in`` to dx."""
+class ClusterRowNormBackward(ClusterRowKernel):
+    """RMSNorm or LayerNorm (``layer_norm``) backward of bf16 / fp16 rows, one row a cluster
+    of ``cluster`` CTAs at a time, persistent over rows; dweight's and dbias's per-cluster
+    sums into the partial buffer. The weight is in x's dtype or fp32 (or absent: g = dy, no
+    dweight); ``has_bias`` adds dbias's group; ``has_offset`` adds the launch's ``offset`` to
+    the weight (Gemma's ``1 + w``); ``has_dres_in`` adds ``dres_in`` to dx."""
 
     def __init__(self, dtype, weight_dtype, cols: int, cluster: int, threads: int,
-                 stages: int, ctas_per_sm: int, has_offset: bool = False,
-                 has_dres_in: bool = False, weight_in: str = "regs",
-                 cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL):
+                 stages: int, ctas_per_sm: int, layer_norm: bool = False,
+                 has_bias: bool = False, has_offset: bool = False, has_dres_in: bool = False):
         self.dtype = dtype
         self.weight_dtype = weight_dtype
         self.has_weight = weight_dtype is not None
         self.cols = cols
-        self.cluster = cluster
         self.threads = threads
-        self.stages = stages
-        self.ctas_per_sm = ctas_per_sm
-        self.has_offset = has_offset
-        self.has_dres_in = has_dres_in
         self.vec = 128 // dtype.width
-        self.slice = cols // cluster
-        if cols % cluster or self.slice % (self.vec * threads):
-            raise ValueError(f"{cols} columns are not {cluster} slices of whole "
-                             f"{self.vec}-element vectors of {threads} threads")
-        if not 1 <= cluster <= MAX_CLUSTER:
-            raise ValueError(f"cluster {cluster}: portable clusters are 1 to {MAX_CLUSTER} "
-                             f"CTAs")
+        self.warps = threads // cute.arch.WARP_SIZE
+        self._split_row(cluster)
         if stages < 1:
             raise ValueError(f"stages must be >= 1, got {stages}")
-        if weight_in not in WEIGHT_IN:
-            raise ValueError(f"weight in {weight_in!r}: take one of {WEIGHT_IN}")
         if has_offset and not self.has_weight:
             raise ValueError("a weight offset needs a weight")
-        if weight_in == "smem" and weight_dtype is not dtype:
-            raise ValueError("a weight in shared memory is staged as x's dtype")
-        self.weight_in = weight_in
-        self.cache_mode = cache_mode
-        self.reps = self.slice // (self.vec * threads)
-        self.warps = threads // cute.arch.WARP_SIZE
         if self.warps < cluster:
             raise ValueError("a warp's lanes push to the peers: need warps >= cluster")
+        self.stages = stages
+        self.ctas_per_sm = ctas_per_sm
+        self.layer_norm = layer_norm
+        self.has_bias = has_bias
+        self.has_offset = has_offset
+        self.has_dres_in = has_dres_in
+        #: Row sums pushed across the cluster: sum(g * xhat), and LayerNorm's sum(g).
+        self.sums = 2 if layer_norm else 1
+        #: Gradient groups in the partial buffer: dweight and/or dbias.
+        self.groups = int(self.has_weight) + int(has_bias)
         #: Rows the loop body is unrolled over: buffer (``% stages``) and reduction slot
         #: indices are compile-time, and at least two slots rotate.
         self.unroll = max(2, stages)
 
     def shared_bytes(self) -> int:
-        """Dynamic shared memory a CTA allocates: the x and dy (and dres_in) row buffers (and
-        the weight in shared memory), the reduction slots, the mbarriers (each aligned as
-        allocated)."""
-        in_smem = self.has_weight and self.weight_in == "smem"
-        staged = (2 + self.has_dres_in) * self.stages + in_smem
-        rows = staged * self.slice * self.dtype.width // 8
-        slots = -(-self.unroll * self.cluster * self.warps * 4 // 16) * 16
-        return -(-rows // 128) * 128 + slots + 8 * self.unroll
+        """Dynamic shared memory a CTA allocates: the x and dy (and dres_in) row buffers, the
+        reduction slots, the mbarriers (each aligned as allocated)."""
+        rows = (2 + self.has_dres_in) * self.stages * self.slice * self.dtype.width // 8
+        return -(-rows // 128) * 128 + self.slot_bytes(self.sums * self.unroll) + 8 * self.unroll
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mdY: cute.Tensor, mW: cute.Tensor | None,
-                 mRstd: cute.Tensor, mdResIn: cute.Tensor | None, mdX: cute.Tensor,
-                 mPartial: cute.Tensor | None, offset: Float32, grid: Int32, stream):
-        self.kernel(mX, mdY, mW, mRstd, mdResIn, mdX, mPartial, offset).launch(
+                 mMean: cute.Tensor | None, mRstd: cute.Tensor, mdResIn: cute.Tensor | None,
+                 mdX: cute.Tensor, mPartial: cute.Tensor | None, offset: Float32, grid: Int32,
+                 stream):
+        self.kernel(mX, mdY, mW, mMean, mRstd, mdResIn, mdX, mPartial, offset).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], cluster=[self.cluster, 1, 1],
             stream=stream, max_number_threads=[self.threads, 1, 1],
             min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=SMEM_CARVEOUT)
-
-    @cute.jit
-    def _vectors(self, piece: cute.Tensor, tidx: Int32) -> cute.Tensor:
-        """This thread's (vec, reps) elements of a ``slice``-long piece: one 16-byte vector a
-        rep, ``threads`` vectors apart (every warp's access 512 contiguous bytes)."""
-        vectors = cute.zipped_divide(piece, (self.vec,))
-        blocks = cute.logical_divide(vectors, (None, self.threads))
-        return blocks[(None, (tidx, None))]
-
-    @cute.jit
-    def _thread_view(self, row: cute.Tensor, rank: Int32, tidx: Int32) -> cute.Tensor:
-        """This thread's (vec, reps) elements of CTA ``rank``'s slice of a row."""
-        return self._vectors(cute.zipped_divide(row, (self.slice,))[(None, rank)], tidx)
 
     @cute.jit
     def _stage(self, g2s, sources: list, buffers: list, row: Int32, rows: Int32, buf: int,
@@ -165,30 +130,25 @@ class ClusterRowNormBackward:
         as one group: every call commits exactly one, so that ``wait_group`` counts rows."""
         if row < rows:
             for source, staged in zip(sources, buffers, strict=True):
-                cute.copy(g2s, self._thread_view(source[row, None], rank, tidx),
-                          self._vectors(staged[None, buf], tidx))
+                cute.copy(g2s, self._slice_view(source[row, None], rank, tidx),
+                          self._thread_view(staged[None, buf], tidx))
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def _scale(self, dy, w_in: cute.Tensor, t_w: cute.Tensor | None, k: int,
-               offset: Float32):
-        """``dy * (w + offset)`` of this thread's vector ``k``, the weight from registers or
-        read back from shared memory into ``w_in`` (one vector); ``dy`` without a weight."""
+    def _scale(self, dy, w: cute.Tensor | None, k: int, offset: Float32):
+        """``dy * (w + offset)`` of this thread's vector ``k`` (the weight held in
+        registers); ``dy`` without a weight."""
         if const_expr(not self.has_weight):
             return dy
-        if const_expr(self.weight_in == "regs"):
-            w = w_in[None, k].load().to(Float32)
-        else:
-            cute.autovec_copy(t_w[None, k], w_in)
-            w = w_in.load().to(Float32)
+        scale = w[None, k].load().to(Float32)
         if const_expr(self.has_offset):
-            w = w + offset
-        return dy * w
+            scale = scale + offset
+        return dy * scale
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mdY: cute.Tensor, mW: cute.Tensor | None,
-               mRstd: cute.Tensor, mdResIn: cute.Tensor | None, mdX: cute.Tensor,
-               mPartial: cute.Tensor | None, offset: Float32):
+               mMean: cute.Tensor | None, mRstd: cute.Tensor, mdResIn: cute.Tensor | None,
+               mdX: cute.Tensor, mPartial: cute.Tensor | None, offset: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -200,7 +160,6 @@ class ClusterRowNormBackward:
         clusters = gdim // self.cluster
         stages, unroll, slots = self.stages, self.unroll, self.cluster * self.warps
         inv_n = Float32(1.0 / self.cols)
-        w_in_smem = self.has_weight and self.weight_in == "smem"
 
         smem = cutlass.memory.SmemAllocator()
         # (column, buffer, operand): x, dy (and dres_in) of ``stages`` rows, one base address.
@@ -215,12 +174,10 @@ class ClusterRowNormBackward:
             s_dres = staged[None, None, 2]
             sources.append(mdResIn)
             buffers.append(s_dres)
-        s_w = None
-        if const_expr(w_in_smem):
-            s_w = smem.allocate_tensor(self.dtype, cute.make_layout((self.slice,)), 128)
-        # (slot, row of the unrolled loop): slot r * warps + w holds warp w's partial from
-        # cluster CTA r.
-        parts = smem.allocate_tensor(Float32, cute.make_layout((slots, unroll)), 16)
+        # (slot, sum, row of the unrolled loop): slot r * warps + w holds warp w's partial
+        # from cluster CTA r.
+        parts = smem.allocate_tensor(Float32, cute.make_layout((slots, self.sums, unroll)),
+                                     16)
         mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((unroll,)), 8)
         if tidx == 0:
             for s in cutlass.range_constexpr(unroll):
@@ -228,26 +185,22 @@ class ClusterRowNormBackward:
         cute.arch.mbarrier_init_fence()
         cute.arch.cluster_arrive_relaxed()
 
-        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=self.cache_mode), self.dtype,
-                                  num_bits_per_copy=128)
-        shape = (self.vec, self.reps)
-        w_in = None
-        t_w = None
-        if const_expr(self.has_weight):
-            w_in = cute.make_rmem_tensor(shape if self.weight_in == "regs" else (self.vec,),
-                                         self.weight_dtype)
-        if const_expr(w_in_smem):
-            # Joins the first row's group: waited on with it.
-            t_w = self._vectors(s_w, tidx)
-            cute.copy(g2s, self._thread_view(mW, rank, tidx), t_w)
+        # ``.cg``: x and dy are read once, past L1.
+        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+                                  self.dtype, num_bits_per_copy=128)
         # The first rows' copies in flight before anything else.
         for j in cutlass.range_constexpr(max(stages - 1, 1)):
             self._stage(g2s, sources, buffers, first + j * clusters, rows, j, rank, tidx)
 
-        if const_expr(self.has_weight and self.weight_in == "regs"):
-            cute.autovec_copy(self._thread_view(mW, rank, tidx), w_in)
+        shape = (self.vec, self.reps)
+        w = None
+        if const_expr(self.has_weight):
+            w = cute.make_rmem_tensor(shape, self.weight_dtype)
+            cute.autovec_copy(self._slice_view(mW, rank, tidx), w)
         dw = cute.make_rmem_tensor(shape, Float32)
         dw.fill(0.0)
+        db = cute.make_rmem_tensor(shape, Float32)
+        db.fill(0.0)
         x_v = cute.make_rmem_tensor((self.vec,), self.dtype)
         dy_v = cute.make_rmem_tensor((self.vec,), self.dtype)
         dx_v = cute.make_rmem_tensor((self.vec,), self.dtype)
@@ -268,54 +221,59 @@ class ClusterRowNormBackward:
                                 (s + stages - 1) % stages, rank, tidx)
                 if row < rows:
                     rstd = mRstd[row]
+                    mean = mMean[row] if const_expr(self.layer_norm) else Float32(0.0)
                     cute.arch.cp_async_wait_group(stages - 1 if stages > 1 else 0)
-                    t_x = self._vectors(s_x[None, buf], tidx)
-                    t_dy = self._vectors(s_dy[None, buf], tidx)
-                    # Pass 1: this thread's part of sum(g * xhat), vectors in order, and
-                    # dweight.
-                    part = Float32(0.0)
+                    t_x = self._thread_view(s_x[None, buf], tidx)
+                    t_dy = self._thread_view(s_dy[None, buf], tidx)
+                    # Pass 1: this thread's parts of sum(g * xhat) (and sum(g)), vectors in
+                    # order, and dweight (and dbias).
+                    part_a = Float32(0.0)
+                    part_b = Float32(0.0)
                     for k in cutlass.range_constexpr(self.reps):
                         cute.autovec_copy(t_x[None, k], x_v)
                         cute.autovec_copy(t_dy[None, k], dy_v)
-                        x_hat = x_v.load().to(Float32) * rstd
+                        x = x_v.load().to(Float32)
+                        x_hat = (x - mean) * rstd if const_expr(self.layer_norm) else x * rstd
                         dy = dy_v.load().to(Float32)
-                        g = self._scale(dy, w_in, t_w, k, offset)
-                        part = part + (g * x_hat).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                        g = self._scale(dy, w, k, offset)
+                        part_a = part_a + (g * x_hat).reduce(cute.ReductionOp.ADD,
+                                                             Float32(0.0), 0)
+                        if const_expr(self.layer_norm):
+                            part_b = part_b + g.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
                         if const_expr(self.has_weight):
                             dw[None, k].store(dw[None, k].load() + dy * x_hat)
-                    part = cute.arch.warp_reduction(part, operator.add)
-                    # Push the warp's sum into slot (rank, warp) of every CTA of the cluster.
+                        if const_expr(self.has_bias):
+                            db[None, k].store(db[None, k].load() + dy)
+                    # Both sums into slot (rank, warp) of every CTA of the cluster.
                     mbar_s = mbar.iterator + s
                     if tidx == 0:
-                        cute.arch.mbarrier_arrive_and_expect_tx(mbar_s, slots * 4)
-                    if lane < self.cluster:
-                        cute.arch.store_async_dsmem(
-                            parts.iterator + (s * slots + rank * self.warps + warp),
-                            float_bits(part), mbar_s, lane)
-                    cute.arch.mbarrier_wait(mbar_s, phase)
-                    total = Float32(0.0)
-                    for r in cutlass.range_constexpr(self.cluster):
-                        own = parts[r * self.warps, s]
-                        for i in cutlass.range_constexpr(1, self.warps):
-                            own = own + parts[r * self.warps + i, s]
-                        total = own if r == 0 else total + own
-                    # The slot's reads before any later st.async into it (async proxy); the
-                    # warp's sync orders every lane's reads before the lanes below cluster
-                    # push the next row (a shuffle alone orders no memory).
+                        cute.arch.mbarrier_arrive_and_expect_tx(
+                            mbar_s, self.sums * slots * PARTIAL_BYTES)
+                    totals = self._push_sums([part_a, part_b][:self.sums],
+                                             parts[None, None, s], mbar_s, phase, rank, lane,
+                                             warp)
+                    # The slots' reads before any later st.async into them (async proxy);
+                    # the warp's sync orders every lane's reads before the lanes below
+                    # cluster push the next row (a shuffle alone orders no memory).
                     cute.arch.fence_view_async_shared()
                     cute.arch.sync_warp()
-                    c = total * inv_n
+                    c = totals[0] * inv_n
+                    b = totals[1] * inv_n if const_expr(self.layer_norm) else Float32(0.0)
                     # Pass 2: dx from shared memory again.
-                    t_dx = self._thread_view(mdX[row, None], rank, tidx)
+                    t_dx = self._slice_view(mdX[row, None], rank, tidx)
                     t_dres = None
                     if const_expr(self.has_dres_in):
-                        t_dres = self._vectors(s_dres[None, buf], tidx)
+                        t_dres = self._thread_view(s_dres[None, buf], tidx)
                     for k in cutlass.range_constexpr(self.reps):
                         cute.autovec_copy(t_x[None, k], x_v)
                         cute.autovec_copy(t_dy[None, k], dy_v)
-                        x_hat = x_v.load().to(Float32) * rstd
-                        g = self._scale(dy_v.load().to(Float32), w_in, t_w, k, offset)
-                        grad = (g - x_hat * c) * rstd
+                        x = x_v.load().to(Float32)
+                        x_hat = (x - mean) * rstd if const_expr(self.layer_norm) else x * rstd
+                        g = self._scale(dy_v.load().to(Float32), w, k, offset)
+                        if const_expr(self.layer_norm):
+                            grad = (g - (x_hat * c + b)) * rstd
+                        else:
+                            grad = (g - x_hat * c) * rstd
                         if const_expr(self.has_dres_in):
                             cute.autovec_copy(t_dres[None, k], dres_v)
                             grad = grad + dres_v.load().to(Float32)
@@ -327,7 +285,10 @@ class ClusterRowNormBackward:
 
         cute.arch.cp_async_wait_group(0)
         if const_expr(self.has_weight):
-            cute.autovec_copy(dw, self._thread_view(mPartial[first, 0, None], rank, tidx))
+            cute.autovec_copy(dw, self._slice_view(mPartial[first, 0, None], rank, tidx))
+        if const_expr(self.has_bias):
+            group = 1 if const_expr(self.has_weight) else 0
+            cute.autovec_copy(db, self._slice_view(mPartial[first, group, None], rank, tidx))
         # No CTA exits while a peer's push to it may be in flight.
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()

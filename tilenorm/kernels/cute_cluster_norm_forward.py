@@ -5,8 +5,9 @@ One CTA holds at most ~32768 columns of a row (RowNormForward, cute_row_norm_for
 whole row and its parameters in registers); past that cuTile's chunked forward reads every
 row twice, at ~66% of copy bandwidth (bench/NOTES.md #65). Here cluster CTA ``r`` of row
 ``b`` (CTA ``b * cluster + r`` of a one-shot grid of ``rows * cluster``) takes columns
-``[r * N / cluster, (r + 1) * N / cluster)``: Quack's recipe (#66), 102% of copy from 32768
-to 131072 columns on an H100 at 16384 columns a CTA of 256 threads, 4 CTAs an SM (#75):
+``[r * N / cluster, (r + 1) * N / cluster)``: Quack's recipe (#66) at 16384 columns a CTA of
+256 threads, 4 CTAs an SM; through the op on an H100 RMSNorm runs at 100% of copy at 65536
+and 97% at 131072 (#79), LayerNorm at 94% at 65536 (#83):
 
 - x's slice (and the residual's) is staged in shared memory by 16-byte ``cp.async``, one
   group, and read from there for every pass; a thread reads back only the vectors it copied,
@@ -41,82 +42,46 @@ RMSNorm with a weight in x's dtype; the other variants are not timed yet.
 
 from __future__ import annotations
 
-import operator
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
-from cutlass.cutlass_dsl import T, dsl_user_op
 
+from tilenorm.kernels.cute_cluster_rows import PARTIAL_BYTES, ClusterRowKernel
 from tilenorm.kernels.cute_row_norm_forward import NormForwardKernel
 
-#: Bytes of one pushed partial (an fp32).
-PARTIAL_BYTES = 4
 
-
-@dsl_user_op
-def float_bits(value: Float32, *, loc=None, ip=None) -> Int32:
-    """The bits of an fp32 as an i32 (``st.async`` stores i32 words)."""
-    return Int32(llvm.bitcast(T.i32(), Float32(value).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
-
-
-class ClusterRowNormForward(NormForwardKernel):
+class ClusterRowNormForward(NormForwardKernel, ClusterRowKernel):
     """The kernel for one (dtypes, width, features, cluster, launch config); ``__call__``
     launches it on ``grid`` = rows x ``cluster`` CTAs, one row a cluster."""
 
     def __init__(self, dtype, weight_dtype, cols: int, threads: int, cluster: int,
                  ctas_per_sm: int, layer_norm: bool, has_bias: bool, has_offset: bool,
-                 has_residual: bool, cache_mode=None):
+                 has_residual: bool):
         super().__init__(dtype, weight_dtype, cols, threads, ctas_per_sm, layer_norm,
                          has_bias, has_offset, has_residual)
-        if cluster < 1 or cols % cluster or (cols // cluster) % (self.vec * threads):
-            raise ValueError(f"{cols} columns are not {cluster} slices of whole "
-                             f"{self.vec}-element vectors of {threads} threads")
-        self.cluster = cluster
+        self._split_row(cluster)
         self.cluster_dims = [cluster, 1, 1]
-        self.slice = cols // cluster
-        self.reps = self.slice // (self.vec * threads)
         #: The weight held in registers: a 2-byte one only, as x's (the module's docstring).
         self.hold_weight = self.has_weight and weight_dtype.width == dtype.width
         #: Cluster reductions a row: LayerNorm's mean and variance, RMSNorm's sum of squares.
         self.reductions = 2 if layer_norm else 1
-        #: ``cp.async``'s cache mode: ``.ca`` (Quack's; #75 timed ``.cg`` no faster).
-        self.cache_mode = cache_mode or cute.nvgpu.LoadCacheMode.ALWAYS
 
     def shared_bytes(self) -> int:
         """Dynamic shared memory a CTA allocates: x's slice (and the residual's), the
         partial slots, the mbarriers (each aligned as allocated)."""
         staged = self.slice * self.dtype.width // 8 * (2 if self.has_residual else 1)
-        parts = -(-self.reductions * self.cluster * self.warps * PARTIAL_BYTES // 16) * 16
-        return staged + parts + 8 * self.reductions
-
-    @cute.jit
-    def _slice_view(self, row: cute.Tensor, rank: Int32, tidx: Int32) -> cute.Tensor:
-        """This thread's (vec, reps) elements of cluster CTA ``rank``'s slice of a row."""
-        return self._thread_view(cute.zipped_divide(row, (self.slice,))[(None, rank)], tidx)
+        return staged + self.slot_bytes(self.reductions) + 8 * self.reductions
 
     @cute.jit
     def _cluster_sum(self, part: Float32, parts: cute.Tensor, mbar: cute.Tensor,
                      reduction: int, rank: Int32, lane: Int32, warp: Int32) -> Float32:
-        """The row's sum of every thread's ``part`` over the cluster: a warp butterfly, each
-        warp's partial pushed to every CTA (lane ``r`` to rank ``r``), then the slots added in
-        rank order, each rank's warps in warp order (a fixed tree)."""
-        part = cute.arch.warp_reduction(part, operator.add)
+        """The row's sum of every thread's ``part`` over the cluster, in reduction
+        ``reduction``'s slots and mbarrier (each used once: phase 0)."""
         if const_expr(reduction == 0):
             cute.arch.cluster_wait()  # every peer's mbarriers initialised
-        slots = parts[(None, reduction)]
-        if lane < self.cluster:
-            cute.arch.store_async_dsmem(slots.iterator + (rank * self.warps + warp),
-                                        float_bits(part), mbar.iterator + reduction, lane)
-        cute.arch.mbarrier_wait(mbar.iterator + reduction, 0)
-        total = Float32(0.0)
-        for r in cutlass.range_constexpr(self.cluster):
-            own = slots[r * self.warps]
-            for i in cutlass.range_constexpr(1, self.warps):
-                own = own + slots[r * self.warps + i]
-            total = own if const_expr(r == 0) else total + own
+        total, = self._push_sums([part], parts[None, None, reduction],
+                                 mbar.iterator + reduction, 0, rank, lane, warp)
         return total
 
     @cute.kernel
@@ -135,9 +100,10 @@ class ClusterRowNormForward(NormForwardKernel):
         s_x = smem.allocate_tensor(self.dtype, cute.make_layout((self.slice,)), 128)
         s_r = (smem.allocate_tensor(self.dtype, cute.make_layout((self.slice,)), 128)
                if const_expr(self.has_residual) else None)
-        # Reduction j's slot r * warps + w: warp w's partial from cluster CTA r.
+        # (slot, sum, reduction): reduction j's slot r * warps + w holds warp w's partial
+        # from cluster CTA r.
         parts = smem.allocate_tensor(
-            Float32, cute.make_layout((self.cluster * self.warps, self.reductions)), 16)
+            Float32, cute.make_layout((self.cluster * self.warps, 1, self.reductions)), 16)
         mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((self.reductions,)), 8)
         if tidx == 0:
             for j in cutlass.range_constexpr(self.reductions):
@@ -146,8 +112,9 @@ class ClusterRowNormForward(NormForwardKernel):
         cute.arch.cluster_arrive_relaxed()
 
         # x's (and the residual's) slice to shared memory: 16-byte cp.async, one group.
-        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=self.cache_mode), self.dtype,
-                                  num_bits_per_copy=128)
+        # ``.ca``, Quack's (#75 timed ``.cg`` no faster).
+        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS),
+                                  self.dtype, num_bits_per_copy=128)
         t_x = self._thread_view(s_x, tidx)
         cute.copy(g2s, self._slice_view(mX[row, None], rank, tidx), t_x)
         if const_expr(self.has_residual):

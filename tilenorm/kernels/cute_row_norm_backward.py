@@ -38,10 +38,7 @@ class RowNormBackward(RowKernel):
         self.cols = cols
         self.threads = threads
         self.vec = 128 // dtype.width
-        if cols % (self.vec * threads):
-            raise ValueError(f"{cols} columns are not whole {self.vec}-element vectors of "
-                             f"{threads} threads")
-        self.reps = cols // (self.vec * threads)
+        self.reps = self._whole_vectors(cols)
         if stages < 2 or stages % 2:
             raise ValueError(f"stages must be even and >= 2, got {stages}")
         self.stages = stages

@@ -82,10 +82,7 @@ class RowNormForward(NormForwardKernel):
                  has_residual: bool):
         super().__init__(dtype, weight_dtype, cols, threads, ctas_per_sm, layer_norm,
                          has_bias, has_offset, has_residual)
-        if cols % (self.vec * threads):
-            raise ValueError(f"{cols} columns are not whole {self.vec}-element vectors of "
-                             f"{threads} threads")
-        self.reps = cols // (self.vec * threads)
+        self.reps = self._whole_vectors(cols)
         if rows_per_cta < 1:
             raise ValueError(f"rows_per_cta must be >= 1, got {rows_per_cta}")
         self.rows_per_cta = rows_per_cta

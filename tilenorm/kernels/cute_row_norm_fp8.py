@@ -26,7 +26,7 @@ Scalings (``scaling``): ``"row"`` (q and one fp32 ``scale_inv`` a row, (rows, 1)
 (E8M0 bytes of 1 x 32 blocks, (rows, cols / 32) row-major), ``"delayed"`` (q with the given
 scale, and this program's amax), ``"amax"`` (no q: rstd and the program's amax, pass 1 of
 the per-tensor current scaling, whose pass 2 is cuTile's ``fp8_quantize_normed``).
-``column_amax`` ("row" only): also each column's largest ``|t * rstd|`` (y as q takes it)
+``column_amax`` ("row", 2-byte x): also each column's largest ``|t * rstd|`` (y as q takes it)
 over the program's rows, row ``p`` of the (grid, cols) fp32 ``amax`` operand, for the
 per-column scales of the transposed copy (cute_fp8_transpose.py with ``weight_first``, after
 cuTile's ``fp8_column_amax``); kept in shared memory, each thread its own columns.
@@ -36,6 +36,14 @@ hold ``reps`` 16-byte vectors of a row, ``threads`` vectors apart, so every load
 coalesced and a 128-column block is 16 consecutive lanes (a 32-column MX block 4): block
 amaxes are lane butterflies, the row's go through shared memory in warp order (one barrier a
 row, slots by parity). Deterministic: fixed reduction trees, no atomics.
+
+FP8 x (``group`` > 0, ``dtype`` its FP8 format; x arrives as its bytes): a 16-byte vector is
+16 elements, and ``x_scale_inv`` holds one fp32 multiplier per ``group`` consecutive elements
+of a row, a group whole vectors (16 or more elements), so each vector takes one multiplier:
+the ring holds a row's bytes and the multiplier of each of the thread's vectors, loaded
+together. x = widen(fp8) * multiplier, one fp32 rounding, as cutile_row_norm_fp8.py's
+``_dequantized``; from there the math is the same. A 128-column block is 8 lanes, an MX
+block 2.
 
 ``recompute_t``: the weight and t are not held across the row. The kernel above keeps the
 weight in fp32 and t beside the ring of x, 2 x 4 bytes an element; two CTAs of 256 threads an
@@ -146,12 +154,14 @@ class Fp8Scales:
 
 
 class RowNormFp8Forward(RowKernel, Fp8Scales):
-    """The kernel for one (dtypes, width, scaling, launch config, ``recompute_t``);
-    ``__call__`` launches it on ``grid`` programs."""
+    """The kernel for one (dtypes, width, scaling, launch config, ``recompute_t``,
+    ``column_amax``, FP8 x's ``group``: 0 for x that is not FP8); ``__call__`` launches it
+    on ``grid`` programs (``mXScale`` None but for FP8 x)."""
 
     def __init__(self, dtype, weight_dtype, fp8_dtype, fp8_max: float, cols: int,
                  threads: int, stages: int, ctas_per_sm: int, scaling: str,
-                 has_offset: bool, recompute_t: bool = False, column_amax: bool = False):
+                 has_offset: bool, recompute_t: bool = False, column_amax: bool = False,
+                 group: int = 0):
         if scaling not in SCALINGS:
             raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
         self.dtype = dtype
@@ -161,10 +171,7 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         self.cols = cols
         self.threads = threads
         self.vec = 128 // dtype.width
-        if cols % (self.vec * threads):
-            raise ValueError(f"{cols} columns are not whole {self.vec}-element vectors of "
-                             f"{threads} threads")
-        self.reps = cols // (self.vec * threads)
+        self.reps = self._whole_vectors(cols)
         self.block_lanes = BLOCK_COLS.get(scaling, self.vec) // self.vec
         if self.block_lanes < 1 or threads % max(self.block_lanes, 1):
             raise ValueError(f"{scaling} blocks are not whole vectors of a thread group")
@@ -177,6 +184,13 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         if column_amax and (scaling != "row" or recompute_t):
             raise ValueError("column amaxes are kept for a per-row scaling's transposed copy, "
                              "by the kernel that holds t")
+        if (group != 0) != (dtype.width == 8) or group % self.vec:
+            raise ValueError(f"FP8 x takes a group of whole {self.vec}-element vectors (and "
+                             f"only FP8 x one): got {group} for {dtype}")
+        if column_amax and group:
+            # Their one reader, the CuTe copy with weight_first (cute_fp8_transpose.py),
+            # reads 2-byte x: FP8 x's row-scaled copy keeps cuTile's kernels (dispatch).
+            raise ValueError("column amaxes are kept for the CuTe copy of 2-byte x only")
         self.stages = stages
         self.ctas_per_sm = ctas_per_sm
         self.scaling = scaling
@@ -184,14 +198,15 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         self.has_offset = has_offset
         self.recompute_t = recompute_t
         self.column_amax = column_amax
+        self.group = group
         self.warps = threads // cute.arch.WARP_SIZE
 
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mW: cute.Tensor | None, mScale: cute.Tensor | None,
-                 mQ: cute.Tensor | None, mQScale: cute.Tensor | None, mRstd: cute.Tensor,
-                 mAmax: cute.Tensor | None, eps: Float32, offset: Float32, grid: Int32,
-                 stream):
-        self.kernel(mX, mW, mScale, mQ, mQScale, mRstd, mAmax, eps, offset).launch(
+    def __call__(self, mX: cute.Tensor, mXScale: cute.Tensor | None, mW: cute.Tensor | None,
+                 mScale: cute.Tensor | None, mQ: cute.Tensor | None,
+                 mQScale: cute.Tensor | None, mRstd: cute.Tensor, mAmax: cute.Tensor | None,
+                 eps: Float32, offset: Float32, grid: Int32, stream):
+        self.kernel(mX, mXScale, mW, mScale, mQ, mQScale, mRstd, mAmax, eps, offset).launch(
             grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream,
             max_number_threads=[self.threads, 1, 1], min_blocks_per_mp=self.ctas_per_sm,
             preferred_smem_carveout=SMEM_CARVEOUT)
@@ -242,10 +257,38 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                 self._widen(w_in, w, zero)
         self._store_t(x, w, t, offset)
 
+    @cute.jit
+    def _load_row(self, mX: cute.Tensor, mXScale: cute.Tensor | None, row: Int32,
+                  tidx: Int32, x_slot: cute.Tensor, scale_slot: cute.Tensor | None):
+        """Issue the loads of this thread's vectors of ``row`` into its ring slot and, for
+        FP8 x, the multiplier of each vector's group (one a vector: a group is whole
+        vectors) into ``scale_slot`` (reps,)."""
+        cute.autovec_copy(self._thread_view(mX[row, None], tidx), x_slot)
+        if const_expr(self.group):
+            for r in cutlass.range_constexpr(self.reps):
+                vector = tidx + r * self.threads
+                scale_slot[r] = mXScale[row, vector // (self.group // self.vec)]
+
+    @cute.jit
+    def _values(self, x_slot: cute.Tensor, scale_slot: cute.Tensor | None,
+                xf: cute.Tensor | None):
+        """The fp32 x of a ring slot: widened (exact), and for FP8 x times its group's
+        multiplier, one fp32 rounding, as cutile_row_norm_fp8.py's ``_dequantized``."""
+        if const_expr(self.group):
+            xf.store(cute.recast_tensor(x_slot, self.dtype).load().to(Float32))
+            for r in cutlass.range_constexpr(self.reps):
+                for e in cutlass.range_constexpr(self.vec):
+                    xf[e, r] = xf[e, r] * scale_slot[r]
+            x = xf.load()
+        else:
+            x = x_slot.load().to(Float32)
+        return x
+
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mW: cute.Tensor | None, mScale: cute.Tensor | None,
-               mQ: cute.Tensor | None, mQScale: cute.Tensor | None, mRstd: cute.Tensor,
-               mAmax: cute.Tensor | None, eps: Float32, offset: Float32):
+    def kernel(self, mX: cute.Tensor, mXScale: cute.Tensor | None, mW: cute.Tensor | None,
+               mScale: cute.Tensor | None, mQ: cute.Tensor | None,
+               mQScale: cute.Tensor | None, mRstd: cute.Tensor, mAmax: cute.Tensor | None,
+               eps: Float32, offset: Float32):
         tidx, _, _ = cute.arch.thread_idx()
         program, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -294,7 +337,15 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         q = cute.make_rmem_tensor(shape, self.fp8_dtype)
         # q leaves as its bytes: DLPack has no FP8 types everywhere (mQ is uint8).
         q_bytes = cute.recast_tensor(q, cutlass.Uint8)
-        xs = [cute.make_rmem_tensor(shape, self.dtype) for _ in range(self.stages)]
+        # The ring of x as loaded: FP8 x as its bytes (DLPack has no FP8 types everywhere:
+        # mX is uint8), with a ring of its group multipliers and the fp32 x of a row.
+        x_type = cutlass.Uint8 if const_expr(self.group) else self.dtype
+        xs = [cute.make_rmem_tensor(shape, x_type) for _ in range(self.stages)]
+        ss = [None] * self.stages
+        xf = None
+        if const_expr(self.group):
+            ss = [cute.make_rmem_tensor((self.reps,), Float32) for _ in range(self.stages)]
+            xf = cute.make_rmem_tensor(shape, Float32)
         bits = cute.make_rmem_tensor((2,), Float32)
         # The program's amax over its rows (delayed, amax), in a register tensor: a value
         # the next trip of the loop reads must be memory, not an SSA value of the body.
@@ -306,21 +357,18 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
 
         # Rows past the end are clamped to the last row: loaded, never used.
         for s in cutlass.range_constexpr(self.stages - 1):
-            cute.autovec_copy(
-                self._thread_view(mX[cutlass.min(program + s * grid, last), None], tidx),
-                xs[s])
+            self._load_row(mX, mXScale, cutlass.min(program + s * grid, last), tidx, xs[s],
+                           ss[s])
 
         for base in cutlass.range(program, rows, self.stages * grid):
             for s in cutlass.range_constexpr(self.stages):
                 ahead = (s + self.stages - 1) % self.stages
-                cute.autovec_copy(
-                    self._thread_view(
-                        mX[cutlass.min(base + (s + self.stages - 1) * grid, last), None],
-                        tidx),
-                    xs[ahead])
+                self._load_row(mX, mXScale,
+                               cutlass.min(base + (s + self.stages - 1) * grid, last), tidx,
+                               xs[ahead], ss[ahead])
                 row = base + s * grid
                 if row < rows:
-                    x = xs[s].load().to(Float32)
+                    x = self._values(xs[s], ss[s], xf)
                     if const_expr(not self.recompute_t):
                         self._store_t(x, w, t, offset)
                     sq = (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)

@@ -22,6 +22,14 @@ class RowKernel:
     vec: int
     threads: int
 
+    def _whole_vectors(self, cols: int) -> int:
+        """The vectors a thread holds of a ``cols``-wide row (``vec`` and ``threads`` set),
+        or refuse a row that is not whole vectors of the threads."""
+        if cols % (self.vec * self.threads):
+            raise ValueError(f"{cols} columns are not whole {self.vec}-element vectors of "
+                             f"{self.threads} threads")
+        return cols // (self.vec * self.threads)
+
     @cute.jit
     def _thread_view(self, row: cute.Tensor, tidx: Int32) -> cute.Tensor:
         """This thread's (vec, reps) elements of a row: one vector per rep, the reps

@@ -213,7 +213,7 @@ def compile_backward(key: BackwardKey, arch: str | None = None):
 
 @dataclass(frozen=True)
 class ClusterBackwardKey:
-    """What selects a compiled variant of the cluster RMSNorm backward
+    """What selects a compiled variant of the cluster backward
     (:mod:`tilenorm.kernels.cute_cluster_norm_backward`); dtypes by name. Neither the row
     count nor the cluster count is one of them: one kernel for every row count and grid
     (their loop bounds cost it no spills, #75)."""
@@ -227,12 +227,20 @@ class ClusterBackwardKey:
     threads: int
     stages: int
     ctas_per_sm: int
+    layer_norm: bool = False
+    has_bias: bool = False
 
     @classmethod
     def of(cls, plan: CuteClusterBackwardPlan, dtype: str, weight_dtype: str | None,
-           has_offset: bool, has_dres_in: bool) -> ClusterBackwardKey:
+           has_offset: bool, has_dres_in: bool, layer_norm: bool = False,
+           has_bias: bool = False) -> ClusterBackwardKey:
         return cls(dtype, weight_dtype, has_offset, has_dres_in, plan.cols, plan.cluster,
-                   plan.threads, plan.stages, plan.ctas_per_sm)
+                   plan.threads, plan.stages, plan.ctas_per_sm, layer_norm, has_bias)
+
+    @property
+    def groups(self) -> int:
+        """Gradient groups in the partial buffer: dweight and/or dbias."""
+        return int(self.weight_dtype is not None) + int(self.has_bias)
 
     def kernel(self):
         """The kernel object of this variant (the DSL imported)."""
@@ -243,16 +251,16 @@ class ClusterBackwardKey:
         return ClusterRowNormBackward(
             dtypes[self.dtype], None if self.weight_dtype is None else dtypes[self.weight_dtype],
             self.cols, self.cluster, self.threads, self.stages, self.ctas_per_sm,
-            self.has_offset, self.has_dres_in)
+            self.layer_norm, self.has_bias, self.has_offset, self.has_dres_in)
 
 
 def compile_cluster_backward(key: ClusterBackwardKey, arch: str | None = None,
                              cubin_dir: str | None = None):
     """Compile ``key``'s kernel (``arch`` as in :func:`compile_backward`; ``cubin_dir`` keeps
-    its cubin there). The result is called as ``fn(h, dy, weight, rstd, dres_in, dx, partial,
-    offset, grid)`` with DLPack arrays (None for the absent ones) on the current stream: h,
-    dy, dres_in and dx contiguous (rows, cols) in ``key.dtype``, ``partial`` (clusters, 1,
-    cols) fp32, ``grid`` a multiple of ``key.cluster``."""
+    its cubin there). The result is called as ``fn(h, dy, weight, mean, rstd, dres_in, dx,
+    partial, offset, grid)`` with DLPack arrays (None for the absent ones: mean for RMSNorm)
+    on the current stream: h, dy, dres_in and dx contiguous (rows, cols) in ``key.dtype``,
+    ``partial`` (clusters, groups, cols) fp32, ``grid`` a multiple of ``key.cluster``."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
@@ -262,11 +270,13 @@ def compile_cluster_backward(key: ClusterBackwardKey, arch: str | None = None,
     h, dy, dx = (_fake(dtype, (rows, cols), (cols, 1), 16) for _ in range(3))
     dres_in = _fake(dtype, (rows, cols), (cols, 1), 16) if key.has_dres_in else None
     weight = None if weight_dtype is None else _fake(weight_dtype, (cols,), (1,), 16)
+    mean = _fake(Float32, (rows,), (1,), 4) if key.layer_norm else None
     rstd = _fake(Float32, (rows,), (1,), 4)
-    partial = (None if weight_dtype is None
-               else _fake(Float32, (clusters, 1, cols), (cols, cols, 1), 16))
-    return _compile(kernel, arch, h, dy, weight, rstd, dres_in, dx, partial, Float32(0.0),
-                    Int32(1), cubin_dir=cubin_dir)
+    groups = key.groups
+    partial = (_fake(Float32, (clusters, groups, cols), (groups * cols, cols, 1), 16)
+               if groups else None)
+    return _compile(kernel, arch, h, dy, weight, mean, rstd, dres_in, dx, partial,
+                    Float32(0.0), Int32(1), cubin_dir=cubin_dir)
 
 
 #: Architectures the ahead-of-time build targets: Hopper and Blackwell datacenter parts.
@@ -288,14 +298,18 @@ def aot_keys(all_dtypes: bool = False) -> list[BackwardKey]:
 
 def aot_cluster_backward_keys(all_dtypes: bool = False) -> list[ClusterBackwardKey]:
     """Every variant the settings' cluster backward entries can run in bf16 (and fp16 with
-    ``all_dtypes``): each weight dtype (or none), with and without the Gemma offset (which
-    needs a weight), with and without a residual's gradient added to dx."""
+    ``all_dtypes``): each weight dtype (or none), with and without a residual's gradient
+    added to dx; RMSNorm with and without the Gemma offset (which needs a weight), LayerNorm
+    with and without a bias."""
     dtypes = ("bfloat16", "float16") if all_dtypes else ("bfloat16",)
-    return [ClusterBackwardKey(dtype, weight_dtype, has_offset, has_dres_in, cols, *config)
-            for widths in SM90.cute_cluster_backward.values()
+    return [ClusterBackwardKey(dtype, weight_dtype, has_offset, has_dres_in, cols, *config,
+                               layer_norm=op == "layer_norm", has_bias=has_bias)
+            for op, widths in SM90.cute_cluster_backward.items()
             for cols, config in widths.items()
             for dtype in dtypes for weight_dtype in (None, dtype, "float32")
-            for has_offset in ((False, True) if weight_dtype else (False,))
+            for has_offset in ((False, True) if op == "rms_norm" and weight_dtype
+                               else (False,))
+            for has_bias in ((False, True) if op == "layer_norm" else (False,))
             for has_dres_in in (False, True)]
 
 
@@ -370,14 +384,19 @@ class Fp8ForwardKey:
     recompute_t: bool = False
     #: The kernel's ``column_amax`` ("row"): per-program column amaxes for the copy.
     column_amax: bool = False
+    #: FP8 x (``dtype`` an FP8 format): the elements one of ``x_scale_inv``'s multipliers
+    #: covers; 0 for x that is not FP8.
+    group: int = 0
 
 
 def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
                         row_major_block_scales: bool = False, kernel_class=None):
     """Compile ``key``'s kernel (``arch`` as in :func:`compile_backward`). The result is
-    called as ``fn(x, weight, scale, q, q_scale, rstd, amax_partial, eps, offset, grid)`` with
-    DLPack arrays (None for the absent ones) on the current stream: ``q`` (rows, cols)
-    uint8 (the FP8 bytes), ``q_scale`` (rows, 1)
+    called as ``fn(x, x_scale_inv, weight, scale, q, q_scale, rstd, amax_partial, eps,
+    offset, grid)`` with DLPack arrays (None for the absent ones) on the current stream:
+    FP8 x as its bytes, (rows, cols) uint8, with ``x_scale_inv`` (rows, cols / group) fp32
+    row-major (None for other x); ``q`` (rows, cols) uint8 (the FP8 bytes), ``q_scale``
+    (rows, 1)
     fp32 for "row", (rows, cols / 128) fp32 with strides (1, rows) for "block", (rows,
     cols / 32) uint8 for "mx"; ``amax_partial`` (grid,) fp32 for "amax" and "delayed", and
     with ``column_amax`` the (grid, cols) fp32 column amaxes.
@@ -394,16 +413,23 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
     from tilenorm.launch.cutile_fp8 import FP8_MAX
 
     dtypes = _dtypes()
-    dtype = dtypes[key.dtype]
+    fp8_dtypes = _fp8_dtypes()
+    dtype = fp8_dtypes[key.dtype] if key.group else dtypes[key.dtype]
     weight_dtype = None if key.weight_dtype is None else dtypes[key.weight_dtype]
-    fp8 = _fp8_dtypes()[key.fp8_dtype]
+    fp8 = fp8_dtypes[key.fp8_dtype]
     kernel = (kernel_class or RowNormFp8Forward)(
         dtype, weight_dtype, fp8, FP8_MAX[key.fp8_dtype], key.cols, key.threads, key.stages,
-        key.ctas_per_sm, key.scaling, key.has_offset, key.recompute_t, key.column_amax)
+        key.ctas_per_sm, key.scaling, key.has_offset, key.recompute_t, key.column_amax,
+        key.group)
 
     rows = cute.sym_int() if key.rows is None else key.rows
     cols, slots = key.cols, cute.sym_int()
-    x = _fake(dtype, (rows, cols), (cols, 1), 16)
+    # FP8 x as its bytes, as q: DLPack has no FP8 types everywhere.
+    x = _fake(cutlass.Uint8 if key.group else dtype, (rows, cols), (cols, 1), 16)
+    x_scale_inv = None
+    if key.group:
+        groups = cols // key.group
+        x_scale_inv = _fake(Float32, (rows, groups), (groups, 1), 4)
     weight = None if weight_dtype is None else _fake(weight_dtype, (cols,), (1,), 16)
     scale = _fake(Float32, (1,), (1,), 4) if key.scaling == "delayed" else None
     # q as its bytes (uint8): DLPack has no FP8 types everywhere.
@@ -423,8 +449,12 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
     amax = _fake(Float32, (slots,), (1,), 4) if key.scaling in ("amax", "delayed") else None
     if key.column_amax:
         amax = _fake(Float32, (slots, cols), (cols, 1), 16)
-    return _compile(kernel, arch, x, weight, scale, q, q_scale, rstd, amax, Float32(1e-6),
-                    Float32(0.0), Int32(1))
+    return _compile(kernel, arch, x, x_scale_inv, weight, scale, q, q_scale, rstd, amax,
+                    Float32(1e-6), Float32(0.0), Int32(1))
+
+
+#: Groups of FP8 x's multipliers the ahead-of-time build covers: COAT's 16 and the largest.
+FP8_INPUT_GROUPS = (16, 128)
 
 
 def aot_fp8_keys(all_dtypes: bool = False) -> list[Fp8ForwardKey]:
@@ -434,7 +464,11 @@ def aot_fp8_keys(all_dtypes: bool = False) -> list[Fp8ForwardKey]:
     entry of its ``cute_forward_recompute_t`` table with ``recompute_t`` at its scaling:
     every weight dtype, E5M2, the offset (and fp16 x). At the widths of its
     ``cute_forward_column_amax``, row scaling with column amaxes, a 2-byte weight or none
-    (an fp32 weight keeps cuTile's row kernel there)."""
+    (an fp32 weight keeps cuTile's row kernel there). Each width of its
+    ``cute_forward_fp8_input`` table with FP8 x: every scaling and group of
+    :data:`FP8_INPUT_GROUPS`, E4M3, a bf16 weight; no weight, an fp32 weight, E5M2 x and q,
+    the offset (an fp16 weight with ``all_dtypes``) at one scaling each (no column amaxes:
+    FP8 x's row-scaled copy keeps cuTile's kernels)."""
     from tilenorm.kernels.cute_row_norm_fp8 import SCALINGS
     from tilenorm.settings_fp8 import SM90_FP8
 
@@ -467,6 +501,19 @@ def aot_fp8_keys(all_dtypes: bool = False) -> list[Fp8ForwardKey]:
             keys += [Fp8ForwardKey(AOT_ROWS, x, weight, fp8, scaling, has_offset, cols, *config,
                                    recompute_t=True)
                      for x, weight, fp8, has_offset in recompute_t_features]
+    for cols, config in SM90_FP8.cute_forward_fp8_input.items():
+        keys += [Fp8ForwardKey(AOT_ROWS, "float8_e4m3fn", "bfloat16", "float8_e4m3fn",
+                               scaling, False, cols, *config, group=group)
+                 for scaling in SCALINGS for group in FP8_INPUT_GROUPS]
+        keys += [Fp8ForwardKey(AOT_ROWS, "float8_e4m3fn", weight, "float8_e4m3fn", "row",
+                               False, cols, *config, group=16) for weight in (None, "float32")]
+        keys += [Fp8ForwardKey(AOT_ROWS, "float8_e5m2", "bfloat16", "float8_e5m2", "row",
+                               False, cols, *config, group=16),
+                 Fp8ForwardKey(AOT_ROWS, "float8_e4m3fn", "float32", "float8_e4m3fn", "block",
+                               True, cols, *config, group=128)]
+        if all_dtypes:
+            keys.append(Fp8ForwardKey(AOT_ROWS, "float8_e4m3fn", "float16", "float8_e4m3fn",
+                                      "mx", False, cols, *config, group=16))
     return keys
 
 

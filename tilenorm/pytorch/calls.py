@@ -606,7 +606,8 @@ class BackwardCall:
                 h.data_ptr() | dy.data_ptr() | (0 if dres_in is None else dres_in.data_ptr())
                 ) & 15:
             if isinstance(self.cute, CuteClusterBackwardPlan):
-                return self._run_cute_cluster(dy, dres_in, h, weight, rstd, offset)
+                return self._run_cute_cluster(dy, dres_in, h, weight, bias, mean, rstd,
+                                              offset)
             return self._run_cute(dy, h, weight, bias, mean, rstd)
         dx = torch.empty_like(h) if self.dx_like_h else torch.empty(
             h.shape, dtype=self.x_dtype, device=dev)
@@ -741,33 +742,36 @@ class BackwardCall:
                     self._reduce_through_cutile(stream, partial, dweight, dbias)
         return dx, None, dweight, dbias
 
-    def _run_cute_cluster(self, dy, dres_in, h, weight, rstd, offset: float):
-        """The CuTe DSL cluster RMSNorm backward on (rows, cols) views, the residual's
-        gradient (in x's dtype, the decision made sure) dx itself; its partial buffer is
-        reduced by cuTile's fixed-order kernel."""
+    def _run_cute_cluster(self, dy, dres_in, h, weight, bias, mean, rstd, offset: float):
+        """The CuTe DSL cluster backward on (rows, cols) views, the residual's gradient (in
+        x's dtype, the decision made sure) dx itself; its partial buffer is reduced by
+        cuTile's fixed-order kernel."""
         from tilenorm.launch import cute
 
         plan, dev = self.cute, self.device
         rows, cols = plan.rows, plan.cols
         dx = torch.empty(h.shape, dtype=h.dtype, device=dev)
-        dweight = None if weight is None else torch.empty_like(
-            weight, memory_format=torch.contiguous_format)
-        partial = None if weight is None else torch.empty(
-            (plan.partial_rows, 1, cols), dtype=torch.float32, device=dev)
+        dweight, dbias = (None if t is None else torch.empty_like(
+            t, memory_format=torch.contiguous_format) for t in (weight, bias))
+        partial = torch.empty((plan.partial_rows, self.groups, cols), dtype=torch.float32,
+                              device=dev) if self.groups else None
         key = cute.ClusterBackwardKey.of(
             plan, DTYPE_NAMES[h.dtype], None if weight is None else DTYPE_NAMES[weight.dtype],
-            weight is not None and offset != 0, dres_in is not None)
+            weight is not None and offset != 0, dres_in is not None, mean is not None,
+            bias is not None)
         with _on_device(dev):
             fn = cute.compiled_cluster_backward(key, self.decision.device.arch)
             fn(h.view(rows, cols), dy.view(rows, cols),
-               None if weight is None else _aligned(weight).view(cols), rstd.reshape(rows),
+               None if weight is None else _aligned(weight).view(cols),
+               None if mean is None else mean.reshape(rows), rstd.reshape(rows),
                None if dres_in is None else dres_in.view(rows, cols), dx.view(rows, cols),
                partial, float(offset), plan.grid)
             if partial is not None:
                 stream = torch._C._cuda_getCurrentRawStream(dev.index)
-                if not self.cute_reduce(stream, partial.data_ptr(), dweight.data_ptr()):
-                    self._reduce_through_cutile(stream, partial, dweight, None)
-        return dx, None if self.residual_dtype is None else dx, dweight, None
+                outs = [t.data_ptr() for t in (dweight, dbias) if t is not None]
+                if not self.cute_reduce(stream, partial.data_ptr(), *outs):
+                    self._reduce_through_cutile(stream, partial, dweight, dbias)
+        return dx, None if self.residual_dtype is None else dx, dweight, dbias
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

@@ -146,9 +146,14 @@ FP8 input
 ---------
 ``x`` may be FP8 with ``x_scale_inv`` of shape (M, N / group_size) fp32 (one dequantize
 multiplier per group of ``group_size`` consecutive elements of a row, a power of two up to
-128; COAT uses 16): the kernels dequantize as they load. The backward re-reads FP8 x and its
-scales (nothing bf16 is saved). With a fused residual, h = dequant(x) + residual is stored and
-the backward reads h, as the bf16 ops do.
+128; COAT uses 16): the kernels dequantize as they load. RMSNorm of FP8 x without a residual,
+in groups of 16 elements or more, reads it in the CuTe DSL row kernel at the widths of
+``settings_fp8.cute_forward_fp8_input``, which keeps the next rows' loads in flight; other
+cases take cuTile's. A transposed copy of FP8 x is cuTile's ``fp8_quantize_transposed`` (the
+CuTe copy reads 2-byte x), after the CuTe row kernel for "block" and "mx" scales; for "row"
+scales cuTile's row kernel runs, whose y the copy's column amaxes are taken of. The backward
+re-reads FP8 x and its scales (nothing bf16 is saved). With a fused
+residual, h = dequant(x) + residual is stored and the backward reads h, as the bf16 ops do.
 
 Autograd: how the FP8 output's gradient arrives in bf16
 -------------------------------------------------------
@@ -461,12 +466,13 @@ class _CuteLauncher:
     :class:`_Launcher` (TVM-FFI launches on the current stream)."""
 
     def __init__(self, plan: CuteFp8ForwardPlan, spec: Fp8Spec, scaling: str, x, weight):
-        self.plan, self.scaling = plan, scaling
+        self.plan, self.scaling, self.group = plan, scaling, spec.group
         self.fn = cute.compiled_fp8_forward(cute.Fp8ForwardKey(
             plan.rows, DTYPE_NAMES[x.dtype],
             None if weight is None else DTYPE_NAMES[weight.dtype],
             DTYPE_NAMES[spec.fp8_dtype], self.scaling, spec.has_offset, plan.cols,
-            plan.threads, plan.stages, plan.ctas_per_sm, plan.recompute_t, plan.column_amax))
+            plan.threads, plan.stages, plan.ctas_per_sm, plan.recompute_t, plan.column_amax,
+            spec.group))
         # The program's amax, or with column_amax its column amaxes.
         self.amax = "column_amax_partial" if plan.column_amax else "amax_partial"
 
@@ -475,7 +481,11 @@ class _CuteLauncher:
         rows, cols = self.plan.rows, self.plan.cols
         weight = tensors.get("weight")
         q = tensors["q"].view(rows, cols).view(torch.uint8) if self.scaling != "amax" else None
-        self.fn(tensors["x"].view(rows, cols), None if weight is None else weight.view(cols),
+        x, x_scale_inv = tensors["x"].view(rows, cols), None
+        if self.group:  # FP8 x as its bytes, as q
+            x = x.view(torch.uint8)
+            x_scale_inv = tensors["x_scale_inv"].view(rows, cols // self.group)
+        self.fn(x, x_scale_inv, None if weight is None else weight.view(cols),
                 tensors["scale"].reshape(1) if self.scaling == "delayed" else None, q,
                 tensors.get("q_scale"), tensors["rstd"], tensors.get(self.amax),
                 scalars["eps"], scalars["offset"], self.plan.grid)
@@ -652,7 +662,7 @@ def _problem(spec: Fp8Spec, x, weight, bias, residual, rows: int, cols: int) -> 
                       dtypes=dtypes, rows=rows, cols=cols, scaling=spec.scaling,
                       transpose=spec.transpose, has_residual=residual is not None,
                       mx_layout=spec.mx_layout, max_offset=max(x.numel() - 1, 0),
-                      allow_experimental=experimental_enabled())
+                      allow_experimental=experimental_enabled(), group=spec.group)
 
 
 def _blocked_shape(rows: int, groups: int) -> tuple[int, int]:

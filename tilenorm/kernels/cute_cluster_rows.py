@@ -1,0 +1,94 @@
+"""What the CuTe DSL cluster kernels (cute_cluster_norm_forward.py,
+cute_cluster_norm_backward.py) share: a row split into one slice a cluster CTA, the
+cluster-size limit, and the push reduction of a row's sums across the cluster.
+
+Apart from cute_rows.py, which the FP8 and JAX families pin too (tilenorm/validation.py):
+a change here re-validates only the cluster kernels' family.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from tilenorm.kernels.cute_rows import RowKernel
+
+#: The largest cluster every Hopper and Blackwell part launches (the portable size; a larger
+#: one needs a non-portable opt-in the kernels do not make).
+MAX_PORTABLE_CLUSTER = 8
+#: Bytes of one pushed partial (an fp32).
+PARTIAL_BYTES = 4
+
+
+@dsl_user_op
+def float_bits(value: Float32, *, loc=None, ip=None) -> Int32:
+    """The bits of an fp32 as an i32 (``st.async`` stores i32 words)."""
+    return Int32(llvm.bitcast(T.i32(), Float32(value).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
+class ClusterRowKernel(RowKernel):
+    """A kernel holding a row across a cluster of ``cluster`` CTAs: CTA ``r`` takes columns
+    ``[r * slice, (r + 1) * slice)``, each thread ``reps`` 16-byte vectors of its slice."""
+
+    cols: int
+    warps: int
+    cluster: int
+    slice: int
+    reps: int
+
+    def _split_row(self, cluster: int) -> None:
+        """Set ``cluster``, ``slice`` and ``reps``, or refuse a cluster no part launches or
+        slices that are not whole vectors of the threads (``cols``, ``vec`` and ``threads``
+        set)."""
+        if not 1 <= cluster <= MAX_PORTABLE_CLUSTER:
+            raise ValueError(f"cluster {cluster}: portable clusters are 1 to "
+                             f"{MAX_PORTABLE_CLUSTER} CTAs")
+        if self.cols % cluster or (self.cols // cluster) % (self.vec * self.threads):
+            raise ValueError(f"{self.cols} columns are not {cluster} slices of whole "
+                             f"{self.vec}-element vectors of {self.threads} threads")
+        self.cluster = cluster
+        self.slice = self.cols // cluster
+        self.reps = self.slice // (self.vec * self.threads)
+
+    def slot_bytes(self, sums: int) -> int:
+        """Shared bytes of ``sums`` reductions' slots (a partial a warp of each cluster CTA),
+        16-byte aligned as allocated."""
+        return -(-sums * self.cluster * self.warps * PARTIAL_BYTES // 16) * 16
+
+    @cute.jit
+    def _slice_view(self, row: cute.Tensor, rank: Int32, tidx: Int32) -> cute.Tensor:
+        """This thread's (vec, reps) elements of cluster CTA ``rank``'s slice of a row."""
+        return self._thread_view(cute.zipped_divide(row, (self.slice,))[(None, rank)], tidx)
+
+    @cute.jit
+    def _push_sums(self, parts: list, slots: cute.Tensor, mbar, phase: Int32, rank: Int32,
+                   lane: Int32, warp: Int32) -> list:
+        """Each of ``parts`` (this thread's partials of a row's sums) summed over the cluster:
+        a warp butterfly, each warp's sum pushed by ``st.async`` into slot ``rank * warps +
+        warp`` of column ``j`` of ``slots`` (cluster * warps, len(parts)) in every cluster
+        CTA (lane ``r`` to rank ``r``), counted by the mbarrier at ``mbar`` (armed by the
+        caller for ``len(parts) * cluster * warps * PARTIAL_BYTES``); once its ``phase``
+        completes, each column's slots added in rank order, each rank's warps in warp order
+        (a fixed tree): every CTA of the cluster, and every rerun, gets the same bits."""
+        warp_sums = [cute.arch.warp_reduction(part, operator.add) for part in parts]
+        if lane < self.cluster:
+            for j in cutlass.range_constexpr(len(parts)):
+                cute.arch.store_async_dsmem(
+                    slots[None, j].iterator + (rank * self.warps + warp),
+                    float_bits(warp_sums[j]), mbar, lane)
+        cute.arch.mbarrier_wait(mbar, phase)
+        totals = []
+        for j in cutlass.range_constexpr(len(parts)):
+            total = Float32(0.0)
+            for r in cutlass.range_constexpr(self.cluster):
+                own = slots[r * self.warps, j]
+                for i in cutlass.range_constexpr(1, self.warps):
+                    own = own + slots[r * self.warps + i, j]
+                total = own if const_expr(r == 0) else total + own
+            totals.append(total)
+        return totals
