@@ -547,8 +547,8 @@ def test_launch_level_op_adds_the_gradient_of_h(cluster_launches):
 @pytest.mark.parametrize("n", WIDTHS)
 def test_launch_level_layer_norm_with_fp32_parameters_and_dh(n, cluster_launches):
     """``layer_norm_backward`` with fp32 weight and bias and ``dh``: dx (and dresidual, the
-    same tensor), dweight and dbias against float64, a few rows (not a multiple of the
-    grid)."""
+    same tensor), dweight and dbias against float64 of the stored h, a few rows (not a
+    multiple of the grid)."""
     g, seed = fresh_generator("cuda")
     x = torch.randn(37, n, generator=g, device="cuda", dtype=torch.bfloat16)
     r = torch.randn_like(x)
@@ -560,7 +560,10 @@ def test_launch_level_layer_norm_with_fp32_parameters_and_dh(n, cluster_launches
         dx, dres, dw, db = tilenorm.layer_norm_backward(
             dy, h, w, b, mean, rstd, dh=dh, x_dtype=x.dtype, residual_dtype=r.dtype)
     assert cluster_launches, "the backward did not run the cluster kernel"
-    ref = float64_norm(x, w, b, eps=1e-5, layer_norm=True, residual=r, dy=dy, dh=dh)
+    # The backward reads h as stored (bf16); against the exact x + r the bf16 rounding of h
+    # alone moves dweight by ~2e-3, so the fp32 tolerance applies to the math from h.
+    assert torch.equal(h, x + r)
+    ref = float64_norm(h, w, b, eps=1e-5, layer_norm=True, dy=dy, dh=dh)
     assert dres is dx
     assert rel(dx, ref.dx) <= OUT_TOL[torch.bfloat16], seed
     assert rel(dw, ref.dweight) <= DGAMMA_TOL_FP32, seed
