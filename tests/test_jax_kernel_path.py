@@ -905,7 +905,8 @@ CLUSTER_CASES = [  # the cluster backward's widths; prime row counts (37 to 293)
 ]
 
 
-#: (case, with a weight): Gemma's offset needs one; LayerNorm without one keeps its bias.
+#: (case, with affine parameters): Gemma's offset needs a weight; LayerNorm without them is
+#: ``elementwise_affine=False`` (a bias alone takes cuTile's forward, as on the torch side).
 CLUSTER_STEPS = [(case, weighted) for case in CLUSTER_CASES
                  for weighted in ((True,) if case.offset else (True, False))]
 
@@ -927,8 +928,8 @@ def test_cute_cluster_step_values_gradients_and_bit_identical_reruns(cute_forwar
 
     rng, seed = fresh_rng()
     x, w, b, r, dy, dh = case.inputs(_cuda_backend(), rng)
-    if not weighted:
-        w = None
+    if not weighted:  # no affine parameters (a bias alone takes cuTile's forward)
+        w = b = None
     decision = case.explain(x, w, b, r)
     assert decision.uses_kernel, str(decision)
     forward_plan, plan = decision.kernels.cute_forward, decision.kernels.cute_backward
@@ -967,8 +968,10 @@ def test_cute_cluster_step_values_gradients_and_bit_identical_reruns(cute_forwar
         assert dw.dtype == w.dtype and _rel(dw, ref.dweight) <= GRAD_TOL[case.dtype], seed
     else:
         assert dw is None
-    if case.layer_norm:
+    if case.layer_norm and weighted:
         assert db.dtype == b.dtype and _rel(db, ref.dbias) <= GRAD_TOL[case.dtype], seed
+    else:
+        assert db is None
 
 
 @pytest.mark.gpu
