@@ -239,9 +239,12 @@ def torch_compile_provider(p: Problem) -> common.Prepared:
 
 
 def torch_eager_provider(p: Problem) -> common.Prepared:
+    """Torch's own kernels; its LayerNorm takes parameters in x's dtype only (a bf16
+    ``nn.LayerNorm``), so the fp32 parameters are cast once, outside the timed calls."""
     x = p.x.detach().requires_grad_()
-    w = p.w.detach().requires_grad_()
-    b = None if p.b is None else p.b.detach().requires_grad_()
+    cast = p.x.dtype if p.op == "layer_norm" else None
+    w = p.w.detach().to(cast).requires_grad_()
+    b = None if p.b is None else p.b.detach().to(cast).requires_grad_()
     n = x.shape[-1]
 
     def fwd():
