@@ -121,7 +121,7 @@ class ClusterRowNormForward(NormForwardKernel, ClusterRowKernel):
             cute.autovec_copy(t_x[None, k], v)
             c = v.load().to(Float32) - warp_mean
             part = part + (c * c).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        cute.arch.cluster_wait()  # every peer's mbarriers initialised
+        cute.arch.cluster_wait()  # every peer's mbarrier initialised
         self._push_warp_values([warp_sum, cute.arch.warp_reduction(part, operator.add)],
                                slots, mbar, 0, rank, lane, warp)
         mean = self._fixed_order_sum(lambda i: slots[i, 0]) * Float32(1.0 / self.cols)
@@ -207,7 +207,7 @@ class ClusterRowNormForward(NormForwardKernel, ClusterRowKernel):
             mu, mean_square = self._row_moments(part, t_x, v, parts, mbar.iterator, rank,
                                                 lane, warp)
         else:
-            cute.arch.cluster_wait()  # every peer's mbarriers initialised
+            cute.arch.cluster_wait()  # every peer's mbarrier initialised
             total, = self._push_sums([part], parts, mbar.iterator, 0, rank, lane, warp)
             mu, mean_square = Float32(0.0), total * inv_n
         rstd = cute.math.rsqrt(mean_square + eps)
