@@ -16,15 +16,20 @@ from tilenorm.launch import cutile
 from tilenorm.launch.cutile import BoundKernel, NormFeatures
 from tilenorm.planner import plan_row_norm
 from tilenorm.pytorch.calls import tensor_launcher
+from tilenorm.settings import H100_PEAK_BANDWIDTH
 from tilenorm.testing import RelError, float64_norm, fresh_generator, rel_error, row_blocks
 
 OUT_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}
 STAT_TOL = 1e-5
 DGAMMA_TOL_FP32 = 1e-3
 rel = rel_error
-#: An H100's properties, for deciding without one (the decisions need only these).
+#: An H100's and an H200's properties, for deciding without one (the decisions need only
+#: these; the bandwidth picks the device's settings, tilenorm.settings.device_class): the
+#: H100 SXM's peak, the H200's datasheet's 4.8 TB/s.
 H100 = DeviceInfo(index=0, name="NVIDIA H100 80GB HBM3", sm_count=132, arch=(9, 0),
-                  l2_bytes=50 << 20)
+                  l2_bytes=50 << 20, memory_bandwidth=H100_PEAK_BANDWIDTH)
+H200 = DeviceInfo(index=0, name="NVIDIA H200", sm_count=132, arch=(9, 0), l2_bytes=60 << 20,
+                  memory_bandwidth=4800 * 10**9)
 
 
 def poisoned(shape, dtype):

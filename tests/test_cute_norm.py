@@ -9,6 +9,7 @@ import tilenorm
 from tests.kernel_harness import (
     DGAMMA_TOL_FP32,
     H100,
+    H200,
     OUT_TOL,
     check_graph_replay_matches_eager,
     fresh_generator,
@@ -63,15 +64,17 @@ def test_plan_only_where_measured():
 
 @needs_cute
 def test_decision_picks_it_only_for_its_dtypes_and_when_allowed(monkeypatch):
+    """On an H200; an H100 keeps cuTile's backward at 4096 (#38)."""
     cols = WIDTHS[0]
     last = 1000 * cols - 1
 
-    def pick(dtypes, max_offset=last, allow=True):
+    def pick(dtypes, max_offset=last, allow=True, device=H200):
         p = dispatch.Problem("layer_norm", "cuda", 0, dtypes, 1000, 1, cols, False, max_offset,
                              allow)
-        return dispatch._cute_backward(p, H100)
+        return dispatch._cute_backward(p, device)
 
     assert pick(("bfloat16", "float32", "float32"))
+    assert pick(("bfloat16", "float32", "float32"), device=H100) is None
     assert pick(("bfloat16", "bfloat16"))
     assert pick(("bfloat16", "float16")) is None
     assert pick(("float32", "float32")) is None

@@ -114,7 +114,10 @@ SM90_FP8 = Fp8Settings()
 #: Hopper at the H100's (:data:`tilenorm.settings.SM90_H100`): the row kernel of 2-byte x at
 #: 8192 columns at (512, 2, 2), where the H100 ranks row scaling (512, 2, 2) 96.2% of copy,
 #: (256, 4, 2) 89.5% (the H200 of #56: 80.8 / 93.7%) and block scaling (512, 2, 2) 92.8%
-#: beside the op's (256, 4, 2) 93.2% (#82); the other scalings are untimed there. FP8 x
+#: beside the op's (256, 4, 2) 93.2% (#82); the other scalings are untimed there. On
+#: sm_90a (cuobjdump of the AOT variants, 64 registers a thread) it spills no more than
+#: (256, 4, 2): none with a bf16 weight or none but the column amaxes' 2 stores (3 at
+#: (256, 4, 2)), 2 stores with an fp32 weight (8 at (256, 4, 2) for row scaling). FP8 x
 #: (``cute_forward_fp8_input``) keeps (256, 4, 2) at 8192, its own entry, not timed at
 #: (512, 2, 2) (#88).
 SM90_FP8_H100 = dataclasses.replace(SM90_FP8, cute_forward={**SM90_FP8.cute_forward,
