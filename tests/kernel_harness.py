@@ -23,13 +23,15 @@ OUT_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}
 STAT_TOL = 1e-5
 DGAMMA_TOL_FP32 = 1e-3
 rel = rel_error
+#: A peak DRAM bandwidth of each device class (tilenorm.settings.device_class), bytes a
+#: second: the H100 SXM's, the H200's datasheet's 4.8 TB/s.
+BANDWIDTH = {"h100": H100_PEAK_BANDWIDTH, "h200": 4800 * 10**9}
 #: An H100's and an H200's properties, for deciding without one (the decisions need only
-#: these; the bandwidth picks the device's settings, tilenorm.settings.device_class): the
-#: H100 SXM's peak, the H200's datasheet's 4.8 TB/s.
+#: these).
 H100 = DeviceInfo(index=0, name="NVIDIA H100 80GB HBM3", sm_count=132, arch=(9, 0),
-                  l2_bytes=50 << 20, memory_bandwidth=H100_PEAK_BANDWIDTH)
+                  l2_bytes=50 << 20, memory_bandwidth=BANDWIDTH["h100"])
 H200 = DeviceInfo(index=0, name="NVIDIA H200", sm_count=132, arch=(9, 0), l2_bytes=60 << 20,
-                  memory_bandwidth=4800 * 10**9)
+                  memory_bandwidth=BANDWIDTH["h200"])
 
 
 def poisoned(shape, dtype):
