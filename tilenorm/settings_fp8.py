@@ -113,8 +113,8 @@ class Fp8Settings:
 SM90_FP8 = Fp8Settings()
 #: Hopper at the H100's (:data:`tilenorm.settings.SM90_H100`): the row kernel of 2-byte x at
 #: 8192 columns at (512, 2, 2), where the H100 ranks row scaling (512, 2, 2) 96.2% of copy,
-#: (256, 4, 2) 89.5% (the H200 of #56: 80.8 / 93.7%) and block scaling (512, 2, 2) 92.8%
-#: beside the op's (256, 4, 2) 93.2% (#82); the other scalings are untimed there. On
+#: (256, 4, 2) 89.5% (the H200 80.8 / 93.7%) and block scaling (512, 2, 2) 92.8% beside the
+#: op's (256, 4, 2) 93.2% (#82); the other scalings are untimed there. On
 #: sm_90a (cuobjdump of the AOT variants, 64 registers a thread) it spills no more than
 #: (256, 4, 2): none with a bf16 weight or none but the column amaxes' 2 stores (3 at
 #: (256, 4, 2)), 2 stores with an fp32 weight (8 at (256, 4, 2) for row scaling). FP8 x
