@@ -1,17 +1,23 @@
-"""Measured launch settings of the row-norm kernels, per GPU architecture.
+"""Measured launch settings of the row-norm kernels, per GPU architecture and device class.
 
-Every number here was chosen by a measurement on an H200 (sm_90) that ``bench/NOTES.md``
-records; :mod:`tilenorm.planner` turns them into launch plans. They are part of what a GPU
-validation record pins (:mod:`tilenorm.validation`): a change here changes what the kernels
-are launched with, so it needs a GPU run before the kernels count as stable again.
+Every number here was chosen by a measurement that ``bench/NOTES.md`` records, on an H200
+(sm_90) unless it says otherwise; :mod:`tilenorm.planner` turns them into launch plans. They
+are part of what a GPU validation record pins (:mod:`tilenorm.validation`): a change here
+changes what the kernels are launched with, so it needs a GPU run before the kernels count as
+stable again.
 
-Architectures without settings of their own (Blackwell, sm_100/sm_120) take Hopper's until
-they are measured there.
+The H100 and the H200 are both sm_90 with 132 SMs, but the H200 moves ~1.4x the bytes a
+second (copy 4186 against 2953 GB/s, #38), and where the fastest launch differs between them
+the H100 has its own table (:data:`SM90_H100`). A device's class (:func:`device_class`)
+picks the table. Architectures without settings of their own (Blackwell, sm_100/sm_120) take
+the H200's until they are measured there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Literal
 
 #: (widest tile_cols, occupancy, worker warps, persistent): the first entry whose width
 #: reaches a single-pass tile's applies.
@@ -137,11 +143,52 @@ class RowNormSettings:
     cute_itemsizes: tuple[int, ...] = (2,)
 
 
-#: Hopper (H100, H200): every setting above was measured on an H200.
+#: Hopper at the H200's memory bandwidth: the settings above as measured, on an H200 where
+#: no other device is named. The default for every device not of another class.
 SM90 = RowNormSettings()
 
+#: Hopper at the H100's bandwidth: the H200's settings but where the H100 measured another
+#: choice. The LayerNorm backward at 4096 columns keeps cuTile's: the CuTe DSL backward
+#: runs at 94% of copy on an H100 where cuTile's runs at 101% (#38).
+SM90_H100 = dataclasses.replace(SM90, cute_backward={
+    **SM90.cute_backward,
+    "layer_norm": {cols: entry for cols, entry in SM90.cute_backward["layer_norm"].items()
+                   if cols != 4096}})
 
-def settings_for(arch: tuple[int, int]) -> RowNormSettings:
-    """The settings for compute capability ``arch``: Hopper's for every architecture until
-    another one is measured."""
-    return SM90
+#: What picks a device's tables: the Hopper part they were measured on.
+DeviceClass = Literal["h200", "h100"]
+#: Every class, the default first. Each has its tables, and the ahead-of-time builds cover
+#: every entry of every class's.
+DEVICE_CLASSES: tuple[DeviceClass, ...] = ("h200", "h100")
+DEFAULT_DEVICE_CLASS: DeviceClass = "h200"
+_HOPPER = {"h200": SM90, "h100": SM90_H100}
+
+#: Peak DRAM bandwidth, bytes a second, of the H100 SXM: 5120-bit HBM3 at 2619 MHz, two
+#: transfers a clock (its datasheet's 3.35 TB/s).
+H100_PEAK_BANDWIDTH = 2 * 2619 * 10**6 * 5120 // 8
+
+
+def device_class(arch: tuple[int, int], memory_bandwidth: int) -> DeviceClass:
+    """The class of a device of compute capability ``arch`` and peak DRAM bandwidth
+    ``memory_bandwidth`` (bytes a second, 0 where unknown): "h100" for sm_90 at most at the
+    H100 SXM's bandwidth (the H100 SXM and PCIe, the H800), "h200" for every other device:
+    the H200, and the parts measured on neither (H100 NVL, H20, GH200, Blackwell) keep the
+    tables measured first.
+
+    Keyed on bandwidth because it is what separates the two measured choices (#38: "routing
+    on memory bandwidth is the fix"), from two driver attributes that name the memory, not
+    the product: not the device name, which each variant spells its own way, nor the total
+    memory, which under MIG is a slice's (an H200 slice holds less than an H100)."""
+    if tuple(arch) == (9, 0) and 0 < memory_bandwidth <= H100_PEAK_BANDWIDTH:
+        return "h100"
+    return DEFAULT_DEVICE_CLASS
+
+
+def settings_for(arch: tuple[int, int], device_class: DeviceClass = DEFAULT_DEVICE_CLASS
+                 ) -> RowNormSettings:
+    """The settings for compute capability ``arch`` on a device of ``device_class``
+    (:func:`device_class`): Hopper's of the class for every architecture until another one
+    is measured."""
+    if device_class not in _HOPPER:
+        raise ValueError(f"device_class must be one of {DEVICE_CLASSES}, got {device_class!r}")
+    return _HOPPER[device_class]
