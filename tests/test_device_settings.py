@@ -19,6 +19,7 @@ from tilenorm.settings import (
     SM90,
     SM90_H100,
     device_class,
+    measuring,
     settings_for,
 )
 from tilenorm.settings_fp8 import (
@@ -90,6 +91,18 @@ def _differences(a, b) -> dict:
 def _entries(table: dict) -> dict:
     """A per-op width table's entries by (op, width)."""
     return {(op, cols): entry for op, widths in table.items() for cols, entry in widths.items()}
+
+
+def test_measured_settings_replace_every_class_inside_the_context_only():
+    """``measuring`` (the op benchmarks' ``--variants``) hands its settings to every lookup,
+    the FP8 row settings included, and restores the class's tables after, an error too."""
+    probe = dataclasses.replace(SM90, cute_backward={})
+    with measuring(probe):
+        assert all(settings_for((9, 0), c) is probe for c in DEVICE_CLASSES)
+        assert row_settings_for((9, 0), "h100").cute_backward == {}
+    with pytest.raises(RuntimeError), measuring(probe):
+        raise RuntimeError
+    assert settings_for((9, 0), "h100") is SM90_H100 and settings_for((9, 0)) is SM90
 
 
 def test_the_h100_tables_differ_exactly_where_the_h100_measured_otherwise():

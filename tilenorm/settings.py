@@ -15,7 +15,9 @@ the H200's until they are measured there.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -112,14 +114,13 @@ class RowNormSettings:
     cute_backward: dict = field(default_factory=lambda: {"layer_norm": {4096: (256, 2, 2)}})
     #: Backwards of rows too wide for one CTA that a cluster of CTAs holds, reading x and dy
     #: once, per op and width: (CTAs a cluster, threads, row stages in shared memory, CTAs per
-    #: SM), the weight in registers. RMSNorm through the op on an H100 (bf16, % of copy, the
-    #: partial buffer's column sum included): 65536 94%, 131072 86-87%, where the two-pass
-    #: column-split backward held ~60% (#79, #81); 32768 at (2, 512, 2, 1) is the probe's
-    #: best there, 95.9% against the op's 60.1% (#81), not yet timed through the op. Every
-    #: width is past ``max_single_pass_bytes["backward"]``: the cluster kernel replaces the
-    #: column split, nothing else. LayerNorm takes RMSNorm's entries, UNTIMED (its backward
-    #: at 65536 was the column split's 61% of copy, #83): at 32768 too, where its backward
-    #: is the same column split (the one-CTA CuTe backward covers 4096 only, #38).
+    #: SM), the weight in registers. Through the op on an H100 (bf16, % of copy, the
+    #: partial buffer's column sum included), RMSNorm 96 / 95 / 88% at 32768 / 65536 /
+    #: 131072, LayerNorm 86 / 84 / 75%, where the two-pass column-split backward held ~60%
+    #: (#87; 32768's (2, 512, 2, 1) was the probe's best, #81). Every width is past
+    #: ``max_single_pass_bytes["backward"]``: the cluster kernel replaces the column split,
+    #: nothing else. LayerNorm takes RMSNorm's entries, none tuned for it (the one-CTA CuTe
+    #: backward covers 4096 only, #38).
     cute_cluster_backward: dict = field(default_factory=lambda: {
         op: {32768: (2, 512, 2, 1), 65536: (8, 256, 2, 2), 131072: (8, 256, 2, 1)}
         for op in ("rms_norm", "layer_norm")})
@@ -131,9 +132,10 @@ class RowNormSettings:
     #: weight and bias beside them spill and fall below cuTile (#69). Wider rows, and
     #: LayerNorm's at 32768, run the cluster forward: entries (threads, 1 row, CTAs per SM,
     #: cluster), a row across ``cluster`` CTAs of 16384 columns each, 256 threads, 4 CTAs an
-    #: SM (Quack's shape): through the op on an H100 RMSNorm 100% of copy at 65536 and 97% at
-    #: 131072 (#79), LayerNorm 94% at 65536 (#83), where cuTile's chunked forward reads every
-    #: row twice at 66% (#75). Widths absent here were not measured to gain.
+    #: SM (Quack's shape): through the op on an H100 RMSNorm 100-101% of copy at 65536 and
+    #: 131072, LayerNorm (fp32 weight and bias) 85 / 92 / 86% at 32768 / 65536 / 131072 with
+    #: two cluster exchanges a row (#79, #87), where cuTile's chunked forward reads every row
+    #: twice at 66% (#75). Widths absent here were not measured to gain.
     cute_forward: dict = field(default_factory=lambda: {
         op: {4096: (128, 2, 4), 5120: (128, 1, 4), 8192: (256, 2, 2), 16384: (512, 2, 1),
              32768: (512, 1, 1) if op == "rms_norm" else _cluster_forward(32768),
@@ -184,11 +186,28 @@ def device_class(arch: tuple[int, int], memory_bandwidth: int) -> DeviceClass:
     return DEFAULT_DEVICE_CLASS
 
 
+_measuring: RowNormSettings | None = None
+
+
 def settings_for(arch: tuple[int, int], device_class: DeviceClass = DEFAULT_DEVICE_CLASS
                  ) -> RowNormSettings:
     """The settings for compute capability ``arch`` on a device of ``device_class``
     (:func:`device_class`): Hopper's of the class for every architecture until another one
-    is measured."""
+    is measured; inside :func:`measuring`, the settings under measurement."""
+    if _measuring is not None:
+        return _measuring
     if device_class not in _HOPPER:
         raise ValueError(f"device_class must be one of {DEVICE_CLASSES}, got {device_class!r}")
     return _HOPPER[device_class]
+
+
+@contextlib.contextmanager
+def measuring(settings: RowNormSettings) -> Iterator[None]:
+    """Plans made inside take ``settings`` on every architecture and device: for benchmarks
+    that compare settings through the ops (``bench/bench_norm_ops.py --variants``)."""
+    global _measuring
+    previous, _measuring = _measuring, settings
+    try:
+        yield
+    finally:
+        _measuring = previous
