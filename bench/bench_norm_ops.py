@@ -22,7 +22,8 @@ its plan in the row), e.g. the cluster backward's entry for LayerNorm at 131072:
         --variants '[{}, {"cute_cluster_backward": {"layer_norm": {"131072": [8, 512, 2, 1]}}}]'
 
 A table field replaced this way is replaced whole (every op and width of it), so a variant
-names every entry the measured shapes need.
+names every entry the measured shapes need. ``--ops rms_norm`` (plain RMSNorm) serves the
+variants of RMSNorm's own entries.
 """
 
 from __future__ import annotations
