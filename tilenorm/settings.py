@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 #: (widest tile_cols, occupancy, worker warps, persistent): the first entry whose width
 #: reaches a single-pass tile's applies.
@@ -163,7 +163,6 @@ DeviceClass = Literal["h200", "h100"]
 #: every entry of every class's.
 DEVICE_CLASSES: tuple[DeviceClass, ...] = ("h200", "h100")
 DEFAULT_DEVICE_CLASS: DeviceClass = "h200"
-_HOPPER = {"h200": SM90, "h100": SM90_H100}
 
 #: Peak DRAM bandwidth, bytes a second, of the H100 SXM: 5120-bit HBM3 at 2619 MHz, two
 #: transfers a clock (its datasheet's 3.35 TB/s).
@@ -186,7 +185,36 @@ def device_class(arch: tuple[int, int], memory_bandwidth: int) -> DeviceClass:
     return DEFAULT_DEVICE_CLASS
 
 
-_measuring: RowNormSettings | None = None
+T = TypeVar("T")
+
+
+class DeviceTables(Generic[T]):
+    """One kind of settings a device class, and the settings under measurement that replace
+    them inside :meth:`measuring` (the benchmarks' ``--variants``)."""
+
+    def __init__(self, tables: dict[DeviceClass, T]):
+        self._tables = tables
+        self._measuring: T | None = None
+
+    def lookup(self, device_class: DeviceClass) -> T:
+        if self._measuring is not None:
+            return self._measuring
+        if device_class not in self._tables:
+            raise ValueError(f"device_class must be one of {DEVICE_CLASSES}, "
+                             f"got {device_class!r}")
+        return self._tables[device_class]
+
+    @contextlib.contextmanager
+    def measuring(self, settings: T) -> Iterator[None]:
+        """Plans made inside take ``settings`` on every architecture and device."""
+        previous, self._measuring = self._measuring, settings
+        try:
+            yield
+        finally:
+            self._measuring = previous
+
+
+_HOPPER = DeviceTables({"h200": SM90, "h100": SM90_H100})
 
 
 def settings_for(arch: tuple[int, int], device_class: DeviceClass = DEFAULT_DEVICE_CLASS
@@ -194,20 +222,9 @@ def settings_for(arch: tuple[int, int], device_class: DeviceClass = DEFAULT_DEVI
     """The settings for compute capability ``arch`` on a device of ``device_class``
     (:func:`device_class`): Hopper's of the class for every architecture until another one
     is measured; inside :func:`measuring`, the settings under measurement."""
-    if _measuring is not None:
-        return _measuring
-    if device_class not in _HOPPER:
-        raise ValueError(f"device_class must be one of {DEVICE_CLASSES}, got {device_class!r}")
-    return _HOPPER[device_class]
+    return _HOPPER.lookup(device_class)
 
 
-@contextlib.contextmanager
-def measuring(settings: RowNormSettings) -> Iterator[None]:
-    """Plans made inside take ``settings`` on every architecture and device: for benchmarks
-    that compare settings through the ops (``bench/bench_norm_ops.py --variants``)."""
-    global _measuring
-    previous, _measuring = _measuring, settings
-    try:
-        yield
-    finally:
-        _measuring = previous
+#: Plans made inside ``measuring(settings)`` take ``settings``: for benchmarks that compare
+#: settings through the ops (``bench/bench_norm_ops.py --variants``).
+measuring = _HOPPER.measuring

@@ -9,17 +9,15 @@ record of the FP8 family pins.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from tilenorm.settings import (
     DEFAULT_DEVICE_CLASS,
-    DEVICE_CLASSES,
     SM90,
     DeviceClass,
+    DeviceTables,
     RowNormSettings,
     settings_for,
 )
@@ -122,8 +120,7 @@ SM90_FP8 = Fp8Settings()
 #: (512, 2, 2) (#88).
 SM90_FP8_H100 = dataclasses.replace(SM90_FP8, cute_forward={**SM90_FP8.cute_forward,
                                                             8192: (512, 2, 2)})
-_HOPPER = {"h200": SM90_FP8, "h100": SM90_FP8_H100}
-_measuring: Fp8Settings | None = None
+_HOPPER = DeviceTables({"h200": SM90_FP8, "h100": SM90_FP8_H100})
 
 
 def fp8_settings_for(arch: tuple[int, int], device_class: DeviceClass = DEFAULT_DEVICE_CLASS
@@ -131,23 +128,12 @@ def fp8_settings_for(arch: tuple[int, int], device_class: DeviceClass = DEFAULT_
     """Hopper's of ``device_class`` (:func:`tilenorm.settings.device_class`) for every
     architecture until another one is measured; inside :func:`measuring`, the settings under
     measurement."""
-    if _measuring is not None:
-        return _measuring
-    if device_class not in _HOPPER:
-        raise ValueError(f"device_class must be one of {DEVICE_CLASSES}, got {device_class!r}")
-    return _HOPPER[device_class]
+    return _HOPPER.lookup(device_class)
 
 
-@contextlib.contextmanager
-def measuring(settings: Fp8Settings) -> Iterator[None]:
-    """Plans made inside take ``settings`` on every architecture: for benchmarks that
-    compare settings through the ops (``bench/bench_fp8.py --variants``)."""
-    global _measuring
-    previous, _measuring = _measuring, settings
-    try:
-        yield
-    finally:
-        _measuring = previous
+#: Plans made inside ``measuring(settings)`` take ``settings``: for benchmarks that compare
+#: settings through the ops (``bench/bench_fp8.py --variants``).
+measuring = _HOPPER.measuring
 
 
 @functools.cache
