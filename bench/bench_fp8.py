@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tilenorm  # noqa: E402
 from bench import common  # noqa: E402
-from bench.tune_norm import variant_settings  # noqa: E402
+from bench.tune_norm import settings_value, variant_settings  # noqa: E402
 from tilenorm import dispatch, settings_fp8, testing  # noqa: E402
 from tilenorm.device import device_info  # noqa: E402
 from tilenorm.pytorch import calls, reference  # noqa: E402
@@ -159,15 +159,6 @@ def dequantized(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     return q.float() * s
 
 
-def _setting_value(value):
-    """A JSON value as the FP8 settings hold it: lists as tuples (``cute_transpose``'s
-    entries too), and a width table (the CuTe entries, e.g. ``{"4096": [128, 8, 4]}``) with
-    int widths; a scaling's table (``cute_forward_recompute_t``) keeps its keys."""
-    if isinstance(value, dict):
-        return {int(k) if k.isdigit() else k: _setting_value(v) for k, v in value.items()}
-    return tuple(_setting_value(v) for v in value) if isinstance(value, list) else value
-
-
 def fp8_variant(variant: dict, base: settings_fp8.Fp8Settings = settings_fp8.SM90_FP8
                 ) -> settings_fp8.Fp8Settings:
     """``base`` (the device's FP8 settings) with ``variant``'s fields replaced;
@@ -175,7 +166,7 @@ def fp8_variant(variant: dict, base: settings_fp8.Fp8Settings = settings_fp8.SM9
     own = {f.name for f in dataclasses.fields(base)}
     row = {k: v for k, v in variant.items() if k not in own}
     rows = variant_settings(row)  # checks the names and converts lists as the settings hold
-    changes = {k: _setting_value(v) for k, v in variant.items() if k in own}
+    changes = {k: settings_value(v) for k, v in variant.items() if k in own}
     return dataclasses.replace(base, **changes, row_overrides={
         **base.row_overrides, **{k: getattr(rows, k) for k in row}})
 

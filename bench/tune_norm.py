@@ -56,12 +56,12 @@ X_BYTES = 256 << 20
 EPS = 1e-6
 
 
-def _tuples(value):
+def settings_value(value):
     """JSON values as the settings hold them: lists as tuples, digit keys as ints (widths)."""
     if isinstance(value, list):
-        return tuple(_tuples(v) for v in value)
+        return tuple(settings_value(v) for v in value)
     if isinstance(value, dict):
-        return {int(k) if isinstance(k, str) and k.isdigit() else k: _tuples(v)
+        return {int(k) if isinstance(k, str) and k.isdigit() else k: settings_value(v)
                 for k, v in value.items()}
     return value
 
@@ -69,7 +69,7 @@ def _tuples(value):
 def variant_settings(variant: dict, base: RowNormSettings = SM90) -> RowNormSettings:
     """``base`` with the fields ``variant`` names replaced."""
     fields = {f.name for f in dataclasses.fields(RowNormSettings)}
-    changes = {key.lower(): _tuples(value) for key, value in variant.items()}
+    changes = {key.lower(): settings_value(value) for key, value in variant.items()}
     unknown = sorted(set(changes) - fields)
     if unknown:
         raise SystemExit(f"unknown settings {unknown}; RowNormSettings has {sorted(fields)}")
