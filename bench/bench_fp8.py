@@ -53,6 +53,7 @@ import tilenorm  # noqa: E402
 from bench import common  # noqa: E402
 from bench.tune_norm import settings_value, variant_settings  # noqa: E402
 from tilenorm import dispatch, settings_fp8, testing  # noqa: E402
+from tilenorm.device import device_info  # noqa: E402
 from tilenorm.pytorch import calls, reference  # noqa: E402
 
 EPS = 1e-6
@@ -158,10 +159,10 @@ def dequantized(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     return q.float() * s
 
 
-def fp8_variant(variant: dict) -> settings_fp8.Fp8Settings:
-    """SM90's FP8 settings with ``variant``'s fields replaced; RowNormSettings fields join
-    ``row_overrides``."""
-    base = settings_fp8.SM90_FP8
+def fp8_variant(variant: dict, base: settings_fp8.Fp8Settings = settings_fp8.SM90_FP8
+                ) -> settings_fp8.Fp8Settings:
+    """``base`` (the device's FP8 settings) with ``variant``'s fields replaced;
+    RowNormSettings fields join ``row_overrides``."""
     own = {f.name for f in dataclasses.fields(base)}
     row = {k: v for k, v in variant.items() if k not in own}
     rows = variant_settings(row)  # checks the names and converts lists as the settings hold
@@ -210,8 +211,10 @@ def run_case(m: int, n: int, case: str, modes: list[str], record: dict,
            "M": m, "N": n, "bytes": one, "design_bytes": design}
     args = (x, w, scaling, x_scale_inv, group)
     if variants is not None:
+        info = device_info(torch.cuda.current_device())
+        base = settings_fp8.fp8_settings_for(info.arch, info.device_class)
         for i, variant in enumerate(variants):
-            settings = fp8_variant(variant)
+            settings = fp8_variant(variant, base)
             forget_plans()
             with settings_fp8.measuring(settings):
                 decision = tilenorm.fp8.explain(x, w, scaling=scaling, transpose=transpose,

@@ -12,11 +12,24 @@ process:
 
 Same measurements and record as bench_rms_norm.py (rows carry ``op``); a provider without a
 backward for an op is timed for its forward only (bwd_gbps null).
+
+``--variants`` compares launch settings instead of providers: a JSON list of objects of
+:class:`tilenorm.settings.RowNormSettings` fields replacing the device's own (width keys as
+strings, tuples as lists), each timed through tilenorm's ops (provider ``tilenorm v<i>``,
+its plan in the row), e.g. the cluster backward's entry for LayerNorm at 131072::
+
+    python bench/bench_norm_ops.py --ops layer_norm --shapes 1024x131072 --experimental \
+        --variants '[{}, {"cute_cluster_backward": {"layer_norm": {"131072": [8, 512, 2, 1]}}}]'
+
+A table field replaced this way is replaced whole (every op and width of it), so a variant
+names every entry the measured shapes need. ``--ops rms_norm`` (plain RMSNorm) serves the
+variants of RMSNorm's own entries.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import traceback
 from collections.abc import Callable
@@ -294,6 +307,36 @@ def measure(op: str, name: str, m: int, n: int, dtype: torch.dtype, modes: list[
         "fwd_err": fwd_err, "bwd_err": bwd_err})
 
 
+def measure_variants(op: str, m: int, n: int, dtype: torch.dtype, modes: list[str],
+                     variants: list[dict]) -> list[dict]:
+    """tilenorm's op under each settings variant (the device's settings with the variant's
+    fields replaced), the plan that ran in each row."""
+    import tilenorm
+    from bench.tune_norm import variant_settings
+    from tilenorm import dispatch, settings
+    from tilenorm.device import device_info
+    from tilenorm.pytorch import calls
+
+    info = device_info(torch.cuda.current_device())
+    base = settings.settings_for(info.arch, info.device_class)
+    rows = []
+    for i, variant in enumerate(variants):
+        dispatch.decide.cache_clear()
+        calls.clear()
+        with settings.measuring(variant_settings(variant, base)):
+            p = make_problem(op, m, n, dtype)
+            plan = str(tilenorm.explain(p.x, p.w, p.r, bias=p.b, layer_norm=op == "layer_norm",
+                                        per_head=op == "rms_norm_per_head"))
+            print(f"v{i} {op} {m}x{n}:\n{plan}", flush=True)
+            del p
+            for row in measure(op, "tilenorm", m, n, dtype, modes):
+                rows.append({**row, "provider": f"tilenorm v{i}", "variant": variant,
+                             "plan": plan})
+        dispatch.decide.cache_clear()
+        calls.clear()
+    return rows
+
+
 def overhead(op: str, name: str, dtype: torch.dtype) -> dict:
     prepared = PROVIDERS[name](make_problem(op, 256, 1024, dtype))
     return {"op": op, "provider": name, "fwd_host_us": common.host_us(prepared.fwd),
@@ -305,11 +348,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ops", default=",".join(OPS))
     parser.add_argument("--shapes", default="32768x4096", help="comma-separated MxN list")
     parser.add_argument("--providers", default=",".join(PROVIDERS))
+    parser.add_argument("--variants", type=json.loads,
+                        help="JSON list of settings variants to compare (tilenorm only)")
     common.add_run_args(parser)
     args = parser.parse_args(argv)
     dtype = common.DTYPES[args.dtype]
     shapes = common.parse_shapes(args.shapes)
     record = common.new_record(args)
+    if args.variants is not None:
+        record["variants"] = args.variants
+        for op in args.ops.split(","):
+            for m, n in shapes:
+                try:
+                    record["rows"] += measure_variants(op, m, n, dtype,
+                                                       args.modes.split(","), args.variants)
+                except Exception as e:
+                    record["failures"].append({"op": op, "M": m, "N": n,
+                                               "error": f"{type(e).__name__}: {e}"[:400]})
+                    traceback.print_exc(limit=2)
+                torch.cuda.empty_cache()
+        path = common.write_record(record, args.out)
+        common.print_table(record)
+        print(f"wrote {path}")
+        return
     for op in args.ops.split(","):
         for name in args.providers.split(","):
             for m, n in shapes:

@@ -3,8 +3,9 @@ variant on each case, and (``--host``) the host time of the launch-level functio
 feed bench/NOTES.md; the winners become settings in ``tilenorm/settings.py``.
 
 A variant is a JSON object of :class:`tilenorm.settings.RowNormSettings` fields to replace in
-the architecture's settings (``SM90``; lists for tuples; the old upper-case planner names such
-as ``SINGLE_PASS_HINTS`` are accepted too, so recorded variants rerun), e.g.
+the device's settings (``settings_for(arch, device_class)``; lists for tuples; the old
+upper-case planner names such as ``SINGLE_PASS_HINTS`` are accepted too, so recorded
+variants rerun), e.g.
 ``{"single_pass_hints": {"forward": {"rms_norm": [[2048, 4, null, false], [32768, 1, 8,
 true]], "layer_norm": [[32768, 1, 8, true]]}, "backward": {...}}}`` or ``{"tile_elements":
 {"forward": 16384, "backward": 4096}}``: the planner derives grids and partial buffers from
@@ -41,7 +42,7 @@ from tilenorm.device import device_info  # noqa: E402
 from tilenorm.launch import cutile  # noqa: E402
 from tilenorm.launch.cutile import NormFeatures  # noqa: E402
 from tilenorm.pytorch.calls import tensor_launcher  # noqa: E402
-from tilenorm.settings import SM90, RowNormSettings  # noqa: E402
+from tilenorm.settings import SM90, RowNormSettings, settings_for  # noqa: E402
 
 DEFAULT_CASES = "rms:128,rms:1024,rms:4096,rms:8192,rms:16384,rms:65536"
 FEATURES = {
@@ -164,8 +165,8 @@ def _time_once(key, fn) -> float:
 
 def run_variant(variant: dict, cases: list[tuple]) -> Iterator[dict]:
     """Each case's row under ``variant``, as soon as it is measured."""
-    settings = variant_settings(variant)
     info = device_info(torch.cuda.current_device())
+    settings = variant_settings(variant, settings_for(info.arch, info.device_class))
     for case in cases:
         yield {"variant": variant, **measure_case(info, settings, *case)}
         torch.cuda.empty_cache()

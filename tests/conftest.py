@@ -18,3 +18,33 @@ def compiled_as_custom_ops(monkeypatch):
     from tilenorm import dispatch
 
     monkeypatch.setattr(dispatch, "COMPILED_INDUCTOR_MAX_BYTES", -1)
+
+
+@pytest.fixture
+def decide_as_class(monkeypatch):
+    """``decide_as_class(device_class)``: the ops decide on this GPU with the settings of
+    ``device_class`` (tilenorm.settings.device_class: the device's bandwidth stands in for
+    that class's), so the entries of every class's tables run on any Hopper GPU. Decisions
+    and prepared calls are forgotten before and after."""
+    import dataclasses
+
+    from tests.kernel_harness import BANDWIDTH
+    from tilenorm import dispatch
+    from tilenorm.device import device_info
+    from tilenorm.pytorch import calls
+
+    def forget():
+        dispatch.decide.cache_clear()
+        dispatch.decide_fp8.cache_clear()
+        calls.clear()
+
+    def use(device_class: str) -> None:
+        def info(index):
+            return dataclasses.replace(device_info(index),
+                                       memory_bandwidth=BANDWIDTH[device_class])
+
+        monkeypatch.setattr(dispatch, "device_info", info)
+        forget()
+
+    yield use
+    forget()

@@ -16,15 +16,22 @@ from tilenorm.launch import cutile
 from tilenorm.launch.cutile import BoundKernel, NormFeatures
 from tilenorm.planner import plan_row_norm
 from tilenorm.pytorch.calls import tensor_launcher
+from tilenorm.settings import H100_PEAK_BANDWIDTH
 from tilenorm.testing import RelError, float64_norm, fresh_generator, rel_error, row_blocks
 
 OUT_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}
 STAT_TOL = 1e-5
 DGAMMA_TOL_FP32 = 1e-3
 rel = rel_error
-#: An H100's properties, for deciding without one (the decisions need only these).
+#: A peak DRAM bandwidth of each device class (tilenorm.settings.device_class), bytes a
+#: second: the H100 SXM's, the H200's datasheet's 4.8 TB/s.
+BANDWIDTH = {"h100": H100_PEAK_BANDWIDTH, "h200": 4800 * 10**9}
+#: An H100's and an H200's properties, for deciding without one (the decisions need only
+#: these).
 H100 = DeviceInfo(index=0, name="NVIDIA H100 80GB HBM3", sm_count=132, arch=(9, 0),
-                  l2_bytes=50 << 20)
+                  l2_bytes=50 << 20, memory_bandwidth=BANDWIDTH["h100"])
+H200 = DeviceInfo(index=0, name="NVIDIA H200", sm_count=132, arch=(9, 0), l2_bytes=60 << 20,
+                  memory_bandwidth=BANDWIDTH["h200"])
 
 
 def poisoned(shape, dtype):

@@ -249,8 +249,8 @@ def check_forward(m, n, op="rms_norm", dtype=torch.bfloat16, w_dtype=torch.bfloa
                   has_weight=True, has_bias=False, has_residual=False, offset=0.0,
                   x_mean=None):
     """The kernel on poisoned outputs against float64: every element of y, h, mean and rstd
-    written and accurate, a rerun bit-identical. x is standard normal plus ``x_mean``
-    (default 0.5 for LayerNorm, 0 for RMSNorm)."""
+    written and accurate, a rerun bit-identical. x is standard normal plus ``x_mean``, a
+    number (default 0.5 for LayerNorm, 0 for RMSNorm) or a tensor of one a column."""
     from tilenorm.device import device_info
 
     layer_norm = op == "layer_norm"
@@ -340,9 +340,25 @@ def test_cluster_forward_variants_match_float64(key):
 @needs_cute
 @pytest.mark.parametrize("n", [n for op, n in CLUSTER_ROUTED if op == "layer_norm"])
 def test_cluster_layer_norm_of_a_large_mean_keeps_the_variance_exact(n):
-    """Rows of mean 1000 and std 1: the cluster forward's mean is a cluster reduction of its
-    own before the centered row's (a one-pass E[x^2] - E[x]^2 would lose the variance)."""
+    """Rows of mean 1000 and std 1: each warp sums the squares of its elements about its own
+    mean before the cluster combines them (a one-pass E[x^2] - E[x]^2 would lose the
+    variance)."""
     check_forward(300, n, "layer_norm", has_bias=True, x_mean=1000.0)
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("n", [n for op, n in CLUSTER_ROUTED if op == "layer_norm"])
+def test_cluster_layer_norm_combines_the_warps_means_exactly(n):
+    """Rows of mean over 1000 whose variance lies almost all between the warps: column means
+    step by 8 from one 256-column block to the next, 8 blocks a period (the blocks a CTA's 8
+    warps take in turn: 32 lanes of 8 bf16), and by 64 from one cluster CTA's slice to the
+    next, under noise of std 1. The combine's n_w * (mean_i - mean)^2 terms carry the
+    variance here, checked against float64."""
+    cluster = CUTE_FORWARD["layer_norm"][n][3]
+    cols = torch.arange(n, device="cuda")
+    x_mean = 1000.0 + 8 * ((cols // 256) % 8) + 64 * (cols * cluster // n)
+    check_forward(300, n, "layer_norm", has_bias=True, x_mean=x_mean)
 
 
 FEATURES = {

@@ -9,6 +9,7 @@ import tilenorm
 from tests.kernel_harness import (
     DGAMMA_TOL_FP32,
     H100,
+    H200,
     OUT_TOL,
     check_graph_replay_matches_eager,
     fresh_generator,
@@ -63,15 +64,17 @@ def test_plan_only_where_measured():
 
 @needs_cute
 def test_decision_picks_it_only_for_its_dtypes_and_when_allowed(monkeypatch):
+    """On an H200; an H100 keeps cuTile's backward at 4096 (#38)."""
     cols = WIDTHS[0]
     last = 1000 * cols - 1
 
-    def pick(dtypes, max_offset=last, allow=True):
+    def pick(dtypes, max_offset=last, allow=True, device=H200):
         p = dispatch.Problem("layer_norm", "cuda", 0, dtypes, 1000, 1, cols, False, max_offset,
                              allow)
-        return dispatch._cute_backward(p, H100)
+        return dispatch._cute_backward(p, device)
 
     assert pick(("bfloat16", "float32", "float32"))
+    assert pick(("bfloat16", "float32", "float32"), device=H100) is None
     assert pick(("bfloat16", "bfloat16"))
     assert pick(("bfloat16", "float16")) is None
     assert pick(("float32", "float32")) is None
@@ -190,7 +193,9 @@ def _float64_layer_norm(x, w, b, eps, dy):
 @gpu
 @needs_cute
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "torch.compile"])
-def test_public_op_runs_it_and_matches_float64(compiled):
+def test_public_op_runs_it_and_matches_float64(compiled, decide_as_class):
+    """With the H200's settings, on any GPU: the H100's keep cuTile's backward (#38)."""
+    decide_as_class("h200")
     g, seed = fresh_generator("cuda")
     n = WIDTHS[0]
     x = torch.randn(4, 300, n, generator=g, device="cuda", dtype=torch.bfloat16)
@@ -212,8 +217,10 @@ def test_public_op_runs_it_and_matches_float64(compiled):
 
 @gpu
 @needs_cute
-def test_cuda_graph_replay_matches_eager_bit_for_bit():
-    """The kernel launches on torch's current stream, so a CUDA graph captures it."""
+def test_cuda_graph_replay_matches_eager_bit_for_bit(decide_as_class):
+    """The kernel launches on torch's current stream, so a CUDA graph captures it (the
+    H200's settings route it)."""
+    decide_as_class("h200")
     g, _ = fresh_generator("cuda")
     n = WIDTHS[0]
     x = torch.randn(2048, n, generator=g, device="cuda", dtype=torch.bfloat16)
@@ -228,9 +235,10 @@ def test_cuda_graph_replay_matches_eager_bit_for_bit():
 
 @gpu
 @needs_cute
-def test_strided_rows_take_the_cutile_backward_and_match_float64():
+def test_strided_rows_take_the_cutile_backward_and_match_float64(decide_as_class):
     """Rows that are not contiguous fail the kernel's layout: the call runs cuTile's backward
-    instead, on the same decision."""
+    instead, on the same decision (the H200's settings, which route the kernel)."""
+    decide_as_class("h200")
     g, seed = fresh_generator("cuda")
     n = WIDTHS[0]
     x = torch.randn(300, n + 64, generator=g, device="cuda", dtype=torch.bfloat16)[:, :n]

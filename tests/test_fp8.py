@@ -1379,21 +1379,30 @@ def test_explain_on_gpu_names_the_fp8_kernels():
 
 @gpu
 @pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
-@pytest.mark.parametrize("cols", [2048, 4096, 8192, 16384])
+@pytest.mark.parametrize("cols,device_class", [(2048, "h200"), (4096, "h200"), (8192, "h200"),
+                                               (8192, "h100"), (16384, "h200")])
 @pytest.mark.parametrize("scaling", SCALINGS)
-def test_cute_row_kernel_runs_and_matches_float64(scaling, cols):
+def test_cute_row_kernel_runs_and_matches_float64(scaling, cols, device_class,
+                                                  decide_as_class):
     """The widths of the FP8 settings' ``cute_forward`` table take the CuTe DSL row kernel
     (and a row-scaled transposed copy cuTile's, which keeps column amaxes, as 1037 rows are
     no multiple of 16 for the CuTe copy); rows not a multiple of the grid, poisoned outputs,
-    reruns bit-identical (``run_kernels``)."""
+    reruns bit-identical (``run_kernels``). Each device class's entry, on any GPU (the
+    classes differ at 8192)."""
     from tilenorm.dispatch import CUTE_FP8_FORWARD_NAME
+    from tilenorm.settings_fp8 import fp8_settings_for
 
+    decide_as_class(device_class)
     g, seed = fresh_generator("cuda")
     x, w, _ = _inputs(g, 1037, cols, device="cuda")
     with tilenorm.experimental():
         decision = tilenorm.fp8.explain(x, w, scaling=scaling)
         copied = tilenorm.fp8.explain(x, w, scaling=scaling, transpose=True)
     assert decision.cute_forward is not None and CUTE_FP8_FORWARD_NAME in decision.kernels
+    entry = fp8_settings_for((9, 0), device_class).cute_forward_recompute_t.get(
+        scaling, {}).get(cols) or fp8_settings_for((9, 0), device_class).cute_forward[cols]
+    f = decision.cute_forward
+    assert (f.threads, f.stages, f.ctas_per_sm) == entry, str(decision)
     assert (copied.cute_forward is None) == (scaling == "row"), str(copied)
     out = run_kernels("rms_norm", x, w, None, scaling)
     ref = _reference(x.cpu(), w.cpu(), None, scaling, E4M3, out)

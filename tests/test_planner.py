@@ -256,15 +256,19 @@ def test_every_architecture_has_settings_and_a_variant_plans_apart():
 def test_cute_row_plans_take_even_rings_only():
     """The CuTe row kernels reduce consecutive rows in alternating shared-memory slots: an odd
     ring would put the last row and the next ring's first in one slot. Every table entry is
-    even; an odd or single-row one is refused."""
+    even, in every device class's tables; an odd or single-row one is refused."""
     from tilenorm.planner import CuteRowPlan
+    from tilenorm.settings import DEVICE_CLASSES
     from tilenorm.settings_fp8 import fp8_settings_for
 
-    fp8 = fp8_settings_for((9, 0))
-    entries = list(fp8.cute_forward.values())
-    entries += [e for table in fp8.cute_forward_recompute_t.values() for e in table.values()]
-    entries += [e for table in settings_for((9, 0)).cute_backward.values()
-                for e in table.values()]
+    entries = []
+    for device_class in DEVICE_CLASSES:
+        fp8 = fp8_settings_for((9, 0), device_class)
+        entries += list(fp8.cute_forward.values()) + list(fp8.cute_forward_fp8_input.values())
+        entries += [e for table in fp8.cute_forward_recompute_t.values()
+                    for e in table.values()]
+        entries += [e for table in settings_for((9, 0), device_class).cute_backward.values()
+                    for e in table.values()]
     for threads, stages, ctas in entries:
         assert CuteRowPlan.of(4096, 4096, (threads, stages, ctas), 132).stages == stages
     for stages in (1, 3, 5):

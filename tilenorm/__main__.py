@@ -70,7 +70,8 @@ def report() -> None:
 
         info = device_info(torch.cuda.current_device())
         print(f"  GPU: {info.name}, {info.sm}, {info.sm_count} SMs, "
-              f"{info.l2_bytes >> 20} MiB L2")
+              f"{info.l2_bytes >> 20} MiB L2, {info.memory_bandwidth / 1e12:.2f} TB/s peak "
+              f"DRAM: settings of device class {info.device_class}")
     else:
         print("  GPU: none (no CUDA device visible): reference path only; kernels are built "
               "ahead of time below")

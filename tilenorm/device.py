@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from tilenorm.settings import DeviceClass, device_class
+
 
 @dataclass(frozen=True)
 class DeviceInfo:
@@ -13,10 +15,19 @@ class DeviceInfo:
     sm_count: int
     arch: tuple[int, int]
     l2_bytes: int
+    #: Peak DRAM bandwidth, bytes a second: the memory clock times the bus width, two
+    #: transfers a clock; 0 where unknown (a device described without it).
+    memory_bandwidth: int = 0
 
     @property
     def sm(self) -> str:
         return f"sm_{self.arch[0]}{self.arch[1]}"
+
+    @property
+    def device_class(self) -> DeviceClass:
+        """Which measured tables the planner takes on this device
+        (:func:`tilenorm.settings.device_class`)."""
+        return device_class(self.arch, self.memory_bandwidth)
 
 
 def _check(result):
@@ -42,6 +53,11 @@ def device_info(index: int) -> DeviceInfo:
         return _check(driver.cuDeviceGetAttribute(a, dev))
 
     name = _check(driver.cuDeviceGetName(256, dev)).split(b"\0", 1)[0].decode()
+    try:  # memory clock in kHz, bus width in bits
+        bandwidth = (2 * get(attr.CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE) * 1000
+                     * get(attr.CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH) // 8)
+    except RuntimeError:  # a driver that does not report them: the default tables
+        bandwidth = 0
     return DeviceInfo(
         index=index,
         name=name,
@@ -49,6 +65,7 @@ def device_info(index: int) -> DeviceInfo:
         arch=(get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
               get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)),
         l2_bytes=get(attr.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
+        memory_bandwidth=bandwidth,
     )
 
 

@@ -169,7 +169,7 @@ class Decision:
             return f"{self.op}: reference path, because {self.reason}"
         lines = [
             f"{self.op}: {self.family.language} kernels ({self.family.name}) on "
-            f"{self.device.name} ({self.device.sm}, {self.device.sm_count} SMs)",
+            f"{_describe_device(self.device)}",
             f"  status:   {self.status}",
             f"  kernels:  {', '.join(self.kernels)}",
             f"  forward:  {self.forward.describe()}",
@@ -203,6 +203,12 @@ def cute_forward_name(plan: CuteForwardPlan) -> str:
     return CUTE_CLUSTER_FORWARD_NAME if plan.cluster > 1 else CUTE_FORWARD_NAME
 
 
+def _describe_device(info: DeviceInfo) -> str:
+    """The device as a decision names it, with the class whose settings it took."""
+    return (f"{info.name} ({info.sm}, {info.sm_count} SMs; settings of device class "
+            f"{info.device_class})")
+
+
 def _family_status(family: KernelFamily) -> str:
     record = validation.validation_record(family)
     if record is None:
@@ -234,12 +240,14 @@ def _cute_backward(p: Problem, info: DeviceInfo
         return max_active_clusters(info.index, cluster, threads, ctas_per_sm)
 
     cluster_plan = plan_cute_cluster_backward(
-        p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]], arch=info.arch, op=p.op,
-        resident_clusters=resident_clusters, heads=p.heads, max_offset=p.max_offset)
+        p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]], arch=info.arch,
+        device_class=info.device_class, op=p.op, resident_clusters=resident_clusters,
+        heads=p.heads, max_offset=p.max_offset)
     if cluster_plan is not None:
         return cluster_plan
     return plan_cute_backward(p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]],
-                              sm_count=info.sm_count, arch=info.arch, op=p.op, heads=p.heads,
+                              sm_count=info.sm_count, arch=info.arch,
+                              device_class=info.device_class, op=p.op, heads=p.heads,
                               max_offset=p.max_offset)
 
 
@@ -257,7 +265,8 @@ def _cute_forward(p: Problem, info: DeviceInfo) -> CuteForwardPlan | None:
     if x_bytes < CUTE_FORWARD_MIN_BYTES or not _cute_may_run(p):
         return None
     return plan_cute_forward(p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]], arch=info.arch,
-                             op=p.op, heads=p.heads, max_offset=p.max_offset)
+                             device_class=info.device_class, op=p.op, heads=p.heads,
+                             max_offset=p.max_offset)
 
 
 #: Under ``torch.compile``, a norm whose x holds at most this many bytes is traced as torch
@@ -307,8 +316,8 @@ def decide(p: Problem) -> Decision:
         fwd, bwd = (plan_row_norm(p.rows, p.cols, heads=p.heads,
                                   per_head_weight=p.per_head_weight,
                                   itemsize=ITEMSIZE[p.dtypes[0]], sm_count=info.sm_count,
-                                  arch=info.arch, direction=d, max_offset=p.max_offset,
-                                  op=p.op)
+                                  arch=info.arch, device_class=info.device_class,
+                                  direction=d, max_offset=p.max_offset, op=p.op)
                     for d in ("forward", "backward"))
     except UnsupportedShape as e:
         return _reference(p.op, str(e))
@@ -463,8 +472,7 @@ class Fp8Decision:
             return f"{self.op} (FP8 output, {self.scaling}): reference path, because {self.reason}"
         lines = [
             f"{self.op} (FP8 output, {self.scaling}): {self.family.language} kernels "
-            f"({self.family.name}) on {self.device.name} ({self.device.sm}, "
-            f"{self.device.sm_count} SMs)",
+            f"({self.family.name}) on {_describe_device(self.device)}",
             f"  status:   {self.family.name} {_family_status(self.family)}",
         ]
         if self.cute_forward is not None or self.cute_transpose is not None:
@@ -516,26 +524,30 @@ def decide_fp8(p: Fp8Problem) -> Fp8Decision:
     itemsize = ITEMSIZE[p.dtypes[0]]
     try:
         forward = plan_fp8_row(p.rows, p.cols, itemsize=itemsize, sm_count=info.sm_count,
-                               arch=info.arch, direction="forward", op=p.op,
-                               max_offset=p.max_offset,
+                               arch=info.arch, device_class=info.device_class,
+                               direction="forward", op=p.op, max_offset=p.max_offset,
                                persistent=p.two_passes or p.scaling == "delayed")
         backward = None
         if p.fp8_backward:
             backward = plan_fp8_row(p.rows, p.cols, itemsize=itemsize,
                                     sm_count=info.sm_count, arch=info.arch,
-                                    direction="backward", op=p.op, max_offset=p.max_offset)
+                                    device_class=info.device_class, direction="backward",
+                                    op=p.op, max_offset=p.max_offset)
         swizzle = swizzle_t = None
         if p.mx_layout == "swizzled":  # q's (M, N / 32) scales, then the copy's (N, M / 32)
             swizzle = plan_fp8_mx_swizzle(p.rows, p.cols // 32, arch=info.arch,
-                                          dependent_launch=forward.dependent_launch)
+                                          dependent_launch=forward.dependent_launch,
+                                          device_class=info.device_class)
             if p.transpose:
                 swizzle_t = plan_fp8_mx_swizzle(p.cols, -(-p.rows // 32), arch=info.arch,
-                                                dependent_launch=forward.dependent_launch)
+                                                dependent_launch=forward.dependent_launch,
+                                                device_class=info.device_class)
     except UnsupportedShape as e:
         return reference(str(e))
     quantize = column_amax = None
     if p.two_passes:
         quantize = plan_fp8_quantize(p.rows, p.cols, sm_count=info.sm_count, arch=info.arch,
+                                     device_class=info.device_class,
                                      dependent_launch=forward.dependent_launch,
                                      max_offset=p.max_offset,
                                      column_blocks=p.scales_along_rows and p.scaling != "row")
@@ -548,7 +560,8 @@ def decide_fp8(p: Fp8Problem) -> Fp8Decision:
             cute_transpose = dataclasses.replace(cute_transpose, weight_first=True)
         partials = (cute_forward or forward).grid
         column_amax = plan_fp8_column_amax(partials, p.cols, arch=info.arch,
-                                           dependent_launch=forward.dependent_launch)
+                                           dependent_launch=forward.dependent_launch,
+                                           device_class=info.device_class)
     reason = ("validated kernels cover this case" if stable
               else "experimental kernels are enabled")
     if cute_forward is not None:
@@ -587,8 +600,9 @@ def _cute_fp8_forward(p: Fp8Problem, info: DeviceInfo, column_amax: bool = False
         return None
     return plan_cute_fp8_forward(p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]],
                                  sm_count=info.sm_count, arch=info.arch,
-                                 scaling=p.row_scaling, max_offset=p.max_offset,
-                                 group=p.group, column_amax=keeps_columns)
+                                 device_class=info.device_class, scaling=p.row_scaling,
+                                 max_offset=p.max_offset, group=p.group,
+                                 column_amax=keeps_columns)
 
 
 def _cute_fp8_transpose(p: Fp8Problem, info: DeviceInfo) -> CuteFp8TransposePlan | None:
@@ -603,4 +617,5 @@ def _cute_fp8_transpose(p: Fp8Problem, info: DeviceInfo) -> CuteFp8TransposePlan
     if p.dtypes[0] not in ("bfloat16", "float16") or not cute.available():
         return None
     return plan_cute_fp8_transpose(p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]],
-                                   arch=info.arch, max_offset=p.max_offset)
+                                   arch=info.arch, device_class=info.device_class,
+                                   max_offset=p.max_offset)

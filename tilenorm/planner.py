@@ -2,9 +2,9 @@
 
 Every launch decision (tile shape, single pass or column chunks, occupancy, persistent grid,
 partial-buffer shape, 32- or 64-bit indexing, the dgamma reduction's tiling) comes from
-:func:`plan_row_norm`, a function of the problem's shape, element size, SM count and
-architecture and of that architecture's measured settings (:mod:`tilenorm.settings`), so CPU
-tests can check it and :func:`tilenorm.explain` can show it.
+:func:`plan_row_norm`, a function of the problem's shape, element size, SM count,
+architecture and device class and of their measured settings (:mod:`tilenorm.settings`), so
+CPU tests can check it and :func:`tilenorm.explain` can show it.
 
 A problem is ``rows x heads`` normalized vectors of ``cols`` elements: x viewed as
 (rows, heads, cols). Plain norms have ``heads == 1``; per-head (QK) norms keep the head axis so
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from tilenorm.settings import RowNormSettings, settings_for
+from tilenorm.settings import DEFAULT_DEVICE_CLASS, DeviceClass, RowNormSettings, settings_for
 from tilenorm.settings_fp8 import fp8_settings_for, row_settings_for
 
 Direction = Literal["forward", "backward"]
@@ -179,8 +179,8 @@ def max_single_pass_cols(direction: Direction, op: Op, itemsize: int,
 def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
                   arch: tuple[int, int], direction: Direction, heads: int = 1,
                   per_head_weight: bool = False, max_offset: int | None = None,
-                  op: Op = "rms_norm", settings: RowNormSettings | None = None
-                  ) -> RowNormPlan:
+                  op: Op = "rms_norm", settings: RowNormSettings | None = None,
+                  device_class: DeviceClass = DEFAULT_DEVICE_CLASS) -> RowNormPlan:
     """Plan a normalization (``op``) of ``rows x heads`` vectors of ``cols`` elements: its
     tiles, grid (persistent, or a program per row tile for narrow forwards), occupancy and
     partial buffer.
@@ -188,10 +188,10 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
     ``itemsize`` is the input's element size in bytes and ``arch`` the compute capability.
     ``max_offset`` is the largest element offset any operand reaches (default: that of a
     contiguous tensor); past 2^31 - 1 the kernels index with 64 bits. ``settings`` default
-    to the architecture's (:func:`tilenorm.settings.settings_for`). Raises
-    :class:`UnsupportedShape` for problems the kernels cannot take.
+    to the architecture's and ``device_class``'s (:func:`tilenorm.settings.settings_for`).
+    Raises :class:`UnsupportedShape` for problems the kernels cannot take.
     """
-    s = settings or settings_for(arch)
+    s = settings or settings_for(arch, device_class)
     if rows < 1 or cols < 1 or heads < 1:
         raise UnsupportedShape(f"empty problem ({rows}x{heads}x{cols}) needs no kernel")
     if sm_count < 1:
@@ -311,13 +311,14 @@ class CuteBackwardPlan(CuteRowPlan):
 
 def plan_cute_backward(rows: int, cols: int, *, itemsize: int, sm_count: int,
                        arch: tuple[int, int], op: Op, heads: int = 1,
-                       max_offset: int | None = None, settings: RowNormSettings | None = None
+                       max_offset: int | None = None, settings: RowNormSettings | None = None,
+                       device_class: DeviceClass = DEFAULT_DEVICE_CLASS
                        ) -> CuteBackwardPlan | None:
     """The CuTe DSL backward for ``rows x heads`` vectors of ``cols`` elements, or None where
     cuTile's runs: widths and element sizes not in the settings' ``cute_backward`` table,
     several heads, and offsets past 32 bits (the kernel indexes with 32; ``max_offset`` as
-    for :func:`plan_row_norm`)."""
-    s = settings or settings_for(arch)
+    for :func:`plan_row_norm`; ``settings`` as there)."""
+    s = settings or settings_for(arch, device_class)
     entry = _cute_entry(s, s.cute_backward, op, rows, cols, itemsize, heads, max_offset)
     return None if entry is None else CuteBackwardPlan.of(rows, cols, entry, sm_count)
 
@@ -372,7 +373,8 @@ class CuteClusterBackwardPlan:
 def plan_cute_cluster_backward(rows: int, cols: int, *, itemsize: int, arch: tuple[int, int],
                                op: Op, resident_clusters: Callable[[int, int, int], int],
                                heads: int = 1, max_offset: int | None = None,
-                               settings: RowNormSettings | None = None
+                               settings: RowNormSettings | None = None,
+                               device_class: DeviceClass = DEFAULT_DEVICE_CLASS
                                ) -> CuteClusterBackwardPlan | None:
     """The CuTe DSL cluster backward for ``rows x heads`` vectors of ``cols`` elements, or
     None where another backward runs (as :func:`plan_cute_backward`, from the settings'
@@ -380,7 +382,7 @@ def plan_cute_cluster_backward(rows: int, cols: int, *, itemsize: int, arch: tup
     how many clusters of the entry's shape are co-resident on the device
     (:func:`tilenorm.device.max_active_clusters`), asked only where an entry applies; none
     (a device whose GPCs cannot hold the cluster) leaves the row to another backward."""
-    s = settings or settings_for(arch)
+    s = settings or settings_for(arch, device_class)
     entry = _cute_entry(s, s.cute_cluster_backward, op, rows, cols, itemsize, heads,
                         max_offset)
     if entry is None:
@@ -452,12 +454,14 @@ class CuteForwardPlan:
 
 def plan_cute_forward(rows: int, cols: int, *, itemsize: int, arch: tuple[int, int], op: Op,
                       heads: int = 1, max_offset: int | None = None,
-                      settings: RowNormSettings | None = None) -> CuteForwardPlan | None:
+                      settings: RowNormSettings | None = None,
+                      device_class: DeviceClass = DEFAULT_DEVICE_CLASS
+                      ) -> CuteForwardPlan | None:
     """The CuTe DSL forward for ``rows x heads`` vectors of ``cols`` elements, or None where
     cuTile's runs: widths and element sizes not in the settings' ``cute_forward`` table,
     several heads, and offsets past 32 bits (the kernel indexes with 32; ``max_offset`` as
-    for :func:`plan_row_norm`)."""
-    s = settings or settings_for(arch)
+    for :func:`plan_row_norm`; ``settings`` as there)."""
+    s = settings or settings_for(arch, device_class)
     entry = _cute_entry(s, s.cute_forward, op, rows, cols, itemsize, heads, max_offset)
     return None if entry is None else CuteForwardPlan.of(rows, cols, entry)
 
@@ -488,7 +492,8 @@ FP8_VECTOR = 16
 
 def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
                           arch: tuple[int, int], scaling: str, max_offset: int | None = None,
-                          group: int = 0, column_amax: bool = False
+                          group: int = 0, column_amax: bool = False,
+                          device_class: DeviceClass = DEFAULT_DEVICE_CLASS
                           ) -> CuteFp8ForwardPlan | None:
     """The CuTe DSL FP8-output row kernel for ``rows`` rows of ``cols`` 2-byte elements, or
     of FP8 x (``itemsize`` 1) with one multiplier per ``group`` elements, with the row
@@ -500,13 +505,14 @@ def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
     one, takes the place of ``cute_forward``'s, with ``recompute_t``. ``column_amax`` (a
     per-row scaling's transposed copy): only 2-byte x (the CuTe copy that takes them reads
     2-byte x) at the widths of the settings' ``cute_forward_column_amax``, at
-    ``cute_forward``'s entry."""
-    settings = fp8_settings_for(arch)
+    ``cute_forward``'s entry. The FP8 settings are ``arch``'s and ``device_class``'s."""
+    settings = fp8_settings_for(arch, device_class)
     if column_amax:
         if itemsize != 2 or scaling != "row" or cols not in settings.cute_forward_column_amax:
             return None
         plan = plan_cute_fp8_forward(rows, cols, itemsize=itemsize, sm_count=sm_count,
-                                     arch=arch, scaling=scaling, max_offset=max_offset)
+                                     arch=arch, scaling=scaling, max_offset=max_offset,
+                                     device_class=device_class)
         if plan is None or plan.recompute_t:
             return None
         return dataclasses.replace(plan, column_amax=True)
@@ -556,7 +562,9 @@ CUTE_FP8_TRANSPOSE_ROW_MULTIPLE = 16
 
 
 def plan_cute_fp8_transpose(rows: int, cols: int, *, itemsize: int, arch: tuple[int, int],
-                            max_offset: int | None = None) -> CuteFp8TransposePlan | None:
+                            max_offset: int | None = None,
+                            device_class: DeviceClass = DEFAULT_DEVICE_CLASS
+                            ) -> CuteFp8TransposePlan | None:
     """The CuTe DSL transposed copy for ``rows`` rows of ``cols`` ``itemsize``-byte
     elements, or None where cuTile's ``fp8_quantize_transposed`` runs: other element sizes
     than 2, row counts not a multiple of 16, widths no tile of the FP8 settings'
@@ -568,27 +576,30 @@ def plan_cute_fp8_transpose(rows: int, cols: int, *, itemsize: int, arch: tuple[
             or cdiv(rows, CUTE_FP8_TRANSPOSE_ROWS) > MAX_GRID_Y
             or max_offset > MAX_INT32_OFFSET):
         return None
-    for tile_cols, ctas_per_sm in fp8_settings_for(arch).cute_transpose:
+    for tile_cols, ctas_per_sm in fp8_settings_for(arch, device_class).cute_transpose:
         if cols % tile_cols == 0:
             return CuteFp8TransposePlan(rows, cols, int(tile_cols), int(ctas_per_sm))
     return None
 
 
-def max_fp8_cols(direction: Direction, op: Op, itemsize: int, arch: tuple[int, int]) -> int:
+def max_fp8_cols(direction: Direction, op: Op, itemsize: int, arch: tuple[int, int],
+                 device_class: DeviceClass = DEFAULT_DEVICE_CLASS) -> int:
     """The widest row the FP8 kernels take: one single-pass tile (for FP8 x, a bf16 tile's
     width: the kernels hold the row in fp32 alike)."""
-    return max_single_pass_cols(direction, op, max(itemsize, 2), row_settings_for(arch))
+    return max_single_pass_cols(direction, op, max(itemsize, 2),
+                                row_settings_for(arch, device_class))
 
 
 def plan_fp8_row(rows: int, cols: int, *, itemsize: int, sm_count: int,
                  arch: tuple[int, int], direction: Direction, op: Op = "rms_norm",
-                 max_offset: int | None = None, persistent: bool = False) -> RowNormPlan:
+                 max_offset: int | None = None, persistent: bool = False,
+                 device_class: DeviceClass = DEFAULT_DEVICE_CLASS) -> RowNormPlan:
     """A single-pass plan of the FP8 row kernels (no split tiles): the bf16 norm's tile for
     ``itemsize``-byte x (FP8 x planned as 2-byte), with a persistent grid where
     ``persistent`` (kernels whose per-program amaxes a second kernel reads whole). Raises
     :class:`UnsupportedShape`, naming the limit, for rows wider than one tile."""
-    settings = row_settings_for(arch)
-    widest = max_fp8_cols(direction, op, itemsize, arch)
+    settings = row_settings_for(arch, device_class)
+    widest = max_fp8_cols(direction, op, itemsize, arch, device_class)
     if cols > widest:
         kind = "FP8 output" if direction == "forward" else "FP8 input's backward"
         raise UnsupportedShape(f"{kind}: rows of {cols} elements are wider than one tile; "
@@ -631,12 +642,13 @@ class BlockPlan:
 
 def plan_fp8_quantize(rows: int, cols: int, *, sm_count: int, arch: tuple[int, int],
                       dependent_launch: bool, max_offset: int | None = None,
-                      column_blocks: bool = False) -> BlockPlan:
+                      column_blocks: bool = False,
+                      device_class: DeviceClass = DEFAULT_DEVICE_CLASS) -> BlockPlan:
     """The second pass of a per-tensor FP8 scaling or the transposing pass of a per-row
     one, or with ``column_blocks`` that of "block" and "mx", whose tile holds whole 128 x 1
     blocks of each column; ``dependent_launch`` as its first pass's (it waits for that
     kernel's writes)."""
-    s = fp8_settings_for(arch)
+    s = fp8_settings_for(arch, device_class)
     if max_offset is None:
         max_offset = rows * cols - 1
     tile_rows, tile_cols = s.transpose_tile if column_blocks else s.quantize_tile
@@ -667,10 +679,11 @@ class ColumnAmaxPlan:
 
 
 def plan_fp8_column_amax(partials: int, cols: int, *, arch: tuple[int, int],
-                         dependent_launch: bool) -> ColumnAmaxPlan:
+                         dependent_launch: bool,
+                         device_class: DeviceClass = DEFAULT_DEVICE_CLASS) -> ColumnAmaxPlan:
     """Each column's amax over ``partials`` per-program rows of the row kernel, before the
     transposed copy of a per-row scaling; ``dependent_launch`` as the row kernel's."""
-    tile_rows, tile_cols = fp8_settings_for(arch).column_amax_tile
+    tile_rows, tile_cols = fp8_settings_for(arch, device_class).column_amax_tile
     tile_cols = min(tile_cols, next_pow2(cols))
     return ColumnAmaxPlan(partials=partials, cols=cols, tile_rows=tile_rows,
                           tile_cols=tile_cols, grid=cdiv(cols, tile_cols),
@@ -694,13 +707,15 @@ class MxSwizzlePlan:
 
 
 def plan_fp8_mx_swizzle(rows: int, groups: int, *, arch: tuple[int, int],
-                        dependent_launch: bool) -> MxSwizzlePlan:
+                        dependent_launch: bool,
+                        device_class: DeviceClass = DEFAULT_DEVICE_CLASS) -> MxSwizzlePlan:
     """Rows of ``groups`` E8M0 scales into cuBLAS's 128 x 4 blocked layout, after the kernel
     that wrote them (``dependent_launch`` as its). Row blocks go along the grid's first
     dimension, which has room for any M; the chunks of a copy's scales (M / 1024 of them)
     along the second, whose limit caps M of a swizzled copy near 2**26."""
     column_tiles = cdiv(groups, 4)
-    tiles = min(fp8_settings_for(arch).mx_swizzle_tiles, next_pow2(column_tiles))
+    tiles = min(fp8_settings_for(arch, device_class).mx_swizzle_tiles,
+                next_pow2(column_tiles))
     grid = (cdiv(rows, 128), cdiv(column_tiles, tiles))
     if grid[1] > MAX_GRID_Y:
         raise UnsupportedShape(f"{groups} MX scales a row take {grid[1]} programs of "

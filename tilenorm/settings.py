@@ -1,17 +1,25 @@
-"""Measured launch settings of the row-norm kernels, per GPU architecture.
+"""Measured launch settings of the row-norm kernels, per GPU architecture and device class.
 
-Every number here was chosen by a measurement on an H200 (sm_90) that ``bench/NOTES.md``
-records; :mod:`tilenorm.planner` turns them into launch plans. They are part of what a GPU
-validation record pins (:mod:`tilenorm.validation`): a change here changes what the kernels
-are launched with, so it needs a GPU run before the kernels count as stable again.
+Every number here was chosen by a measurement that ``bench/NOTES.md`` records, on an H200
+(sm_90) unless it says otherwise; :mod:`tilenorm.planner` turns them into launch plans. They
+are part of what a GPU validation record pins (:mod:`tilenorm.validation`): a change here
+changes what the kernels are launched with, so it needs a GPU run before the kernels count as
+stable again.
 
-Architectures without settings of their own (Blackwell, sm_100/sm_120) take Hopper's until
-they are measured there.
+The H100 and the H200 are both sm_90 with 132 SMs, but the H200 moves ~1.4x the bytes a
+second (copy 4186 against 2953 GB/s, #38), and where the fastest launch differs between them
+the H100 has its own table (:data:`SM90_H100`). A device's class (:func:`device_class`)
+picks the table. Architectures without settings of their own (Blackwell, sm_100/sm_120) take
+the H200's until they are measured there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Generic, Literal, TypeVar
 
 #: (widest tile_cols, occupancy, worker warps, persistent): the first entry whose width
 #: reaches a single-pass tile's applies.
@@ -106,14 +114,13 @@ class RowNormSettings:
     cute_backward: dict = field(default_factory=lambda: {"layer_norm": {4096: (256, 2, 2)}})
     #: Backwards of rows too wide for one CTA that a cluster of CTAs holds, reading x and dy
     #: once, per op and width: (CTAs a cluster, threads, row stages in shared memory, CTAs per
-    #: SM), the weight in registers. RMSNorm through the op on an H100 (bf16, % of copy, the
-    #: partial buffer's column sum included): 65536 94%, 131072 86-87%, where the two-pass
-    #: column-split backward held ~60% (#79, #81); 32768 at (2, 512, 2, 1) is the probe's
-    #: best there, 95.9% against the op's 60.1% (#81), not yet timed through the op. Every
-    #: width is past ``max_single_pass_bytes["backward"]``: the cluster kernel replaces the
-    #: column split, nothing else. LayerNorm takes RMSNorm's entries, UNTIMED (its backward
-    #: at 65536 was the column split's 61% of copy, #83): at 32768 too, where its backward
-    #: is the same column split (the one-CTA CuTe backward covers 4096 only, #38).
+    #: SM), the weight in registers. Through the op on an H100 (bf16, % of copy, the
+    #: partial buffer's column sum included), RMSNorm 96 / 95 / 88% at 32768 / 65536 /
+    #: 131072, LayerNorm 86 / 84 / 75%, where the two-pass column-split backward held ~60%
+    #: (#87; 32768's (2, 512, 2, 1) was the probe's best, #81). Every width is past
+    #: ``max_single_pass_bytes["backward"]``: the cluster kernel replaces the column split,
+    #: nothing else. LayerNorm takes RMSNorm's entries, none tuned for it (the one-CTA CuTe
+    #: backward covers 4096 only, #38).
     cute_cluster_backward: dict = field(default_factory=lambda: {
         op: {32768: (2, 512, 2, 1), 65536: (8, 256, 2, 2), 131072: (8, 256, 2, 1)}
         for op in ("rms_norm", "layer_norm")})
@@ -125,9 +132,10 @@ class RowNormSettings:
     #: weight and bias beside them spill and fall below cuTile (#69). Wider rows, and
     #: LayerNorm's at 32768, run the cluster forward: entries (threads, 1 row, CTAs per SM,
     #: cluster), a row across ``cluster`` CTAs of 16384 columns each, 256 threads, 4 CTAs an
-    #: SM (Quack's shape): through the op on an H100 RMSNorm 100% of copy at 65536 and 97% at
-    #: 131072 (#79), LayerNorm 94% at 65536 (#83), where cuTile's chunked forward reads every
-    #: row twice at 66% (#75). Widths absent here were not measured to gain.
+    #: SM (Quack's shape): through the op on an H100 RMSNorm 100-101% of copy at 65536 and
+    #: 131072, LayerNorm (fp32 weight and bias) 85 / 92 / 86% at 32768 / 65536 / 131072 with
+    #: two cluster exchanges a row (#79, #87), where cuTile's chunked forward reads every row
+    #: twice at 66% (#75). Widths absent here were not measured to gain.
     cute_forward: dict = field(default_factory=lambda: {
         op: {4096: (128, 2, 4), 5120: (128, 1, 4), 8192: (256, 2, 2), 16384: (512, 2, 1),
              32768: (512, 1, 1) if op == "rms_norm" else _cluster_forward(32768),
@@ -137,11 +145,86 @@ class RowNormSettings:
     cute_itemsizes: tuple[int, ...] = (2,)
 
 
-#: Hopper (H100, H200): every setting above was measured on an H200.
+#: Hopper at the H200's memory bandwidth: the settings above as measured, on an H200 where
+#: no other device is named. The default for every device not of another class.
 SM90 = RowNormSettings()
 
+#: Hopper at the H100's bandwidth: the H200's settings but where the H100 measured another
+#: choice. The LayerNorm backward at 4096 columns keeps cuTile's: the CuTe DSL backward
+#: runs at 94% of copy on an H100 where cuTile's runs at 101% (#38).
+SM90_H100 = dataclasses.replace(SM90, cute_backward={
+    **SM90.cute_backward,
+    "layer_norm": {cols: entry for cols, entry in SM90.cute_backward["layer_norm"].items()
+                   if cols != 4096}})
 
-def settings_for(arch: tuple[int, int]) -> RowNormSettings:
-    """The settings for compute capability ``arch``: Hopper's for every architecture until
-    another one is measured."""
-    return SM90
+#: What picks a device's tables: the Hopper part they were measured on.
+DeviceClass = Literal["h200", "h100"]
+#: Every class, the default first. Each has its tables, and the ahead-of-time builds cover
+#: every entry of every class's.
+DEVICE_CLASSES: tuple[DeviceClass, ...] = ("h200", "h100")
+DEFAULT_DEVICE_CLASS: DeviceClass = "h200"
+
+#: Peak DRAM bandwidth, bytes a second, of the H100 SXM: 5120-bit HBM3 at 2619 MHz, two
+#: transfers a clock (its datasheet's 3.35 TB/s).
+H100_PEAK_BANDWIDTH = 2 * 2619 * 10**6 * 5120 // 8
+
+
+def device_class(arch: tuple[int, int], memory_bandwidth: int) -> DeviceClass:
+    """The class of a device of compute capability ``arch`` and peak DRAM bandwidth
+    ``memory_bandwidth`` (bytes a second, 0 where unknown): "h100" for sm_90 at most at the
+    H100 SXM's bandwidth (the H100 SXM and PCIe, the H800), "h200" for every other device:
+    the H200, and the parts measured on neither (H100 NVL, H20, GH200, Blackwell) keep the
+    tables measured first.
+
+    Keyed on bandwidth because it is what separates the two measured choices (#38: "routing
+    on memory bandwidth is the fix"), from two driver attributes that name the memory, not
+    the product: not the device name, which each variant spells its own way, nor the total
+    memory, which under MIG is a slice's (an H200 slice holds less than an H100)."""
+    if tuple(arch) == (9, 0) and 0 < memory_bandwidth <= H100_PEAK_BANDWIDTH:
+        return "h100"
+    return DEFAULT_DEVICE_CLASS
+
+
+T = TypeVar("T")
+
+
+class DeviceTables(Generic[T]):
+    """One kind of settings a device class, and the settings under measurement that replace
+    them inside :meth:`measuring` (the benchmarks' ``--variants``)."""
+
+    def __init__(self, tables: dict[DeviceClass, T]):
+        self._tables = tables
+        self._measuring: T | None = None
+
+    def lookup(self, device_class: DeviceClass) -> T:
+        if self._measuring is not None:
+            return self._measuring
+        if device_class not in self._tables:
+            raise ValueError(f"device_class must be one of {DEVICE_CLASSES}, "
+                             f"got {device_class!r}")
+        return self._tables[device_class]
+
+    @contextlib.contextmanager
+    def measuring(self, settings: T) -> Iterator[None]:
+        """Plans made inside take ``settings`` on every architecture and device."""
+        previous, self._measuring = self._measuring, settings
+        try:
+            yield
+        finally:
+            self._measuring = previous
+
+
+_HOPPER = DeviceTables({"h200": SM90, "h100": SM90_H100})
+
+
+def settings_for(arch: tuple[int, int], device_class: DeviceClass = DEFAULT_DEVICE_CLASS
+                 ) -> RowNormSettings:
+    """The settings for compute capability ``arch`` on a device of ``device_class``
+    (:func:`device_class`): Hopper's of the class for every architecture until another one
+    is measured; inside :func:`measuring`, the settings under measurement."""
+    return _HOPPER.lookup(device_class)
+
+
+#: Plans made inside ``measuring(settings)`` take ``settings``: for benchmarks that compare
+#: settings through the ops (``bench/bench_norm_ops.py --variants``).
+measuring = _HOPPER.measuring

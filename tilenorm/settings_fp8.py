@@ -9,13 +9,18 @@ record of the FP8 family pins.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from tilenorm.settings import SM90, RowNormSettings, settings_for
+from tilenorm.settings import (
+    DEFAULT_DEVICE_CLASS,
+    SM90,
+    DeviceClass,
+    DeviceTables,
+    RowNormSettings,
+    settings_for,
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,8 +93,9 @@ class Fp8Settings:
     #: The same kernel reading FP8 x and its group multipliers (groups of 16 elements or
     #: more: one multiplier a 16-byte vector), per row width: (threads, stages, CTAs per
     #: SM). The cuTile FP8-input forward reaches 40-51% of copy on an H200 (record
-    #: h200-2026-11-26-fp8-d10a729, case fp8x-row). Untimed: ``cute_forward``'s entries, the
-    #: thread layout measured there (#56). On sm_90a every scaling, weight dtype (or none),
+    #: h200-2026-11-26-fp8-d10a729, case fp8x-row). ``cute_forward``'s entries, the thread
+    #: layout measured there (#56): on an H100 row scaling 91.3% of copy at 4096, 88.7% at
+    #: 8192 (cuTile's 68.8 / 72.7%, #88). On sm_90a every scaling, weight dtype (or none),
     #: FP8 format and group of 16 or 128 compiles to them without spills but the Gemma
     #: offset, which at 4096-16384 columns stores 6 registers (2-byte x's kernel with an fp32
     #: weight and the offset: 84). Spill-free for the offset too, to be timed: (256, 8, 2)
@@ -102,26 +108,33 @@ class Fp8Settings:
         2048: (128, 4, 6), 4096: (128, 4, 4), 8192: (256, 4, 2), 16384: (512, 4, 1)})
 
 
+#: Hopper at the H200's bandwidth (:data:`tilenorm.settings.SM90`), the default.
 SM90_FP8 = Fp8Settings()
-_measuring: Fp8Settings | None = None
+#: Hopper at the H100's (:data:`tilenorm.settings.SM90_H100`): the row kernel of 2-byte x at
+#: 8192 columns at (512, 2, 2), where the H100 ranks row scaling (512, 2, 2) 96.2% of copy,
+#: (256, 4, 2) 89.5% (the H200 80.8 / 93.7%) and block scaling (512, 2, 2) 92.8% beside the
+#: op's (256, 4, 2) 93.2% (#82); the other scalings are untimed there. On
+#: sm_90a (cuobjdump of the AOT variants, 64 registers a thread) it spills no more than
+#: (256, 4, 2): none with a bf16 weight or none but the column amaxes' 2 stores (3 at
+#: (256, 4, 2)), 2 stores with an fp32 weight (8 at (256, 4, 2) for row scaling). FP8 x
+#: (``cute_forward_fp8_input``) keeps (256, 4, 2) at 8192, its own entry, not timed at
+#: (512, 2, 2) (#88).
+SM90_FP8_H100 = dataclasses.replace(SM90_FP8, cute_forward={**SM90_FP8.cute_forward,
+                                                            8192: (512, 2, 2)})
+_HOPPER = DeviceTables({"h200": SM90_FP8, "h100": SM90_FP8_H100})
 
 
-def fp8_settings_for(arch: tuple[int, int]) -> Fp8Settings:
-    """Hopper's for every architecture until another one is measured; inside
-    :func:`measuring`, the settings under measurement."""
-    return _measuring if _measuring is not None else SM90_FP8
+def fp8_settings_for(arch: tuple[int, int], device_class: DeviceClass = DEFAULT_DEVICE_CLASS
+                     ) -> Fp8Settings:
+    """Hopper's of ``device_class`` (:func:`tilenorm.settings.device_class`) for every
+    architecture until another one is measured; inside :func:`measuring`, the settings under
+    measurement."""
+    return _HOPPER.lookup(device_class)
 
 
-@contextlib.contextmanager
-def measuring(settings: Fp8Settings) -> Iterator[None]:
-    """Plans made inside take ``settings`` on every architecture: for benchmarks that
-    compare settings through the ops (``bench/bench_fp8.py --variants``)."""
-    global _measuring
-    previous, _measuring = _measuring, settings
-    try:
-        yield
-    finally:
-        _measuring = previous
+#: Plans made inside ``measuring(settings)`` take ``settings``: for benchmarks that compare
+#: settings through the ops (``bench/bench_fp8.py --variants``).
+measuring = _HOPPER.measuring
 
 
 @functools.cache
@@ -129,6 +142,9 @@ def _row_settings(fp8: Fp8Settings, base: RowNormSettings) -> RowNormSettings:
     return dataclasses.replace(base, **fp8.row_overrides)
 
 
-def row_settings_for(arch: tuple[int, int]) -> RowNormSettings:
-    """The bf16 norms' settings for ``arch`` with the FP8 settings' ``row_overrides``."""
-    return _row_settings(fp8_settings_for(arch), settings_for(arch))
+def row_settings_for(arch: tuple[int, int], device_class: DeviceClass = DEFAULT_DEVICE_CLASS
+                     ) -> RowNormSettings:
+    """The bf16 norms' settings for ``arch`` and ``device_class`` with the FP8 settings'
+    ``row_overrides``."""
+    return _row_settings(fp8_settings_for(arch, device_class),
+                         settings_for(arch, device_class))

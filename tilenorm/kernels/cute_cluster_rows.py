@@ -1,6 +1,7 @@
 """What the CuTe DSL cluster kernels (cute_cluster_norm_forward.py,
 cute_cluster_norm_backward.py) share: a row split into one slice a cluster CTA, the
-cluster-size limit, and the push reduction of a row's sums across the cluster.
+cluster-size limit, and the push of each warp's partials of a row to every CTA of the
+cluster (with the fixed-order sum of them that both kernels' row sums use).
 
 Apart from cute_rows.py, which the FP8 and JAX families pin too (tilenorm/validation.py):
 a change here re-validates only the cluster kernels' family.
@@ -9,10 +10,11 @@ a change here re-validates only the cluster kernels' family.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -56,8 +58,8 @@ class ClusterRowKernel(RowKernel):
         self.reps = self.slice // (self.vec * self.threads)
 
     def slot_bytes(self, sums: int) -> int:
-        """Shared bytes of ``sums`` reductions' slots (a partial a warp of each cluster CTA),
-        16-byte aligned as allocated."""
+        """Shared bytes of the slots of ``sums`` values a warp pushes (a slot each for every
+        warp of each cluster CTA), 16-byte aligned as allocated."""
         return -(-sums * self.cluster * self.warps * PARTIAL_BYTES // 16) * 16
 
     @cute.jit
@@ -66,29 +68,42 @@ class ClusterRowKernel(RowKernel):
         return self._thread_view(cute.zipped_divide(row, (self.slice,))[(None, rank)], tidx)
 
     @cute.jit
+    def _push_warp_values(self, values: list, slots: cute.Tensor, mbar, phase: Int32,
+                          rank: Int32, lane: Int32, warp: Int32) -> None:
+        """Each of ``values`` (this warp's, the same in every lane) pushed by ``st.async`` into
+        slot ``rank * warps + warp`` of column ``j`` of ``slots`` (cluster * warps,
+        len(values)) in every cluster CTA (lane ``r`` to rank ``r``), counted by the mbarrier
+        at ``mbar`` (armed by the caller for ``len(values) * cluster * warps *
+        PARTIAL_BYTES``); returns once its ``phase`` completes: every slot of this CTA
+        holds its peer warp's values."""
+        if lane < self.cluster:
+            for j in cutlass.range_constexpr(len(values)):
+                cute.arch.store_async_dsmem(
+                    slots[None, j].iterator + (rank * self.warps + warp),
+                    float_bits(values[j]), mbar, lane)
+        cute.arch.mbarrier_wait(mbar, phase)
+
+    @cute.jit
     def _push_sums(self, parts: list, slots: cute.Tensor, mbar, phase: Int32, rank: Int32,
                    lane: Int32, warp: Int32) -> list:
         """Each of ``parts`` (this thread's partials of a row's sums) summed over the cluster:
-        a warp butterfly, each warp's sum pushed by ``st.async`` into slot ``rank * warps +
-        warp`` of column ``j`` of ``slots`` (cluster * warps, len(parts)) in every cluster
-        CTA (lane ``r`` to rank ``r``), counted by the mbarrier at ``mbar`` (armed by the
-        caller for ``len(parts) * cluster * warps * PARTIAL_BYTES``); once its ``phase``
-        completes, each column's slots added in rank order, each rank's warps in warp order
-        (a fixed tree): every CTA of the cluster, and every rerun, gets the same bits."""
-        warp_sums = [cute.arch.warp_reduction(part, operator.add) for part in parts]
-        if lane < self.cluster:
-            for j in cutlass.range_constexpr(len(parts)):
-                cute.arch.store_async_dsmem(
-                    slots[None, j].iterator + (rank * self.warps + warp),
-                    float_bits(warp_sums[j]), mbar, lane)
-        cute.arch.mbarrier_wait(mbar, phase)
-        totals = []
-        for j in cutlass.range_constexpr(len(parts)):
-            total = Float32(0.0)
-            for r in cutlass.range_constexpr(self.cluster):
-                own = slots[r * self.warps, j]
-                for i in cutlass.range_constexpr(1, self.warps):
-                    own = own + slots[r * self.warps + i, j]
-                total = own if const_expr(r == 0) else total + own
-            totals.append(total)
-        return totals
+        a warp butterfly, each warp's sums pushed (:meth:`_push_warp_values`, same
+        arguments), then each column's slots added in rank order, each rank's warps in warp
+        order (a fixed tree): every CTA of the cluster, and every rerun, gets the same
+        bits."""
+        self._push_warp_values([cute.arch.warp_reduction(part, operator.add)
+                                for part in parts], slots, mbar, phase, rank, lane, warp)
+        return [self._fixed_order_sum(lambda slot, j=j: slots[slot, j])
+                for j in range(len(parts))]
+
+    def _fixed_order_sum(self, term: Callable[[int], Float32]) -> Float32:
+        """The sum of ``term(slot)`` over the cluster * warps slots in a fixed tree: each
+        rank's warps added in warp order, then the ranks in rank order (the ranks' chains
+        independent, so the adds overlap). Unrolled as the kernel is traced."""
+        total = None
+        for r in range(self.cluster):
+            own = term(r * self.warps)
+            for i in range(1, self.warps):
+                own = own + term(r * self.warps + i)
+            total = own if total is None else total + own
+        return total

@@ -39,7 +39,7 @@ from tilenorm.planner import (
     plan_fp8_row,
     plan_row_norm,
 )
-from tilenorm.settings import SM90
+from tilenorm.settings import DEVICE_CLASSES, settings_for
 
 #: (x dtype, weight dtype) pairs built for every feature set: the weight in x's dtype or in
 #: fp32 (other pairs compile just in time).
@@ -86,21 +86,24 @@ def _job(label: str, bound: BoundKernel, layouts: dict) -> ExportJob:
 def plans(direction, op: str = "rms_norm", heads: int = 1, per_head: bool = False,
           itemsize: int = 2) -> list[RowNormPlan]:
     """One plan per tile configuration the planner can choose for ``direction``, ``op`` and
-    ``itemsize``-byte elements."""
-    widest = max_single_pass_cols(direction, op, itemsize)
-    cols = [SM90.min_tile_cols]
-    while cols[-1] < widest:
-        cols.append(cols[-1] * 2)
-    cols.append(2 * widest)
-    # Rows just over, 5/8 and 3/4 of a power of two take split single-pass tiles: the narrowest
-    # second piece (4096 + 16 for 4097), 4096 + 1024 for 5120, the widest (4096 + 2048).
-    cols += [w for n in cols if n <= widest for w in (n // 2 + 1, 5 * n // 8, 3 * n // 4)]
+    ``itemsize``-byte elements, on a device of any class."""
     by_config = {}
-    for n in cols:
-        p = plan_row_norm(65536 // heads, n, heads=heads, per_head_weight=per_head,
-                          itemsize=itemsize, sm_count=132, arch=(9, 0), direction=direction,
-                          op=op)
-        by_config.setdefault(p.config, p)
+    for device_class in DEVICE_CLASSES:
+        settings = settings_for((9, 0), device_class)
+        widest = max_single_pass_cols(direction, op, itemsize, settings)
+        cols = [settings.min_tile_cols]
+        while cols[-1] < widest:
+            cols.append(cols[-1] * 2)
+        cols.append(2 * widest)
+        # Rows just over, 5/8 and 3/4 of a power of two take split single-pass tiles: the
+        # narrowest second piece (4096 + 16 for 4097), 4096 + 1024 for 5120, the widest
+        # (4096 + 2048).
+        cols += [w for n in cols if n <= widest for w in (n // 2 + 1, 5 * n // 8, 3 * n // 4)]
+        for n in cols:
+            p = plan_row_norm(65536 // heads, n, heads=heads, per_head_weight=per_head,
+                              itemsize=itemsize, sm_count=132, arch=(9, 0),
+                              direction=direction, op=op, settings=settings)
+            by_config.setdefault(p.config, p)
     return list(by_config.values())
 
 
@@ -268,15 +271,18 @@ class Fp8Variant:
 def fp8_plans(direction, op: str = "rms_norm", itemsize: int = 2, min_cols: int = 16
               ) -> list[RowNormPlan]:
     """One FP8 row-kernel plan per tile configuration for rows of ``min_cols`` (a power of
-    two) up to the widest; persistent forward grids (the per-tensor scalings' first pass)."""
-    widest = max_fp8_cols(direction, op, itemsize, (9, 0))
+    two) up to the widest; persistent forward grids (the per-tensor scalings' first pass). On
+    a device of any class."""
     by_config = {}
-    cols = min_cols
-    while cols <= widest:
-        p = plan_fp8_row(65536, cols, itemsize=itemsize, sm_count=132, arch=(9, 0),
-                         direction=direction, op=op, persistent=direction == "forward")
-        by_config.setdefault(p.config, p)
-        cols *= 2
+    for device_class in DEVICE_CLASSES:
+        widest = max_fp8_cols(direction, op, itemsize, (9, 0), device_class)
+        cols = min_cols
+        while cols <= widest:
+            p = plan_fp8_row(65536, cols, itemsize=itemsize, sm_count=132, arch=(9, 0),
+                             direction=direction, op=op, persistent=direction == "forward",
+                             device_class=device_class)
+            by_config.setdefault(p.config, p)
+            cols *= 2
     return list(by_config.values())
 
 

@@ -20,10 +20,15 @@ import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
 from tilenorm.planner import CuteBackwardPlan, CuteClusterBackwardPlan, CuteForwardPlan
-from tilenorm.settings import SM90
+from tilenorm.settings import DEVICE_CLASSES, RowNormSettings, settings_for
+
+if TYPE_CHECKING:
+    from tilenorm.settings_fp8 import Fp8Settings
 
 #: What the kernels import: the CuTe DSL and the TVM-FFI path they are called through.
 REQUIRED_MODULES = ("cutlass.cute", "tvm_ffi")
@@ -285,15 +290,30 @@ AOT_ARCHS = ("sm_90a", "sm_100a")
 AOT_ROWS = 32768
 
 
+_Key = TypeVar("_Key")
+
+
+def _unique(keys: Iterable[_Key]) -> list[_Key]:
+    """``keys`` in order, each once: device classes share most entries."""
+    return list(dict.fromkeys(keys))
+
+
+def _every_table() -> list[RowNormSettings]:
+    """The settings of every device class (:data:`tilenorm.settings.DEVICE_CLASSES`): the
+    ahead-of-time builds cover each class's entries."""
+    return [settings_for((9, 0), device_class) for device_class in DEVICE_CLASSES]
+
+
 def aot_keys(all_dtypes: bool = False) -> list[BackwardKey]:
     """Every variant the settings' CuTe DSL entries can run: each weight dtype (or none),
     with and without a bias, in bf16 (and fp16 with ``all_dtypes``)."""
     dtypes = ("bfloat16", "float16") if all_dtypes else ("bfloat16",)
-    return [BackwardKey(AOT_ROWS, dtype, weight_dtype, has_bias, op == "layer_norm", cols,
-                        *config)
-            for op, widths in SM90.cute_backward.items() for cols, config in widths.items()
+    return _unique(BackwardKey(AOT_ROWS, dtype, weight_dtype, has_bias, op == "layer_norm",
+                               cols, *config)
+            for s in _every_table()
+            for op, widths in s.cute_backward.items() for cols, config in widths.items()
             for dtype in dtypes for weight_dtype in (None, dtype, "float32")
-            for has_bias in ((False, True) if op == "layer_norm" else (False,))]
+            for has_bias in ((False, True) if op == "layer_norm" else (False,)))
 
 
 def aot_cluster_backward_keys(all_dtypes: bool = False) -> list[ClusterBackwardKey]:
@@ -302,15 +322,16 @@ def aot_cluster_backward_keys(all_dtypes: bool = False) -> list[ClusterBackwardK
     added to dx; RMSNorm with and without the Gemma offset (which needs a weight), LayerNorm
     with and without a bias."""
     dtypes = ("bfloat16", "float16") if all_dtypes else ("bfloat16",)
-    return [ClusterBackwardKey(dtype, weight_dtype, has_offset, has_dres_in, cols, *config,
-                               layer_norm=op == "layer_norm", has_bias=has_bias)
-            for op, widths in SM90.cute_cluster_backward.items()
+    return _unique(ClusterBackwardKey(dtype, weight_dtype, has_offset, has_dres_in, cols,
+                                      *config, layer_norm=op == "layer_norm",
+                                      has_bias=has_bias)
+            for s in _every_table() for op, widths in s.cute_cluster_backward.items()
             for cols, config in widths.items()
             for dtype in dtypes for weight_dtype in (None, dtype, "float32")
             for has_offset in ((False, True) if op == "rms_norm" and weight_dtype
                                else (False,))
             for has_bias in ((False, True) if op == "layer_norm" else (False,))
-            for has_dres_in in (False, True)]
+            for has_dres_in in (False, True))
 
 
 def aot_forward_keys(all_dtypes: bool = False) -> list[ForwardKey]:
@@ -319,15 +340,16 @@ def aot_forward_keys(all_dtypes: bool = False) -> list[ForwardKey]:
     and without a bias, RMSNorm with and without the Gemma offset (which needs a weight);
     the cluster forward's entries with theirs."""
     dtypes = ("bfloat16", "float16") if all_dtypes else ("bfloat16",)
-    return [ForwardKey(dtype, weight_dtype, has_bias, op == "layer_norm", has_offset,
-                       has_residual, cols, *config)
-            for op, widths in SM90.cute_forward.items() for cols, config in widths.items()
+    return _unique(ForwardKey(dtype, weight_dtype, has_bias, op == "layer_norm", has_offset,
+                              has_residual, cols, *config)
+            for s in _every_table()
+            for op, widths in s.cute_forward.items() for cols, config in widths.items()
             for dtype in dtypes for weight_dtype in (None, dtype, "float32")
             for has_bias in ((False, True) if op == "layer_norm" and weight_dtype
                              else (False,))
             for has_offset in ((False, True) if op == "rms_norm" and weight_dtype
                                else (False,))
-            for has_residual in (False, True)]
+            for has_residual in (False, True))
 
 
 #: Compiled variants kept per process: a new row count compiles in ~2 s.
@@ -468,12 +490,20 @@ def aot_fp8_keys(all_dtypes: bool = False) -> list[Fp8ForwardKey]:
     ``cute_forward_fp8_input`` table with FP8 x: every scaling and group of
     :data:`FP8_INPUT_GROUPS`, E4M3, a bf16 weight; no weight, an fp32 weight, E5M2 x and q,
     the offset (an fp16 weight with ``all_dtypes``) at one scaling each (no column amaxes:
-    FP8 x's row-scaled copy keeps cuTile's kernels)."""
+    FP8 x's row-scaled copy keeps cuTile's kernels). The entries of every device class's
+    FP8 settings (:data:`tilenorm.settings.DEVICE_CLASSES`)."""
+    from tilenorm.settings_fp8 import fp8_settings_for
+
+    return _unique(key for device_class in DEVICE_CLASSES
+                   for key in _fp8_keys(fp8_settings_for((9, 0), device_class), all_dtypes))
+
+
+def _fp8_keys(settings: Fp8Settings, all_dtypes: bool) -> list[Fp8ForwardKey]:
+    """:func:`aot_fp8_keys` of one FP8 settings table."""
     from tilenorm.kernels.cute_row_norm_fp8 import SCALINGS
-    from tilenorm.settings_fp8 import SM90_FP8
 
     keys = []
-    for cols, config in SM90_FP8.cute_forward.items():
+    for cols, config in settings.cute_forward.items():
         keys += [Fp8ForwardKey(AOT_ROWS, "bfloat16", weight, "float8_e4m3fn", scaling, False,
                                cols, *config)
                  for scaling in SCALINGS for weight in (None, "bfloat16", "float32")]
@@ -484,7 +514,7 @@ def aot_fp8_keys(all_dtypes: bool = False) -> list[Fp8ForwardKey]:
         if all_dtypes:
             keys.append(Fp8ForwardKey(AOT_ROWS, "float16", "float16", "float8_e4m3fn", "mx",
                                       False, cols, *config))
-        if cols in SM90_FP8.cute_forward_column_amax:  # a per-row scaling's copy
+        if cols in settings.cute_forward_column_amax:  # a per-row scaling's copy
             keys += [Fp8ForwardKey(AOT_ROWS, x, weight, "float8_e4m3fn", "row", False, cols,
                                    *config, column_amax=True)
                      for x, weight in (("bfloat16", None), ("bfloat16", "bfloat16"))
@@ -496,12 +526,12 @@ def aot_fp8_keys(all_dtypes: bool = False) -> list[Fp8ForwardKey]:
         ("bfloat16", "bfloat16", "float8_e5m2", False),
         ("bfloat16", "float32", "float8_e4m3fn", True),
     ] + ([("float16", "float16", "float8_e4m3fn", False)] if all_dtypes else [])
-    for scaling, widths in SM90_FP8.cute_forward_recompute_t.items():
+    for scaling, widths in settings.cute_forward_recompute_t.items():
         for cols, config in widths.items():
             keys += [Fp8ForwardKey(AOT_ROWS, x, weight, fp8, scaling, has_offset, cols, *config,
                                    recompute_t=True)
                      for x, weight, fp8, has_offset in recompute_t_features]
-    for cols, config in SM90_FP8.cute_forward_fp8_input.items():
+    for cols, config in settings.cute_forward_fp8_input.items():
         keys += [Fp8ForwardKey(AOT_ROWS, "float8_e4m3fn", "bfloat16", "float8_e4m3fn",
                                scaling, False, cols, *config, group=group)
                  for scaling in SCALINGS for group in FP8_INPUT_GROUPS]
@@ -587,31 +617,35 @@ def aot_fp8_transpose_keys(all_dtypes: bool = False) -> list[Fp8TransposeKey]:
     """The transposed FP8 copy's variants: at every width of the FP8 settings' row kernel
     table, each scaling with a bf16 weight, E4M3, bf16 x, at the width's planned tile (and
     ``weight_first`` for "row" where the row kernel keeps column amaxes); at 4096 the other
-    features (no weight, an fp32 weight, E5M2, the offset; fp16 x with ``all_dtypes``)."""
+    features (no weight, an fp32 weight, E5M2, the offset; fp16 x with ``all_dtypes``). The
+    widths and tiles of every device class's FP8 settings."""
     from tilenorm.kernels.cute_fp8_transpose import SCALINGS
     from tilenorm.planner import plan_cute_fp8_transpose
-    from tilenorm.settings_fp8 import SM90_FP8
+    from tilenorm.settings_fp8 import fp8_settings_for
 
     keys = []
-    for cols in SM90_FP8.cute_forward:
-        plan = plan_cute_fp8_transpose(AOT_ROWS, cols, itemsize=2, arch=(9, 0))
-        tile = (plan.tile_cols, plan.ctas_per_sm)
-        keys += [Fp8TransposeKey("bfloat16", "bfloat16", "float8_e4m3fn", scaling, False,
-                                 cols, *tile) for scaling in SCALINGS]
-        if cols in SM90_FP8.cute_forward_column_amax:  # after the CuTe row kernel's amaxes
-            keys.append(Fp8TransposeKey("bfloat16", "bfloat16", "float8_e4m3fn", "row", False,
-                                        cols, *tile, weight_first=True))
-        if cols == 4096:
-            keys += [Fp8TransposeKey("bfloat16", None, "float8_e4m3fn", "mx", False, cols,
-                                     *tile),
-                     Fp8TransposeKey("bfloat16", "float32", "float8_e4m3fn", "block", True,
-                                     cols, *tile),
-                     Fp8TransposeKey("bfloat16", "bfloat16", "float8_e5m2", "row", False,
-                                     cols, *tile)]
-            if all_dtypes:
-                keys.append(Fp8TransposeKey("float16", "float16", "float8_e4m3fn", "block",
-                                            False, cols, *tile))
-    return keys
+    for device_class in DEVICE_CLASSES:
+        settings = fp8_settings_for((9, 0), device_class)
+        for cols in settings.cute_forward:
+            plan = plan_cute_fp8_transpose(AOT_ROWS, cols, itemsize=2, arch=(9, 0),
+                                           device_class=device_class)
+            tile = (plan.tile_cols, plan.ctas_per_sm)
+            keys += [Fp8TransposeKey("bfloat16", "bfloat16", "float8_e4m3fn", scaling, False,
+                                     cols, *tile) for scaling in SCALINGS]
+            if cols in settings.cute_forward_column_amax:  # after the CuTe row kernel's amaxes
+                keys.append(Fp8TransposeKey("bfloat16", "bfloat16", "float8_e4m3fn", "row", False,
+                                            cols, *tile, weight_first=True))
+            if cols == 4096:
+                keys += [Fp8TransposeKey("bfloat16", None, "float8_e4m3fn", "mx", False, cols,
+                                         *tile),
+                         Fp8TransposeKey("bfloat16", "float32", "float8_e4m3fn", "block", True,
+                                         cols, *tile),
+                         Fp8TransposeKey("bfloat16", "bfloat16", "float8_e5m2", "row", False,
+                                         cols, *tile)]
+                if all_dtypes:
+                    keys.append(Fp8TransposeKey("float16", "float16", "float8_e4m3fn", "block",
+                                                False, cols, *tile))
+    return _unique(keys)
 
 
 @functools.lru_cache(maxsize=MAX_COMPILED)

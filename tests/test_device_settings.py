@@ -1,0 +1,240 @@
+"""Per-device settings on Hopper: a device's class (from its peak DRAM bandwidth) picks the
+H100's or the H200's tables, which differ exactly where the two measured other choices (#38,
+#82); the planner and the decisions take the device's class, and the ahead-of-time builds
+cover every class's entries."""
+
+import dataclasses
+
+import pytest
+
+from tests.kernel_harness import H100, H200
+from tilenorm import dispatch
+from tilenorm.device import DeviceInfo
+from tilenorm.launch import aot, cute
+from tilenorm.planner import plan_cute_backward, plan_cute_fp8_forward, plan_row_norm
+from tilenorm.settings import (
+    DEFAULT_DEVICE_CLASS,
+    DEVICE_CLASSES,
+    H100_PEAK_BANDWIDTH,
+    SM90,
+    SM90_H100,
+    device_class,
+    measuring,
+    settings_for,
+)
+from tilenorm.settings_fp8 import (
+    SM90_FP8,
+    SM90_FP8_H100,
+    fp8_settings_for,
+    row_settings_for,
+)
+
+gpu = pytest.mark.gpu
+needs_cute = pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+
+
+def peak(memory_clock_mhz: int, bus_bits: int) -> int:
+    """Peak DRAM bandwidth as :func:`tilenorm.device.device_info` computes it."""
+    return 2 * memory_clock_mhz * 10**6 * bus_bits // 8
+
+
+def fake(name: str, bandwidth: int, arch=(9, 0)) -> DeviceInfo:
+    return DeviceInfo(index=0, name=name, sm_count=132, arch=arch, l2_bytes=50 << 20,
+                      memory_bandwidth=bandwidth)
+
+
+#: Devices by their peak bandwidth (memory clock in MHz and bus width in bits, or the
+#: datasheet's bytes a second), with the class each must get.
+DEVICES = [
+    ("H100 SXM", (9, 0), peak(2619, 5120), "h100"),
+    ("H100 PCIe", (9, 0), peak(1593, 5120), "h100"),
+    ("H800", (9, 0), peak(2619, 5120), "h100"),
+    ("H200", (9, 0), 4800 * 10**9, "h200"),
+    ("H100 NVL", (9, 0), 3900 * 10**9, "h200"),
+    ("unknown bandwidth", (9, 0), 0, "h200"),
+    ("Blackwell", (10, 0), peak(2619, 5120), "h200"),
+]
+
+
+@pytest.mark.parametrize("name,arch,bandwidth,expected", DEVICES,
+                         ids=[d[0] for d in DEVICES])
+def test_device_class_from_the_peak_bandwidth(name, arch, bandwidth, expected):
+    """The H100's tables for sm_90 at most at the H100 SXM's bandwidth; every other device,
+    one not recognised included, keeps the tables measured first (the H200's)."""
+    assert device_class(arch, bandwidth) == expected
+    assert fake(name, bandwidth, arch).device_class == expected
+    assert DEFAULT_DEVICE_CLASS == "h200" == DEVICE_CLASSES[0]
+    assert peak(2619, 5120) == H100_PEAK_BANDWIDTH
+
+
+def test_each_class_has_its_own_settings_objects():
+    """Constants, returned by identity: plans are cached per settings object. Blackwell takes
+    the default class's until measured; a class not known is refused."""
+    assert settings_for((9, 0)) is settings_for((9, 0), "h200") is SM90
+    assert settings_for((9, 0), "h100") is SM90_H100
+    assert settings_for((10, 0)) is SM90
+    assert fp8_settings_for((9, 0)) is fp8_settings_for((9, 0), "h200") is SM90_FP8
+    assert fp8_settings_for((9, 0), "h100") is SM90_FP8_H100
+    for device in DEVICE_CLASSES:
+        assert row_settings_for((9, 0), device) is row_settings_for((9, 0), device)
+    assert row_settings_for((9, 0), "h100") is not row_settings_for((9, 0), "h200")
+    for lookup in (settings_for, fp8_settings_for, row_settings_for):
+        with pytest.raises(ValueError, match="device_class"):
+            lookup((9, 0), "h20")
+
+
+def _differences(a, b) -> dict:
+    return {f.name: (getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a)
+            if getattr(a, f.name) != getattr(b, f.name)}
+
+
+def _entries(table: dict) -> dict:
+    """A per-op width table's entries by (op, width)."""
+    return {(op, cols): entry for op, widths in table.items() for cols, entry in widths.items()}
+
+
+def test_measured_settings_replace_every_class_inside_the_context_only():
+    """``measuring`` (the op benchmarks' ``--variants``) hands its settings to every lookup,
+    the FP8 row settings included, and restores the class's tables after, an error too."""
+    probe = dataclasses.replace(SM90, cute_backward={})
+    with measuring(probe):
+        assert all(settings_for((9, 0), c) is probe for c in DEVICE_CLASSES)
+        assert row_settings_for((9, 0), "h100").cute_backward == {}
+    with pytest.raises(RuntimeError), measuring(probe):
+        raise RuntimeError
+    assert settings_for((9, 0), "h100") is SM90_H100 and settings_for((9, 0)) is SM90
+
+
+def test_the_h100_tables_differ_exactly_where_the_h100_measured_otherwise():
+    """The LayerNorm backward at 4096 columns leaves the CuTe DSL for cuTile's (#38); the FP8
+    row kernel of 2-byte x at 8192 columns runs at (512, 2, 2) (#82). FP8 x keeps its own
+    entry, untimed at (512, 2, 2) (#88). Nothing else differs."""
+    assert set(_differences(SM90, SM90_H100)) == {"cute_backward"}
+    h200, h100 = _entries(SM90.cute_backward), _entries(SM90_H100.cute_backward)
+    assert h200 == {**h100, ("layer_norm", 4096): (256, 2, 2)} and len(h200) == len(h100) + 1
+    assert set(_differences(SM90_FP8, SM90_FP8_H100)) == {"cute_forward"}
+    assert SM90_FP8_H100.cute_forward == {**SM90_FP8.cute_forward, 8192: (512, 2, 2)}
+    assert SM90_FP8.cute_forward[8192] == (256, 4, 2)
+    assert SM90_FP8_H100.cute_forward_fp8_input[8192] == (256, 4, 2)
+    row_h200, row_h100 = row_settings_for((9, 0), "h200"), row_settings_for((9, 0), "h100")
+    assert set(_differences(row_h200, row_h100)) == {"cute_backward"}
+
+
+def test_the_planner_takes_the_class_it_is_given():
+    def backward(device):
+        return plan_cute_backward(32768, 4096, itemsize=2, sm_count=132, arch=(9, 0),
+                                  op="layer_norm", device_class=device)
+
+    assert (backward("h200").threads, backward("h200").stages) == (256, 2)
+    assert backward("h100") is None
+    for scaling in ("row", "block", "mx", "amax"):
+        for device, entry in (("h200", (256, 4, 2)), ("h100", (512, 2, 2))):
+            p = plan_cute_fp8_forward(16384, 8192, itemsize=2, sm_count=132, arch=(9, 0),
+                                      scaling=scaling, device_class=device)
+            assert (p.threads, p.stages, p.ctas_per_sm) == entry, (scaling, device)
+            p = plan_cute_fp8_forward(16384, 8192, itemsize=1, sm_count=132, arch=(9, 0),
+                                      scaling=scaling, group=16, device_class=device)
+            assert (p.threads, p.stages, p.ctas_per_sm) == (256, 4, 2), (scaling, device)
+    p = plan_cute_fp8_forward(16384, 8192, itemsize=2, sm_count=132, arch=(9, 0),
+                              scaling="row", column_amax=True, device_class="h100")
+    assert p.column_amax and (p.threads, p.stages, p.ctas_per_sm) == (512, 2, 2)
+    # cuTile's plans are the same on both (their settings are).
+    for direction in ("forward", "backward"):
+        h200, h100 = (plan_row_norm(32768, 4096, itemsize=2, sm_count=132, arch=(9, 0),
+                                    direction=direction, op="layer_norm", device_class=d)
+                      for d in ("h200", "h100"))
+        assert h200 == h100
+
+
+@pytest.fixture
+def on_device(monkeypatch):
+    """Decide as on the device described: ``on_device(info)``."""
+    def use(info: DeviceInfo) -> None:
+        monkeypatch.setattr(dispatch, "device_info", lambda index: info)
+        dispatch.decide.cache_clear()
+        dispatch.decide_fp8.cache_clear()
+
+    yield use
+    dispatch.decide.cache_clear()
+    dispatch.decide_fp8.cache_clear()
+
+
+
+
+@needs_cute
+def test_decisions_take_the_devices_tables_and_name_its_class(on_device):
+    """The LayerNorm backward of 32768 x 4096: the CuTe DSL's on an H200, cuTile's on an
+    H100; FP8 row scaling at 8192: each device's entry. The decision names the class."""
+    problem = dispatch.Problem("layer_norm", "cuda", 0, ("bfloat16", "float32", "float32"),
+                               32768, 1, 4096, False, 32768 * 4096 - 1, True)
+    fp8_problem = dispatch.Fp8Problem("rms_norm", "cuda", 0, ("bfloat16", "bfloat16"), 16384,
+                                      8192, "row", False, False, 16384 * 8192 - 1, True)
+    for info, cute_backward, fp8_entry in ((H200, True, (256, 4, 2)),
+                                           (H100, False, (512, 2, 2))):
+        on_device(info)
+        d = dispatch.decide(problem)
+        assert (d.cute_backward is not None) == cute_backward, str(d)
+        assert (dispatch.CUTE_BACKWARD_NAME in d.kernels) == cute_backward
+        assert f"device class {info.device_class}" in str(d)
+        d = dispatch.decide_fp8(fp8_problem)
+        f = d.cute_forward
+        assert (f.threads, f.stages, f.ctas_per_sm) == fp8_entry, str(d)
+        assert f"device class {info.device_class}" in str(d)
+
+
+def test_ahead_of_time_builds_cover_every_class():
+    """Every CuTe DSL entry of every class's tables has its variants among the AOT keys (the
+    H200's LayerNorm backward at 4096, the H100's FP8 row kernel at 8192 with every
+    scaling); cuTile's exported plans cover every class's plans."""
+    from tilenorm.kernels.cute_row_norm_fp8 import SCALINGS
+
+    backward = {(k.layer_norm, k.cols, (k.threads, k.stages, k.ctas_per_sm))
+                for k in cute.aot_keys()}
+    forward = {(k.layer_norm, k.cols, (k.threads, k.rows_per_cta, k.ctas_per_sm)
+                + ((k.cluster,) if k.cluster > 1 else ())) for k in cute.aot_forward_keys()}
+    cluster = {(k.layer_norm, k.cols, (k.cluster, k.threads, k.stages, k.ctas_per_sm))
+               for k in cute.aot_cluster_backward_keys()}
+    fp8 = {(k.dtype, k.scaling, k.cols, (k.threads, k.stages, k.ctas_per_sm), k.column_amax)
+           for k in cute.aot_fp8_keys() if not k.recompute_t}
+    transposes = {k.cols for k in cute.aot_fp8_transpose_keys()}
+    for device in DEVICE_CLASSES:
+        s, f = settings_for((9, 0), device), fp8_settings_for((9, 0), device)
+        for (op, cols), entry in _entries(s.cute_backward).items():
+            assert (op == "layer_norm", cols, entry) in backward, (device, op, cols)
+        for (op, cols), entry in _entries(s.cute_forward).items():
+            assert (op == "layer_norm", cols, tuple(entry)) in forward, (device, op, cols)
+        for (op, cols), entry in _entries(s.cute_cluster_backward).items():
+            assert (op == "layer_norm", cols, entry) in cluster, (device, op, cols)
+        for cols, entry in f.cute_forward.items():
+            for scaling in SCALINGS:
+                assert ("bfloat16", scaling, cols, entry, False) in fp8, (device, cols)
+            if cols in f.cute_forward_column_amax:
+                assert ("bfloat16", "row", cols, entry, True) in fp8, (device, cols)
+            assert cols in transposes
+        for cols, entry in f.cute_forward_fp8_input.items():
+            assert ("float8_e4m3fn", "row", cols, entry, False) in fp8, (device, cols)
+    assert len(cute.aot_fp8_keys()) == len(set(cute.aot_fp8_keys())), "each variant once"
+    exported = {p.config for p in aot.plans("backward", "layer_norm")}
+    for device in DEVICE_CLASSES:
+        for cols in (1000, 4096, 5120, 16384, 65536):
+            p = plan_row_norm(1024, cols, itemsize=2, sm_count=132, arch=(9, 0),
+                              direction="backward", op="layer_norm", device_class=device)
+            assert p.config in exported, (device, cols)
+
+
+@gpu
+def test_this_devices_class_is_its_products():
+    """The driver's memory clock and bus width put an H100 (SXM or PCIe) in the H100 class
+    and an H200 in the H200's: what the tables assume, checked on the device itself."""
+    import torch
+
+    from tilenorm.device import device_info
+
+    info = device_info(torch.cuda.current_device())
+    assert info.memory_bandwidth > 0, info
+    if "H200" in info.name:
+        assert info.device_class == "h200", info
+    elif "H100" in info.name and "NVL" not in info.name:
+        assert info.device_class == "h100", info
+    else:
+        pytest.skip(f"no expectation for {info.name}")
