@@ -1141,10 +1141,8 @@ def main(argv: list[str] | None = None) -> dict:
                 importlib.import_module(IMPORTS[name])
             except Exception as e:  # an absent peer is recorded, not fatal
                 absent[name] = f"{type(e).__name__}: {e}"[:300]
-    if args.experimental and "tilenorm" not in absent:
-        import tilenorm
-
-        tilenorm.set_experimental(True)
+    if cuda and set(OURS) & set(providers) - absent.keys():
+        common.refuse_unvalidated(args.experimental)
 
     copy_bw = common.copy_gbps() if cuda else None
     name = torch.cuda.get_device_name(device) if cuda else "cpu"

@@ -139,22 +139,29 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
 
 
-def new_record(args, families: tuple[str, ...] = ("cutile/norm", "cute/norm")) -> dict:
-    """Apply the run options and start a record: device, date, commit, and the copy
-    bandwidth measured now, in the same process as the providers. Refuses to run while one
-    of tilenorm's ``families`` that is installed is experimental and experimental kernels
-    are off: tilenorm's rows would time its reference path under its name."""
+def refuse_unvalidated(experimental: bool,
+                       families: tuple[str, ...] = ("cutile/norm", "cute/norm")) -> None:
+    """Allow experimental kernels if ``experimental``; then stop the run while one of
+    tilenorm's ``families`` that is installed is experimental and experimental kernels are
+    off: tilenorm's rows would time its reference path under its name."""
     import tilenorm
     from tilenorm import validation
     from tilenorm._experimental import experimental_enabled
 
-    if args.experimental:
+    if experimental:
         tilenorm.set_experimental(True)
     unvalidated = [f.name for f in validation.FAMILIES
                    if f.name in families and f.runnable() and not validation.is_stable(f)]
     if unvalidated and not experimental_enabled():
         raise SystemExit(f"tilenorm's {', '.join(unvalidated)} kernels are experimental at "
                          f"this source: pass --experimental, or validate them first")
+
+
+def new_record(args, families: tuple[str, ...] = ("cutile/norm", "cute/norm")) -> dict:
+    """Apply the run options and start a record: device, date, commit, and the copy
+    bandwidth measured now, in the same process as the providers. Refuses to run while
+    tilenorm's rows would time its reference path (``refuse_unvalidated``)."""
+    refuse_unvalidated(args.experimental, families)
     copy = copy_gbps()
     print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy:.0f} GB/s")
     return {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
