@@ -131,7 +131,8 @@ def test_the_cluster_size_limit_is_one_check_for_forward_and_backward():
     with pytest.raises(ValueError, match="portable"):
         ClusterRowNormBackward(bf16, bf16, cols, too_big, 512, 2, 1)
     with pytest.raises(ValueError, match="portable"):
-        ClusterRowNormForward(bf16, bf16, cols, 512, too_big, 1, False, False, False, False)
+        ClusterRowNormForward(bf16, bf16, cols, 512, 1, too_big, 1, False, False, False,
+                              False)
     for widths in TABLE.values():
         assert all(config[0] <= MAX_PORTABLE_CLUSTER for config in widths.values())
 

@@ -18,16 +18,24 @@ from tests.kernel_harness import (
 from tilenorm import dispatch
 from tilenorm.launch import cute
 from tilenorm.planner import CuteForwardPlan, plan_cute_forward, plan_row_norm
-from tilenorm.settings import SM90
+from tilenorm.settings import DEFAULT_DEVICE_CLASS, DEVICE_CLASSES, SM90, settings_for
 from tilenorm.testing import float64_norm
 
 gpu = pytest.mark.gpu
 needs_cute = pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
 CUTE_FORWARD = SM90.cute_forward
-WIDTHS = sorted({cols for widths in CUTE_FORWARD.values() for cols in widths})
+#: Every class's table: the ahead-of-time builds cover each.
+TABLES = {c: settings_for((9, 0), c).cute_forward for c in DEVICE_CLASSES}
+WIDTHS = sorted({cols for t in TABLES.values() for widths in t.values() for cols in widths})
 OPS = sorted(CUTE_FORWARD)
 #: (op, width) pairs the table routes.
 ROUTED = [(op, cols) for op in OPS for cols in sorted(CUTE_FORWARD[op])]
+#: (device class, op, width) of each distinct entry: the default class's, then those another
+#: class's table has otherwise, planned with that class's table.
+CLASS_ROUTED = [(DEFAULT_DEVICE_CLASS, op, cols) for op, cols in ROUTED] + [
+    (c, op, cols) for c in DEVICE_CLASSES if c != DEFAULT_DEVICE_CLASS
+    for op in OPS for cols in sorted(TABLES[c][op])
+    if TABLES[c][op][cols] != CUTE_FORWARD[op].get(cols)]
 NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
@@ -64,17 +72,56 @@ def test_cluster_entries_hold_a_row_in_16384_column_slices():
     for op, cols in CLUSTER_ROUTED:
         assert CUTE_FORWARD[op][cols] == (256, 1, 4, cols // 16384)
     assert len(CUTE_FORWARD["rms_norm"][32768]) == 3
-    with pytest.raises(ValueError, match="one row a cluster"):
-        CuteForwardPlan.of(10, 65536, (256, 2, 4, 4))
 
 
-@pytest.mark.parametrize(("op", "cols"), ROUTED)
-def test_decision_names_the_kernel_it_launches(op, cols):
+def test_a_cluster_of_several_rows_takes_each_row_once():
+    """With ``rows_per_cta`` R a cluster holds R rows: the grid covers every row once, a
+    short last group included."""
+    plan = CuteForwardPlan.of(11, 65536, (256, 2, 3, 4))
+    assert (plan.grid, plan.cluster, plan.rows_per_cta) == (24, 4, 2)
+    taken = [r for program in range(0, plan.grid, plan.cluster)
+             for r in plan.program_rows(program)]
+    assert taken == list(range(11))
+    assert all(plan.program_rows(p) == plan.program_rows(p - p % 4) for p in range(plan.grid))
+    assert "2 rows across a cluster of 4 CTAs" in plan.describe()
+
+
+#: Shared memory of one SM of sm_90 / sm_100 (228 KB) and what the runtime reserves a CTA.
+SMEM_PER_SM, SMEM_RESERVED = 228 * 1024, 1024
+
+
+@needs_cute
+def test_every_cluster_entry_fits_its_ctas_in_shared_memory():
+    """Each class's cluster entries fit their CTAs an SM in shared memory (x's slices of the
+    entry's rows staged, LayerNorm with fp32 parameters), or the launch would hold fewer
+    than the compile kept registers for. A residual doubles what is staged: at the 4 CTAs an
+    SM of one row a cluster 3 fit (the kernel module's docstring)."""
+    import cutlass
+
+    from tilenorm.kernels.cute_cluster_norm_forward import ClusterRowNormForward
+
+    for table in TABLES.values():
+        for op, widths in table.items():
+            for cols, entry in widths.items():
+                if len(entry) != 4:
+                    continue
+                threads, rows, ctas, cluster = entry
+                layer_norm = op == "layer_norm"
+                kernel = ClusterRowNormForward(
+                    cutlass.BFloat16, cutlass.Float32, cols, threads, rows, cluster, ctas,
+                    layer_norm, layer_norm, False, False)
+                assert (kernel.shared_bytes() + SMEM_RESERVED) * ctas <= SMEM_PER_SM, (
+                    op, cols, entry)
+
+
+@pytest.mark.parametrize(("device_class", "op", "cols"), CLASS_ROUTED)
+def test_decision_names_the_kernel_it_launches(device_class, op, cols):
     """The decision (``explain``'s text) names the cluster forward where a row spans a
     cluster, RowNormForward elsewhere; the key a call compiles carries the cluster."""
     rows = 1000
     kwargs = dict(itemsize=2, sm_count=132, arch=(9, 0), op=op)
-    plan = plan_cute_forward(rows, cols, itemsize=2, arch=(9, 0), op=op)
+    plan = plan_cute_forward(rows, cols, itemsize=2, arch=(9, 0), op=op,
+                             device_class=device_class)
     decision = dispatch.Decision(
         op=op, reason="", family=dispatch.CUTILE_NORM, device=H100,
         forward=plan_row_norm(rows, cols, direction="forward", **kwargs),
@@ -209,13 +256,15 @@ def test_cluster_kernel_refuses_what_it_cannot_run():
 
     bf16 = cutlass.BFloat16
     features = (False, False, False, False)
-    assert ClusterRowNormForward(bf16, bf16, 65536, 256, 4, 4, *features).reps == 8
+    assert ClusterRowNormForward(bf16, bf16, 65536, 256, 1, 4, 4, *features).reps == 8
     with pytest.raises(ValueError, match="slices"):
-        ClusterRowNormForward(bf16, bf16, 65536, 256, 3, 4, *features)
+        ClusterRowNormForward(bf16, bf16, 65536, 256, 1, 3, 4, *features)
     with pytest.raises(ValueError, match="slices"):
-        ClusterRowNormForward(bf16, bf16, 65536 + 2048, 256, 8, 4, *features)
+        ClusterRowNormForward(bf16, bf16, 65536 + 2048, 256, 1, 8, 4, *features)
+    with pytest.raises(ValueError, match="rows_per_cta"):
+        ClusterRowNormForward(bf16, bf16, 65536, 256, 0, 4, 4, *features)
     with pytest.raises(ValueError, match="needs a weight"):
-        ClusterRowNormForward(bf16, None, 65536, 256, 4, 4, True, True, False, False)
+        ClusterRowNormForward(bf16, None, 65536, 256, 1, 4, 4, True, True, False, False)
 
 
 @pytest.mark.aot
@@ -247,10 +296,12 @@ def test_every_variant_builds_for_hopper_and_blackwell(tmp_path):
 
 def check_forward(m, n, op="rms_norm", dtype=torch.bfloat16, w_dtype=torch.bfloat16,
                   has_weight=True, has_bias=False, has_residual=False, offset=0.0,
-                  x_mean=None):
+                  x_mean=None, device_class=DEFAULT_DEVICE_CLASS, entry=None):
     """The kernel on poisoned outputs against float64: every element of y, h, mean and rstd
     written and accurate, a rerun bit-identical. x is standard normal plus ``x_mean``, a
-    number (default 0.5 for LayerNorm, 0 for RMSNorm) or a tensor of one a column."""
+    number (default 0.5 for LayerNorm, 0 for RMSNorm) or a tensor of one a column. The
+    kernel is ``device_class``'s table entry, whatever this GPU's class, or ``entry`` (a
+    table entry's tuple) where given."""
     from tilenorm.device import device_info
 
     layer_norm = op == "layer_norm"
@@ -264,7 +315,9 @@ def check_forward(m, n, op="rms_norm", dtype=torch.bfloat16, w_dtype=torch.bfloa
         else None
     b = torch.randn(n, generator=g, device="cuda").to(w_dtype) if has_bias else None
     info = device_info(torch.cuda.current_device())
-    plan = plan_cute_forward(m, n, itemsize=2, arch=info.arch, op=op)
+    plan = (CuteForwardPlan.of(m, n, entry) if entry is not None else
+            plan_cute_forward(m, n, itemsize=2, arch=info.arch, op=op,
+                              device_class=device_class))
     fn = cute.compiled_forward(cute.ForwardKey.of(
         plan, NAMES[dtype], None if w is None else NAMES[w.dtype], has_bias, layer_norm,
         offset != 0, has_residual))
@@ -299,10 +352,10 @@ MAX_TEST_ELEMENTS = 8193 * 32768
 
 @gpu
 @needs_cute
-@pytest.mark.parametrize(("op", "n"), ROUTED)
+@pytest.mark.parametrize(("device_class", "op", "n"), CLASS_ROUTED)
 @pytest.mark.parametrize("m", [1, 3, 1000, 8193])
-def test_matches_float64(m, op, n):
-    check_forward(min(m, MAX_TEST_ELEMENTS // n), n, op)
+def test_matches_float64(m, device_class, op, n):
+    check_forward(min(m, MAX_TEST_ELEMENTS // n), n, op, device_class=device_class)
 
 
 #: Elements of x in a cluster variant's test: 255 rows at 131072 (4 waves of resident
@@ -361,6 +414,31 @@ def test_cluster_layer_norm_combines_the_warps_means_exactly(n):
     check_forward(300, n, "layer_norm", has_bias=True, x_mean=x_mean)
 
 
+#: Cluster forward entries of several rows a cluster, the settings' candidates for the
+#: parameters read once for every row of a CTA (bench/NOTES.md #89): (cols, entry).
+MULTI_ROW_ENTRIES = [(32768, (256, 2, 3, 2)), (65536, (256, 2, 3, 4)),
+                     (65536, (256, 4, 3, 8)), (131072, (256, 2, 2, 8))]
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize(("n", "entry"), MULTI_ROW_ENTRIES, ids=str)
+@pytest.mark.parametrize("case", ["ln fp32 weight and bias", "ln residual", "rms fp32 weight",
+                                  "rms bf16 weight"])
+def test_cluster_forward_of_several_rows_matches_float64(n, entry, case):
+    """A cluster of R rows: each row's statistics and outputs as float64's on a row count
+    that leaves the last cluster short (rows past the end loaded, reduced, never stored:
+    the poisoned outputs would show a stray write), reruns bit-identical."""
+    op = "layer_norm" if case.startswith("ln") else "rms_norm"
+    kwargs = {"ln fp32 weight and bias": dict(w_dtype=torch.float32, has_bias=True),
+              "ln residual": dict(has_residual=True, has_bias=True),
+              "rms fp32 weight": dict(w_dtype=torch.float32),
+              "rms bf16 weight": dict()}[case]
+    rows = min(255, CLUSTER_TEST_ELEMENTS // n - 1)
+    assert rows % entry[1]
+    check_forward(rows, n, op, entry=entry, **kwargs)
+
+
 FEATURES = {
     "fp16": dict(dtype=torch.float16, w_dtype=torch.float16),
     "fp32 weight": dict(w_dtype=torch.float32),
@@ -375,12 +453,12 @@ FEATURES = {
 
 @gpu
 @needs_cute
-@pytest.mark.parametrize(("op", "n"), ROUTED)
+@pytest.mark.parametrize(("device_class", "op", "n"), CLASS_ROUTED)
 @pytest.mark.parametrize("case", sorted(FEATURES))
-def test_features_match_float64(case, op, n):
+def test_features_match_float64(case, device_class, op, n):
     if FEATURES[case].get("has_bias") and op != "layer_norm":
         pytest.skip("RMSNorm takes no bias")
-    check_forward(555, n, op, **FEATURES[case])
+    check_forward(555, n, op, device_class=device_class, **FEATURES[case])
 
 
 @gpu

@@ -106,18 +106,21 @@ def test_measured_settings_replace_every_class_inside_the_context_only():
 
 
 def test_the_h100_tables_differ_exactly_where_the_h100_measured_otherwise():
-    """The LayerNorm backward at 4096 columns leaves the CuTe DSL for cuTile's (#38); the FP8
-    row kernel of 2-byte x at 8192 columns runs at (512, 2, 2) (#82). FP8 x keeps its own
-    entry, untimed at (512, 2, 2) (#88). Nothing else differs."""
-    assert set(_differences(SM90, SM90_H100)) == {"cute_backward"}
+    """The LayerNorm backward at 4096 columns leaves the CuTe DSL for cuTile's (#38); the
+    RMSNorm forward at 7168 columns runs the CuTe DSL's (#90); the FP8 row kernel of 2-byte x
+    at 8192 columns runs at (512, 2, 2) (#82). FP8 x keeps its own entry, untimed at
+    (512, 2, 2) (#88). Nothing else differs."""
+    assert set(_differences(SM90, SM90_H100)) == {"cute_backward", "cute_forward"}
     h200, h100 = _entries(SM90.cute_backward), _entries(SM90_H100.cute_backward)
     assert h200 == {**h100, ("layer_norm", 4096): (256, 2, 2)} and len(h200) == len(h100) + 1
+    h200, h100 = _entries(SM90.cute_forward), _entries(SM90_H100.cute_forward)
+    assert h100 == {**h200, ("rms_norm", 7168): (128, 1, 4)} and len(h100) == len(h200) + 1
     assert set(_differences(SM90_FP8, SM90_FP8_H100)) == {"cute_forward"}
     assert SM90_FP8_H100.cute_forward == {**SM90_FP8.cute_forward, 8192: (512, 2, 2)}
     assert SM90_FP8.cute_forward[8192] == (256, 4, 2)
     assert SM90_FP8_H100.cute_forward_fp8_input[8192] == (256, 4, 2)
     row_h200, row_h100 = row_settings_for((9, 0), "h200"), row_settings_for((9, 0), "h100")
-    assert set(_differences(row_h200, row_h100)) == {"cute_backward"}
+    assert set(_differences(row_h200, row_h100)) == {"cute_backward", "cute_forward"}
 
 
 def test_the_planner_takes_the_class_it_is_given():

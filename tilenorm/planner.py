@@ -413,8 +413,8 @@ class CuteForwardPlan:
     """The CuTe DSL forward's launch over ``rows`` rows of ``cols`` columns: a one-shot grid,
     CTA ``b`` of ``grid`` taking rows ``[b * rows_per_cta, (b + 1) * rows_per_cta)`` with
     ``threads`` threads; ``ctas_per_sm`` is the residency the compile keeps registers for.
-    With ``cluster`` > 1 (the cluster forward, one row a cluster) a row is held across
-    ``cluster`` CTAs: CTA ``b`` takes a slice of row ``b // cluster``."""
+    With ``cluster`` > 1 (the cluster forward) each row is held across ``cluster`` CTAs:
+    CTA ``b`` takes one slice of each of rows ``[b // cluster * rows_per_cta, ...)``."""
 
     rows: int
     cols: int
@@ -433,8 +433,6 @@ class CuteForwardPlan:
         if rows < 1 or rows_per_cta < 1:
             raise ValueError(f"rows and rows_per_cta must be positive, got {rows}, "
                              f"{rows_per_cta}")
-        if cluster > 1 and rows_per_cta != 1:
-            raise ValueError(f"a cluster forward takes one row a cluster, got {rows_per_cta}")
         return cls(rows=rows, cols=cols, threads=threads, rows_per_cta=rows_per_cta,
                    ctas_per_sm=ctas_per_sm, grid=cdiv(rows, rows_per_cta) * cluster,
                    cluster=cluster)
@@ -445,9 +443,10 @@ class CuteForwardPlan:
 
     def describe(self) -> str:
         if self.cluster > 1:
-            return (f"CuTe DSL cluster forward, one-shot grid {self.grid}: a row across a "
+            rows = "a row" if self.rows_per_cta == 1 else f"{self.rows_per_cta} rows"
+            return (f"CuTe DSL cluster forward, one-shot grid {self.grid}: {rows} across a "
                     f"cluster of {self.cluster} CTAs of {self.threads} threads "
-                    f"({self.ctas_per_sm} per SM), its slices staged in shared memory")
+                    f"({self.ctas_per_sm} per SM), their slices staged in shared memory")
         return (f"CuTe DSL, one-shot grid {self.grid} of {self.rows_per_cta} rows a CTA, "
                 f"{self.threads} threads a row ({self.ctas_per_sm} per SM)")
 

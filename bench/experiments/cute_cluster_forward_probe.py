@@ -247,11 +247,9 @@ def smem_kernel(dtype, cols: int, cluster: int, threads: int, ctas_per_sm: int,
     """Quack's cluster forward recipe (bench/NOTES.md #66), as shipped: the product kernel
     (:class:`~tilenorm.kernels.cute_cluster_norm_forward.ClusterRowNormForward`, x staged in
     shared memory by ``cp.async``, the partials pushed with ``st.async``), RMSNorm with a
-    weight in x's dtype."""
-    if rows_per_cluster != 1:
-        raise ValueError("the shared-memory variant takes one row a cluster")
-    return ClusterRowNormForward(dtype, dtype, cols, threads, cluster, ctas_per_sm, False,
-                                 False, False, False)
+    weight in x's dtype, ``rows_per_cluster`` rows a cluster."""
+    return ClusterRowNormForward(dtype, dtype, cols, threads, rows_per_cluster, cluster,
+                                 ctas_per_sm, False, False, False, False)
 
 
 def make_kernel(kind: str, dtype, cols: int, config: tuple[int, int, int, int]):

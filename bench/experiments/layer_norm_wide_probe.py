@@ -9,6 +9,11 @@ share (fp32, bf16, none) from the op's own (LayerNorm's mean beside RMSNorm): La
 fp32 / bf16 weight and bias and without them, RMSNorm with an fp32 / bf16 weight.
 
     python bench/experiments/layer_norm_wide_probe.py --experimental --out R.json
+    python bench/experiments/layer_norm_wide_probe.py --experimental --out R.json \
+        --variants '[{}, {"cute_forward": {"layer_norm": {"65536": [256, 2, 3, 4]}}}]'
+
+``--variants`` (a JSON list, as bench/bench_norm_ops.py takes it) runs every case under
+each: the device's settings with the variant's fields replaced.
 
 Bytes are those that must move (as bench/bench_norm_ops.py counts them): forward x and y,
 the parameters, the statistics; forward + backward adds dy, x again and dx, the parameters
@@ -18,6 +23,7 @@ again and their gradients, the statistics again.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -110,52 +116,81 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", default=",".join(f"{m}x{n}" for m, n in SHAPES))
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--variants", type=json.loads, default=[{}],
+                    help="JSON list of settings variants (default: the device's settings)")
     args = ap.parse_args(argv)
-    import tilenorm
-
     record = common.new_record(args)
-    copy = record["copy_gbps"]
     record["rounds"] = args.rounds
+    record["variants"] = args.variants
     g = torch.Generator(device="cuda").manual_seed(87)
     for m, n in common.parse_shapes(args.shapes):
         for case in args.cases.split(","):
-            layer_norm, _ = CASES[case]
-            ops = operands(m, n, case, g)
-            decision = tilenorm.explain(ops["x"], ops["w"], bias=ops["b"],
-                                        layer_norm=layer_norm)
-            row = {"case": case, "M": m, "N": n, "kernels": list(decision.kernels),
-                   "status": decision.status}
-            try:
-                forward, forward_backward = launches(ops, layer_norm)
-                row.update(errors(ops, layer_norm, forward, forward_backward))
-                times = {"fwd": [], "fwd_bwd": []}
-                for _ in range(args.rounds):
-                    times["fwd"].append(common.graph_ms(forward))
-                    times["fwd_bwd"].append(common.graph_ms(forward_backward))
-            except Exception as e:  # one case's failure is recorded, the others still run
-                record["failures"].append(f"{m}x{n} {case}: {type(e).__name__}: {e}")
-                print("FAILED", record["failures"][-1], flush=True)
-                continue
-            for name, moved in zip(("fwd", "fwd_bwd"), bytes_moved(ops, layer_norm),
-                                   strict=True):
-                ms = sorted(times[name])[len(times[name]) // 2]
-                gbps = moved / (ms * 1e-3) / 1e9
-                row.update({f"{name}_ms": ms, f"{name}_gbps": gbps,
-                            f"{name}_pct_copy": 100 * gbps / copy})
-            record["rows"].append(row)
-            print(f"{m:>5}x{n:<6} {case:>12}  fwd {row['fwd_pct_copy']:5.1f}%  fwd+bwd "
-                  f"{row['fwd_bwd_pct_copy']:5.1f}%  err {row['fwd_err']:.1e} / "
-                  f"{row['fwd_bwd_err']:.1e}  {', '.join(row['kernels'])}", flush=True)
-            args.out.write_text(json.dumps(record, indent=1) + "\n")
-            del ops, forward, forward_backward
-            torch.cuda.empty_cache()
+            for i, variant in enumerate(args.variants):
+                with measured(variant):
+                    run_case(record, args, m, n, case, g, i)
+    copy = record["copy_gbps"]
     print(f"\n% of copy ({copy:.0f} GB/s), CUDA-graph time, median of {args.rounds} rounds")
-    print(f"{'M x N':>13} {'case':>12} {'fwd':>6} {'fwd+bwd':>8}")
+    print(f"{'M x N':>13} {'case':>12} {'variant':>7} {'fwd':>6} {'fwd+bwd':>8}")
     for r in record["rows"]:
-        print(f"{r['M']:>6}x{r['N']:<6} {r['case']:>12} {r['fwd_pct_copy']:6.1f} "
-              f"{r['fwd_bwd_pct_copy']:8.1f}")
+        print(f"{r['M']:>6}x{r['N']:<6} {r['case']:>12} {'v' + str(r['variant']):>7} "
+              f"{r['fwd_pct_copy']:6.1f} {r['fwd_bwd_pct_copy']:8.1f}")
     for failure in record["failures"]:
         print("FAILED", failure)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+
+
+@contextlib.contextmanager
+def measured(variant: dict):
+    """The device's settings with ``variant``'s fields replaced, tilenorm's cached decisions
+    and prepared calls dropped on entry and exit."""
+    from bench.tune_norm import variant_settings
+    from tilenorm import dispatch, settings
+    from tilenorm.device import device_info
+    from tilenorm.pytorch import calls
+
+    info = device_info(torch.cuda.current_device())
+    base = settings.settings_for(info.arch, info.device_class)
+    dispatch.decide.cache_clear()
+    calls.clear()
+    try:
+        with settings.measuring(variant_settings(variant, base)):
+            yield
+    finally:
+        dispatch.decide.cache_clear()
+        calls.clear()
+
+
+def run_case(record: dict, args, m: int, n: int, case: str, g: torch.Generator,
+             variant: int) -> None:
+    """One case under the settings in force: its row (or failure) into ``record``."""
+    import tilenorm
+
+    layer_norm, _ = CASES[case]
+    ops = operands(m, n, case, g)
+    decision = tilenorm.explain(ops["x"], ops["w"], bias=ops["b"], layer_norm=layer_norm)
+    row = {"case": case, "M": m, "N": n, "variant": variant,
+           "kernels": list(decision.kernels), "status": decision.status,
+           "plan": str(decision)}
+    try:
+        forward, forward_backward = launches(ops, layer_norm)
+        row.update(errors(ops, layer_norm, forward, forward_backward))
+        times = {"fwd": [], "fwd_bwd": []}
+        for _ in range(args.rounds):
+            times["fwd"].append(common.graph_ms(forward))
+            times["fwd_bwd"].append(common.graph_ms(forward_backward))
+    except Exception as e:  # one case's failure is recorded, the others still run
+        record["failures"].append(f"{m}x{n} {case} v{variant}: {type(e).__name__}: {e}")
+        print("FAILED", record["failures"][-1], flush=True)
+        return
+    for name, moved in zip(("fwd", "fwd_bwd"), bytes_moved(ops, layer_norm), strict=True):
+        ms = sorted(times[name])[len(times[name]) // 2]
+        gbps = moved / (ms * 1e-3) / 1e9
+        row.update({f"{name}_ms": ms, f"{name}_gbps": gbps,
+                    f"{name}_pct_copy": 100 * gbps / record["copy_gbps"]})
+    record["rows"].append(row)
+    print(f"{m:>5}x{n:<6} {case:>12} v{variant}  fwd {row['fwd_pct_copy']:5.1f}%  fwd+bwd "
+          f"{row['fwd_bwd_pct_copy']:5.1f}%  err {row['fwd_err']:.1e} / "
+          f"{row['fwd_bwd_err']:.1e}  {', '.join(row['kernels'])}", flush=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
 
 

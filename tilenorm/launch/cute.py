@@ -98,7 +98,7 @@ class ForwardKey:
     one of them: it only bounds which rows a CTA takes (one kernel for every row count).
     ``cluster`` > 1 selects the cluster forward
     (:class:`~tilenorm.kernels.cute_cluster_norm_forward.ClusterRowNormForward`): a row
-    across that many CTAs, one row a cluster (``rows_per_cta`` 1)."""
+    across that many CTAs, ``rows_per_cta`` rows a cluster."""
 
     dtype: str
     weight_dtype: str | None
@@ -137,7 +137,8 @@ def compile_forward(key: ForwardKey, arch: str | None = None, cubin_dir: str | N
         from tilenorm.kernels.cute_cluster_norm_forward import ClusterRowNormForward
 
         kernel = ClusterRowNormForward(dtype, weight_dtype, key.cols, key.threads,
-                                       key.cluster, key.ctas_per_sm, *features)
+                                       key.rows_per_cta, key.cluster, key.ctas_per_sm,
+                                       *features)
     else:
         from tilenorm.kernels.cute_row_norm_forward import RowNormForward
 
