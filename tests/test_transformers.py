@@ -340,6 +340,76 @@ def test_hooked_norm_takes_the_unfused_path():
     assert len(seen) == 2 and rel(seen[0], seen[1]) <= 1e-6
 
 
+def _doubled(cls: type) -> type:
+    """A class derived from ``cls`` whose forward doubles ``cls``'s output."""
+
+    class Doubled(cls):
+        def forward(self, *args, **kwargs):
+            return 2 * super().forward(*args, **kwargs)
+
+    return Doubled
+
+
+def _compiled_then(model, compiled):
+    """``model`` as called: after a first call, compiled with Dynamo if ``compiled`` (so that
+    what changes afterwards must fail a guard to be seen)."""
+    torch._dynamo.reset()
+    call = torch.compile(model, backend="eager") if compiled else model
+    call(_inputs()[0])
+    return call
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_norm_subclassed_after_patching_takes_the_unfused_path(compiled):
+    """A norm whose class derives from the tilenorm class after patching is not that class:
+    the fused layer calls it (compiled: a class switched after the first call fails a guard
+    and recompiles)."""
+    model = build("qwen3")
+    ref = copy.deepcopy(model)
+    tt.apply(model)
+    call = _compiled_then(model, compiled)
+    for m in (model, ref):
+        for norm in (m.model.layers[0].post_attention_layernorm,
+                     m.model.layers[1].input_layernorm, m.model.norm):
+            norm.__class__ = _doubled(type(norm))
+    ids, _ = _inputs()
+    assert rel(call(ids).logits, ref(ids).logits) <= 1e-5
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile.module.` when there are global hooks")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("scope", ["module", "global"])
+def test_hooked_norm_takes_the_unfused_path_compiled(compiled, scope):
+    """A forward hook on a norm a fused add would skip, or on every module (a global hook),
+    sees the norm's call, under torch.compile too. (Registered before the first call: Dynamo
+    does not guard on module hooks, ``skip_nnmodule_hook_guards``.)"""
+    from torch.nn.modules import module as torch_module
+
+    model = build("qwen3")
+    ref = copy.deepcopy(model)
+    tt.apply(model)
+    norm_class = tt.patching.original_class(type(model.model.norm))
+
+    def hook(module, args, out):
+        return 2 * out if isinstance(module, norm_class) and out.shape[-1] == HIDDEN else None
+
+    handles = []
+    if scope == "global":
+        handles.append(torch_module.register_module_forward_hook(hook))
+    else:
+        for m in (model, ref):
+            handles += [m.model.layers[0].post_attention_layernorm.register_forward_hook(hook),
+                        m.model.norm.register_forward_hook(hook)]
+    try:
+        torch._dynamo.reset()
+        call = torch.compile(model, backend="eager") if compiled else model
+        ids, _ = _inputs()
+        assert rel(call(ids).logits, ref(ids).logits) <= 1e-5
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 # --- class-level patching ----------------------------------------------------------------
 
 
@@ -641,6 +711,21 @@ def test_across_layers_wrapped_layer_computes_as_written():
     ref.model.layers[1] = Wrapper(ref.model.layers[1])
     ids, proj = _inputs()
     assert _worst(_run(model, ids, proj), _run(ref, ids, proj)) <= 1e-5
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_across_layers_subclassed_layer_computes_as_written(compiled):
+    """A layer whose class derives from the pairs-capable class after patching (a user's
+    subclass, FSDP2's class) is not pairs-capable: the loop is the one transformers wrote
+    (compiled: a recompile after the first call)."""
+    model = build("qwen2")
+    ref = copy.deepcopy(model)
+    tt.apply(model)
+    call = _compiled_then(model, compiled)
+    for m in (model, ref):
+        m.model.layers[1].__class__ = _doubled(type(m.model.layers[1]))
+    ids, _ = _inputs()
+    assert rel(call(ids).logits, ref(ids).logits) <= 1e-5
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
