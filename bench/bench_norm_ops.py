@@ -308,9 +308,10 @@ def measure(op: str, name: str, m: int, n: int, dtype: torch.dtype, modes: list[
 
 
 def measure_variants(op: str, m: int, n: int, dtype: torch.dtype, modes: list[str],
-                     variants: list[dict]) -> list[dict]:
+                     variants: list[dict], failures: list[dict]) -> list[dict]:
     """tilenorm's op under each settings variant (the device's settings with the variant's
-    fields replaced), the plan that ran in each row."""
+    fields replaced), the plan that ran in each row; a variant that fails is recorded in
+    ``failures`` and the others still run."""
     import tilenorm
     from bench.tune_norm import variant_settings
     from tilenorm import dispatch, settings
@@ -323,15 +324,22 @@ def measure_variants(op: str, m: int, n: int, dtype: torch.dtype, modes: list[st
     for i, variant in enumerate(variants):
         dispatch.decide.cache_clear()
         calls.clear()
-        with settings.measuring(variant_settings(variant, base)):
-            p = make_problem(op, m, n, dtype)
-            plan = str(tilenorm.explain(p.x, p.w, p.r, bias=p.b, layer_norm=op == "layer_norm",
-                                        per_head=op == "rms_norm_per_head"))
-            print(f"v{i} {op} {m}x{n}:\n{plan}", flush=True)
-            del p
-            for row in measure(op, "tilenorm", m, n, dtype, modes):
-                rows.append({**row, "provider": f"tilenorm v{i}", "variant": variant,
-                             "plan": plan})
+        try:
+            with settings.measuring(variant_settings(variant, base)):
+                p = make_problem(op, m, n, dtype)
+                plan = str(tilenorm.explain(p.x, p.w, p.r, bias=p.b,
+                                            layer_norm=op == "layer_norm",
+                                            per_head=op == "rms_norm_per_head"))
+                print(f"v{i} {op} {m}x{n}:\n{plan}", flush=True)
+                del p
+                for row in measure(op, "tilenorm", m, n, dtype, modes):
+                    rows.append({**row, "provider": f"tilenorm v{i}", "variant": variant,
+                                 "plan": plan})
+        except Exception as e:
+            failures.append({"op": op, "M": m, "N": n, "variant": i,
+                             "error": f"{type(e).__name__}: {e}"[:400]})
+            traceback.print_exc(limit=2)
+            torch.cuda.empty_cache()
         dispatch.decide.cache_clear()
         calls.clear()
     return rows
@@ -359,13 +367,8 @@ def main(argv: list[str] | None = None) -> None:
         record["variants"] = args.variants
         for op in args.ops.split(","):
             for m, n in shapes:
-                try:
-                    record["rows"] += measure_variants(op, m, n, dtype,
-                                                       args.modes.split(","), args.variants)
-                except Exception as e:
-                    record["failures"].append({"op": op, "M": m, "N": n,
-                                               "error": f"{type(e).__name__}: {e}"[:400]})
-                    traceback.print_exc(limit=2)
+                record["rows"] += measure_variants(op, m, n, dtype, args.modes.split(","),
+                                                   args.variants, record["failures"])
                 torch.cuda.empty_cache()
         path = common.write_record(record, args.out)
         common.print_table(record)
