@@ -313,19 +313,12 @@ def measure_variants(op: str, m: int, n: int, dtype: torch.dtype, modes: list[st
     fields replaced), the plan that ran in each row; a variant that fails is recorded in
     ``failures`` and the others still run."""
     import tilenorm
-    from bench.tune_norm import variant_settings
-    from tilenorm import dispatch, settings
-    from tilenorm.device import device_info
-    from tilenorm.pytorch import calls
+    from bench.tune_norm import measuring_variant
 
-    info = device_info(torch.cuda.current_device())
-    base = settings.settings_for(info.arch, info.device_class)
     rows = []
     for i, variant in enumerate(variants):
-        dispatch.decide.cache_clear()
-        calls.clear()
         try:
-            with settings.measuring(variant_settings(variant, base)):
+            with measuring_variant(variant):
                 p = make_problem(op, m, n, dtype)
                 plan = str(tilenorm.explain(p.x, p.w, p.r, bias=p.b,
                                             layer_norm=op == "layer_norm",
@@ -340,8 +333,6 @@ def measure_variants(op: str, m: int, n: int, dtype: torch.dtype, modes: list[st
                              "error": f"{type(e).__name__}: {e}"[:400]})
             traceback.print_exc(limit=2)
             torch.cuda.empty_cache()
-        dispatch.decide.cache_clear()
-        calls.clear()
     return rows
 
 

@@ -25,6 +25,7 @@ against the float64 reference of :mod:`tilenorm.testing`, every row of it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -74,6 +75,26 @@ def variant_settings(variant: dict, base: RowNormSettings = SM90) -> RowNormSett
     if unknown:
         raise SystemExit(f"unknown settings {unknown}; RowNormSettings has {sorted(fields)}")
     return dataclasses.replace(base, **changes)
+
+
+@contextlib.contextmanager
+def measuring_variant(variant: dict) -> Iterator[RowNormSettings]:
+    """This device's settings with ``variant``'s fields replaced (:func:`variant_settings`),
+    in force for the ops called inside (:func:`tilenorm.settings.measuring`); the decisions
+    and prepared calls made with other settings are dropped on entry and on exit."""
+    from tilenorm import dispatch, settings
+    from tilenorm.pytorch import calls
+
+    info = device_info(torch.cuda.current_device())
+    replaced = variant_settings(variant, settings_for(info.arch, info.device_class))
+    dispatch.decide.cache_clear()
+    calls.clear()
+    try:
+        with settings.measuring(replaced):
+            yield replaced
+    finally:
+        dispatch.decide.cache_clear()
+        calls.clear()
 
 
 def measure_case(info, settings: RowNormSettings, op: str, n: int, m: int | None = None

@@ -19,6 +19,8 @@ from tilenorm.pytorch.calls import tensor_launcher
 from tilenorm.settings import H100_PEAK_BANDWIDTH
 from tilenorm.testing import RelError, float64_norm, fresh_generator, rel_error, row_blocks
 
+#: Shared memory of an SM (sm_90, sm_100: 228 KiB), and what sm_90 reserves a CTA.
+SMEM_PER_SM, SMEM_RESERVED = 233472, 1024
 OUT_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}
 STAT_TOL = 1e-5
 DGAMMA_TOL_FP32 = 1e-3

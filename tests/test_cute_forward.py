@@ -9,6 +9,8 @@ import tilenorm
 from tests.kernel_harness import (
     H100,
     OUT_TOL,
+    SMEM_PER_SM,
+    SMEM_RESERVED,
     STAT_TOL,
     check_graph_replay_matches_eager,
     fresh_generator,
@@ -84,10 +86,6 @@ def test_a_cluster_of_several_rows_takes_each_row_once():
     assert taken == list(range(11))
     assert all(plan.program_rows(p) == plan.program_rows(p - p % 4) for p in range(plan.grid))
     assert "2 rows across a cluster of 4 CTAs" in plan.describe()
-
-
-#: Shared memory of one SM of sm_90 / sm_100 (228 KB) and what the runtime reserves a CTA.
-SMEM_PER_SM, SMEM_RESERVED = 228 * 1024, 1024
 
 
 @needs_cute

@@ -23,7 +23,6 @@ again and their gradients, the statistics again.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -119,6 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variants", type=json.loads, default=[{}],
                     help="JSON list of settings variants (default: the device's settings)")
     args = ap.parse_args(argv)
+    from bench.tune_norm import measuring_variant
+
     record = common.new_record(args)
     record["rounds"] = args.rounds
     record["variants"] = args.variants
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     for m, n in common.parse_shapes(args.shapes):
         for case in args.cases.split(","):
             for i, variant in enumerate(args.variants):
-                with measured(variant):
+                with measuring_variant(variant):
                     run_case(record, args, m, n, case, g, i)
     copy = record["copy_gbps"]
     print(f"\n% of copy ({copy:.0f} GB/s), CUDA-graph time, median of {args.rounds} rounds")
@@ -137,27 +138,6 @@ def main(argv: list[str] | None = None) -> None:
     for failure in record["failures"]:
         print("FAILED", failure)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
-
-
-@contextlib.contextmanager
-def measured(variant: dict):
-    """The device's settings with ``variant``'s fields replaced, tilenorm's cached decisions
-    and prepared calls dropped on entry and exit."""
-    from bench.tune_norm import variant_settings
-    from tilenorm import dispatch, settings
-    from tilenorm.device import device_info
-    from tilenorm.pytorch import calls
-
-    info = device_info(torch.cuda.current_device())
-    base = settings.settings_for(info.arch, info.device_class)
-    dispatch.decide.cache_clear()
-    calls.clear()
-    try:
-        with settings.measuring(variant_settings(variant, base)):
-            yield
-    finally:
-        dispatch.decide.cache_clear()
-        calls.clear()
 
 
 def run_case(record: dict, args, m: int, n: int, case: str, g: torch.Generator,
