@@ -501,10 +501,11 @@ def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
     ``cute_forward_fp8_input``), other element sizes, FP8 groups smaller than a 16-byte
     vector, and offsets past 32 bits (the kernel indexes with 32). For 2-byte x the
     settings' ``cute_forward_recompute_t`` entry of the scaling and width, where there is
-    one, takes the place of ``cute_forward``'s, with ``recompute_t``. ``column_amax`` (a
-    per-row scaling's transposed copy): only 2-byte x (the CuTe copy that takes them reads
-    2-byte x) at the widths of the settings' ``cute_forward_column_amax``, at
-    ``cute_forward``'s entry. The FP8 settings are ``arch``'s and ``device_class``'s."""
+    one, takes the place of the scaling's ``forward_entry``, with ``recompute_t``.
+    ``column_amax`` (a per-row scaling's transposed copy): only 2-byte x (the CuTe copy
+    that takes them reads 2-byte x) at the widths of the settings'
+    ``cute_forward_column_amax``, at row scaling's ``forward_entry``. The FP8 settings are
+    ``arch``'s and ``device_class``'s."""
     settings = fp8_settings_for(arch, device_class)
     if column_amax:
         if itemsize != 2 or scaling != "row" or cols not in settings.cute_forward_column_amax:
@@ -525,7 +526,7 @@ def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
             return None
         return CuteFp8ForwardPlan.of(rows, cols, entry, sm_count)
     recompute_t = settings.cute_forward_recompute_t.get(scaling, {}).get(cols)
-    entry = recompute_t or settings.cute_forward.get(cols)
+    entry = recompute_t or settings.forward_entry(scaling, cols)
     if entry is None or itemsize != 2:
         return None
     return dataclasses.replace(CuteFp8ForwardPlan.of(rows, cols, entry, sm_count),

@@ -154,15 +154,25 @@ SM90 = RowNormSettings()
 #: choice. The LayerNorm backward at 4096 columns keeps cuTile's: the CuTe DSL backward
 #: runs at 94% of copy on an H100 where cuTile's runs at 101% (#38). The RMSNorm forward at
 #: 7168 columns runs the CuTe DSL's at (128, 1, 4), 100% of copy where cuTile's runs at 98%
-#: (#90; LayerNorm's there is untimed and keeps cuTile's).
+#: (#90; LayerNorm's there is untimed and keeps cuTile's). The cluster forward (#95):
+#: RMSNorm at 16384 columns across 2 CTAs (101% of copy, one CTA 99%), at 65536 two rows a
+#: cluster of 8 (102% against 99%); LayerNorm at 32768 two rows a cluster of 4 (fp32
+#: weight and bias 98% against 92%). The RMSNorm cluster backward at 16384 columns,
+#: (2, 256, 2, 2): 92% of copy where cuTile's one-pass backward runs at 84% (#95;
+#: LayerNorm's there is untimed and keeps cuTile's).
 SM90_H100 = dataclasses.replace(
     SM90,
     cute_backward={
         **SM90.cute_backward,
         "layer_norm": {cols: entry for cols, entry in SM90.cute_backward["layer_norm"].items()
                        if cols != 4096}},
-    cute_forward={**SM90.cute_forward,
-                  "rms_norm": {**SM90.cute_forward["rms_norm"], 7168: (128, 1, 4)}})
+    cute_forward={
+        "rms_norm": {**SM90.cute_forward["rms_norm"], 7168: (128, 1, 4),
+                     16384: (256, 1, 4, 2), 65536: (256, 2, 4, 8)},
+        "layer_norm": {**SM90.cute_forward["layer_norm"], 32768: (256, 2, 4, 4)}},
+    cute_cluster_backward={
+        **SM90.cute_cluster_backward,
+        "rms_norm": {**SM90.cute_cluster_backward["rms_norm"], 16384: (2, 256, 2, 2)}})
 
 #: What picks a device's tables: the Hopper part they were measured on.
 DeviceClass = Literal["h200", "h100"]

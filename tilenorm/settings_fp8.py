@@ -74,6 +74,10 @@ class Fp8Settings:
     #: still spill a little here (2-40 stores against the old route's 3-74) and are untimed.
     cute_forward_recompute_t: dict = field(default_factory=lambda: {
         "block": {16384: (256, 2, 2)}})
+    #: Per scaling of the row kernel, widths of ``cute_forward`` that run at their own
+    #: (threads, stages, CTAs per SM), the rest of the features as ``cute_forward``'s: where
+    #: one device ranks the scalings' thread layouts otherwise (#95).
+    cute_forward_scaling: dict = field(default_factory=dict)
     #: The CuTe DSL transposed copy of "row", "block" and "mx"
     #: (tilenorm/kernels/cute_fp8_transpose.py), which runs instead of cuTile's
     #: ``fp8_quantize_transposed`` (128 registers, 206 for "row": #60) for RMSNorm of 2-byte
@@ -107,6 +111,14 @@ class Fp8Settings:
     cute_forward_fp8_input: dict = field(default_factory=lambda: {
         2048: (128, 4, 6), 4096: (128, 4, 4), 8192: (256, 4, 2), 16384: (512, 4, 1)})
 
+    def forward_entry(self, scaling: str, cols: int) -> tuple[int, int, int] | None:
+        """The row kernel's (threads, stages, CTAs per SM) for 2-byte x of ``cols`` columns
+        at ``scaling`` without ``recompute_t``: ``cute_forward_scaling``'s, else
+        ``cute_forward``'s; None where the width is not in ``cute_forward``."""
+        if cols not in self.cute_forward:
+            return None
+        return self.cute_forward_scaling.get(scaling, {}).get(cols, self.cute_forward[cols])
+
 
 #: Hopper at the H200's bandwidth (:data:`tilenorm.settings.SM90`), the default.
 SM90_FP8 = Fp8Settings()
@@ -117,10 +129,13 @@ SM90_FP8 = Fp8Settings()
 #: sm_90a (cuobjdump of the AOT variants, 64 registers a thread) it spills no more than
 #: (256, 4, 2): none with a bf16 weight or none but the column amaxes' 2 stores (3 at
 #: (256, 4, 2)), 2 stores with an fp32 weight (8 at (256, 4, 2) for row scaling). FP8 x
-#: (``cute_forward_fp8_input``) keeps (256, 4, 2) at 8192, its own entry, not timed at
-#: (512, 2, 2) (#88).
-SM90_FP8_H100 = dataclasses.replace(SM90_FP8, cute_forward={**SM90_FP8.cute_forward,
-                                                            8192: (512, 2, 2)})
+#: (``cute_forward_fp8_input``) keeps (256, 4, 2) at 8192, its own entry: (512, 2, 2) and
+#: (512, 4, 1) run at 75% and 68% of copy there against its 89% (#88, #95). At 4096 columns
+#: row and MX scaling run at (256, 4, 2), 97% and 96% of copy against (128, 4, 4)'s 90% and
+#: 89%, where block scaling ranks them 88% and 90% and keeps (128, 4, 4) (#95).
+SM90_FP8_H100 = dataclasses.replace(
+    SM90_FP8, cute_forward={**SM90_FP8.cute_forward, 8192: (512, 2, 2)},
+    cute_forward_scaling={scaling: {4096: (256, 4, 2)} for scaling in ("row", "mx")})
 _HOPPER = DeviceTables({"h200": SM90_FP8, "h100": SM90_FP8_H100})
 
 

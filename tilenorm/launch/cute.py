@@ -482,7 +482,8 @@ FP8_INPUT_GROUPS = (16, 128)
 
 def aot_fp8_keys(all_dtypes: bool = False) -> list[Fp8ForwardKey]:
     """The FP8-output row kernel's variants: every width of the FP8 settings' table with
-    every scaling and weight dtype (or none), E4M3, in bf16; and the rest of the features
+    every scaling (at its ``forward_entry``) and weight dtype (or none), E4M3, in bf16; and
+    the rest of the features
     (E5M2, the Gemma offset; fp16 x with ``all_dtypes``) at each width's row scaling. Each
     entry of its ``cute_forward_recompute_t`` table with ``recompute_t`` at its scaling:
     every weight dtype, E5M2, the offset (and fp16 x). At the widths of its
@@ -504,20 +505,21 @@ def _fp8_keys(settings: Fp8Settings, all_dtypes: bool) -> list[Fp8ForwardKey]:
     from tilenorm.kernels.cute_row_norm_fp8 import SCALINGS
 
     keys = []
-    for cols, config in settings.cute_forward.items():
+    for cols in settings.cute_forward:
+        config = functools.partial(settings.forward_entry, cols=cols)
         keys += [Fp8ForwardKey(AOT_ROWS, "bfloat16", weight, "float8_e4m3fn", scaling, False,
-                               cols, *config)
+                               cols, *config(scaling))
                  for scaling in SCALINGS for weight in (None, "bfloat16", "float32")]
         keys += [Fp8ForwardKey(AOT_ROWS, "bfloat16", "bfloat16", "float8_e5m2", "row", False,
-                               cols, *config),
+                               cols, *config("row")),
                  Fp8ForwardKey(AOT_ROWS, "bfloat16", "float32", "float8_e4m3fn", "block", True,
-                               cols, *config)]
+                               cols, *config("block"))]
         if all_dtypes:
             keys.append(Fp8ForwardKey(AOT_ROWS, "float16", "float16", "float8_e4m3fn", "mx",
-                                      False, cols, *config))
+                                      False, cols, *config("mx")))
         if cols in settings.cute_forward_column_amax:  # a per-row scaling's copy
             keys += [Fp8ForwardKey(AOT_ROWS, x, weight, "float8_e4m3fn", "row", False, cols,
-                                   *config, column_amax=True)
+                                   *config("row"), column_amax=True)
                      for x, weight in (("bfloat16", None), ("bfloat16", "bfloat16"))
                      + ((("float16", "float16"),) if all_dtypes else ())]
     recompute_t_features = [  # (x, weight, FP8, offset)
