@@ -25,7 +25,7 @@ from tests.kernel_harness import (
 from tilenorm import dispatch
 from tilenorm.launch import cute
 from tilenorm.planner import CuteClusterBackwardPlan, plan_cute_cluster_backward
-from tilenorm.settings import SM90
+from tilenorm.settings import DEVICE_CLASSES, SM90, SM90_H100, settings_for
 from tilenorm.testing import float64_norm, row_blocks
 
 gpu = pytest.mark.gpu
@@ -207,10 +207,12 @@ def test_decide_on_a_fake_h100_runs_it_at_exactly_its_widths(monkeypatch, op, co
     finally:
         dispatch.decide.cache_clear()
     clustered = isinstance(decision.cute_backward, CuteClusterBackwardPlan)
-    assert clustered == (cols in TABLE[op]), decision
+    assert clustered == (cols in SM90_H100.cute_cluster_backward[op]), decision
     assert (dispatch.CUTE_CLUSTER_BACKWARD_NAME in decision.kernels) == clustered
     if clustered:
-        assert decision.backward.column_split, "the cuTile fallback is the column split"
+        # cuTile's fallback: the column split where a row is past one tile (not at 16384)
+        limit = SM90.max_single_pass_bytes["backward"][op] // 2
+        assert decision.backward.column_split == (cols > limit), decision
         assert dispatch.CUTE_CLUSTER_BACKWARD_NAME in str(decision)
 
 
@@ -279,7 +281,9 @@ def test_kernel_refuses_shapes_it_cannot_hold():
 def test_every_variant_builds_for_hopper_and_blackwell():
     keys = cute.aot_cluster_backward_keys(all_dtypes=True)
     assert {(k.layer_norm, k.cols) for k in keys} == {
-        (op == "layer_norm", cols) for op, widths in TABLE.items() for cols in widths}
+        (op == "layer_norm", cols) for c in DEVICE_CLASSES
+        for op, widths in settings_for((9, 0), c).cute_cluster_backward.items()
+        for cols in widths}
     layer_norm = [k for k in keys if k.layer_norm]
     assert {(k.weight_dtype, k.has_bias, k.has_dres_in) for k in layer_norm
             if k.dtype == "bfloat16" and k.cols == WIDTHS[0]} == {

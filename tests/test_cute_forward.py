@@ -125,7 +125,8 @@ def test_decision_names_the_kernel_it_launches(device_class, op, cols):
         forward=plan_row_norm(rows, cols, direction="forward", **kwargs),
         backward=plan_row_norm(rows, cols, direction="backward", **kwargs),
         cute_forward=plan)
-    cluster = (op, cols) in CLUSTER_ROUTED
+    entry = TABLES[device_class][op][cols]
+    cluster = len(entry) == 4
     name = dispatch.CUTE_CLUSTER_FORWARD_NAME if cluster else dispatch.CUTE_FORWARD_NAME
     assert decision.kernels[0] == name
     other = ({dispatch.CUTE_FORWARD_NAME, dispatch.CUTE_CLUSTER_FORWARD_NAME} - {name}).pop()
@@ -134,7 +135,8 @@ def test_decision_names_the_kernel_it_launches(device_class, op, cols):
     assert ("cluster" in plan.describe()) == cluster
     key = cute.ForwardKey.of(plan, "bfloat16", "bfloat16", False, op == "layer_norm", False,
                              False)
-    assert key.cluster == (cols // 16384 if cluster else 1)
+    assert key.cluster == (entry[3] if cluster else 1)
+    assert key.rows_per_cta == entry[1]
 
 
 def test_plan_only_where_measured():
@@ -265,19 +267,31 @@ def test_cluster_kernel_refuses_what_it_cannot_run():
         ClusterRowNormForward(bf16, None, 65536, 256, 1, 4, 4, True, True, False, False)
 
 
+def allowed_spill_stores(key) -> int:
+    """Spill stores a cluster forward variant may have at sm_90a (cuobjdump, static
+    counts): one 8-byte slot, stored and loaded once, where several rows a cluster take a
+    residual and a 2-byte weight at 64 registers a thread; none elsewhere, the timed
+    variants (no residual) included (#95)."""
+    return int(key.rows_per_cta > 1 and key.has_residual
+               and key.weight_dtype in ("bfloat16", "float16"))
+
+
 @pytest.mark.aot
 @needs_cute
 def test_every_variant_builds_for_hopper_and_blackwell(tmp_path):
     """Every variant builds for both architectures; the cluster forward's (x staged in
-    shared memory, 64 registers a thread at 4 CTAs an SM) spill nothing on sm_90a: every one
-    of them is routed, none restricted (cuobjdump, where installed)."""
+    shared memory, 64 registers a thread at 4 CTAs an SM) spill no more than
+    :func:`allowed_spill_stores` on sm_90a: every one of them is routed, none restricted
+    (cuobjdump, where installed)."""
     from bench.kernel_resources import cubin_resources, find_cuobjdump
 
     tool = find_cuobjdump()
     keys = cute.aot_forward_keys(all_dtypes=True)
     assert {k.cols for k in keys} == set(WIDTHS)
     assert {(op, k.cols) for k in keys if k.cluster > 1
-            for op in ["layer_norm" if k.layer_norm else "rms_norm"]} == set(CLUSTER_ROUTED)
+            for op in ["layer_norm" if k.layer_norm else "rms_norm"]} == {
+        (op, cols) for t in TABLES.values() for op, widths in t.items()
+        for cols, entry in widths.items() if len(entry) == 4}
     for i, key in enumerate(keys):
         for arch in cute.AOT_ARCHS:
             cubins = tmp_path / f"{i}-{arch}"
@@ -285,8 +299,9 @@ def test_every_variant_builds_for_hopper_and_blackwell(tmp_path):
             assert callable(cute.compile_forward(key, arch, cubin_dir=keep)), (key, arch)
             if keep:
                 found = cubin_resources(next(cubins.rglob("*.cubin")), tool)[0]
-                assert found["spill_stores"] == found["spill_loads"] == found["stack"] == 0, (
-                    key, found)
+                allowed = allowed_spill_stores(key)
+                assert found["spill_stores"] == found["spill_loads"] <= allowed, (key, found)
+                assert found["stack"] <= 8 * allowed, (key, found)
 
 
 # --- GPU --------------------------------------------------------------------------------

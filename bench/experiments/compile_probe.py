@@ -1,81 +1,59 @@
-"""Where a compiled training step's time goes with each norm provider (issue 17): a
-Llama-style model at the host-bound size (1 x 1024 tokens, hidden 512, 8 layers) or, with
-``--size gpu``, bench_training's GPU-bound one (2 x 4096 tokens, hidden 2048), whole model
-under ``torch.compile``, norms from torch (``torch.nn.RMSNorm`` swapped in) or tilenorm (norms
-only, or with the residual adds fused). Steps are timed interleaved across providers (CUDA
-events around each step, median); then one profiled step per provider lists the host ops by
-self CPU time, counts kernel launches, and sums the GPU time of the norms' kernels (inductor's
-fused norm kernels, tilenorm's) against the step's; dynamo's counters show graph breaks and
-recompiles.
+"""Where a compiled training step's time goes with each norm provider (issue 17):
+bench_training's models and sizes (``--model``, ``--size``), the whole model under
+``torch.compile`` through bench_training's ``compiled_call``, each provider patched by
+bench_training's own patch. Steps are timed interleaved across providers (CUDA events around
+each step, median) beside the host's time to enqueue a step (wall time to the step's return,
+unsynchronized, median); then one profiled step per provider counts kernel launches, sums
+the GPU time of the norms' kernels (inductor's fused norm kernels, tilenorm's) against the
+step's, the host time in dynamo's guard checks, and lists the kernels whose launch counts
+differ from the first provider's; dynamo's counters show graph breaks and recompiles.
 
-    python bench/experiments/compile_probe.py [--steps 30] [--mode default] [--size gpu]
+    python bench/experiments/compile_probe.py [--model qwen3] [--size host] [--steps 30]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import re
 import statistics
 import sys
+import time
+from pathlib import Path
 
 import torch
-import transformers
 
-import tilenorm.transformers as tt
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import bench_training as bt  # noqa: E402
 
-#: (batch, seq, hidden, intermediate, heads, kv heads): bench_training's Llama sizes.
-SIZES = {"host": (1, 1024, 512, 1408, 8, 4), "gpu": (2, 4096, 2048, 5632, 16, 8)}
 #: The kernels of a norm: inductor's fused ones name the op, tilenorm's are its own.
 NORM_KERNEL = re.compile(r"rms_norm|norm_fwd|norm_bwd|column_sums|row_sums|RowNorm")
-
-
-def build(size: str, seed: int = 0) -> torch.nn.Module:
-    _, seq, hidden, intermediate, heads, kv_heads = SIZES[size]
-    config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=hidden, intermediate_size=intermediate,
-        num_hidden_layers=8, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        head_dim=hidden // heads, max_position_embeddings=seq, use_cache=False)
-    torch.manual_seed(seed)
-    with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(config)
-    return model.to(torch.bfloat16).train()
-
-
-def swap_torch(model: torch.nn.Module) -> None:
-    for module in list(model.modules()):
-        for child_name, child in list(module.named_children()):
-            if type(child).__name__ == "LlamaRMSNorm":
-                new = torch.nn.RMSNorm(child.weight.shape[0], eps=child.variance_epsilon,
-                                       device="cuda", dtype=torch.bfloat16)
-                new.weight = child.weight
-                setattr(module, child_name, new)
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+#: The profiler's name for dynamo's guard evaluation before a compiled frame runs.
+GUARDS = re.compile(r"Cache Lookup|guard", re.IGNORECASE)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=bt.MODELS, default="llama")
+    parser.add_argument("--size", choices=bt.SIZES, default="host")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--mode", default="default", help="torch.compile mode")
-    parser.add_argument("--providers", default="torch,tilenorm,tilenorm+residual")
-    parser.add_argument("--size", choices=SIZES, default="host")
+    parser.add_argument("--providers", default="hf,torch,tilenorm,tilenorm+residual")
     args = parser.parse_args()
-    torch._dynamo.config.cache_size_limit = 64
-    base = build(args.size)
-    batch, seq = SIZES[args.size][:2]
-    ids = torch.randint(3, 32000, (batch, seq), device="cuda")
+    bt._raise_recompile_limits()
+    spec, size, device = bt.MODELS[args.model], bt.SIZES[args.size], torch.device("cuda")
+    base = bt.build_base(spec, size, device, torch.bfloat16, seed=0)
+    ids = bt.make_batches(size, 1, seed=0, device=device)[0]
     runs = {}
     for provider in args.providers.split(","):
         model = copy.deepcopy(base)
-        if provider == "torch":
-            swap_torch(model)
-        elif provider != "hf":
-            tt.apply(model, residual=provider == "tilenorm+residual")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        compiled = torch.compile(model, mode=None if args.mode == "default" else args.mode)
+        bt.PATCHES[provider](model, spec)
+        opt, _ = bt.make_optimizer(model, lr=1e-4)
+        compiled = bt.compiled_call(model)
 
         def step(compiled=compiled, opt=opt):
-            loss = compiled(input_ids=ids, labels=ids, use_cache=False).loss
-            loss.backward()
+            loss = bt.forward_backward(compiled, ids)
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
@@ -83,47 +61,58 @@ def main() -> None:
         for _ in range(5):
             step()
         torch.cuda.synchronize()
-        runs[provider] = (step, [])
+        runs[provider] = (step, [], [])
         print(f"{provider}: compiled", file=sys.stderr, flush=True)
     from torch._dynamo.utils import counters
 
     print("dynamo counters:", {k: dict(v) for k, v in counters.items()
                                if k in ("frames", "stats", "graph_break", "recompiles")})
     for k in range(args.steps):
-        order = list(runs)
-        order = order[k % len(order):] + order[:k % len(order)]
+        order = bt.round_order(list(runs), k)
         for provider in order:
-            step, times = runs[provider]
+            step, times, host = runs[provider]
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
             begin.record()
+            t0 = time.perf_counter()
             step()
+            host.append((time.perf_counter() - t0) * 1e3)
             end.record()
             torch.cuda.synchronize()
             times.append(begin.elapsed_time(end))
-    print("\nstep ms, median of", args.steps, "interleaved")
-    for provider, (_, times) in runs.items():
-        print(f"  {provider:20s} {statistics.median(times):8.2f}  (min {min(times):.2f})")
+    print(f"\n{args.model} {args.size}: median of {args.steps} interleaved steps, ms")
+    print(f"  {'provider':20s} {'step':>8s} {'host enqueue':>13s}")
+    for provider, (_, times, host) in runs.items():
+        print(f"  {provider:20s} {statistics.median(times):8.2f} {statistics.median(host):13.2f}")
     from torch.profiler import ProfilerActivity, profile
 
-    for provider, (step, _) in runs.items():
+    first = None
+    for provider, (step, _, _) in runs.items():
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
         events = prof.key_averages()
-        launches = sum(e.count for e in events
-                       if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
-                                    "cudaLaunchKernelExC"))
+        launches = sum(e.count for e in events if e.key in LAUNCHES)
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
                    and e.self_device_time_total > 0]
         norms = [e for e in kernels if NORM_KERNEL.search(e.key)]
-        norm_us = sum(e.self_device_time_total for e in norms)
-        total_us = sum(e.self_device_time_total for e in kernels)
-        print(f"\n== {provider}: {launches} kernel launches in one step; GPU time {total_us:.0f} "
-              f"us, of it the norms' kernels {norm_us:.0f} us in {sum(e.count for e in norms)}")
+        guards = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU
+                  and GUARDS.search(e.key)]
+        count = collections.Counter({e.key: e.count for e in kernels})
+        print(f"\n== {provider}: {launches} kernel launches in one step; GPU time "
+              f"{sum(e.self_device_time_total for e in kernels):.0f} us, of it the norms' "
+              f"{sum(e.self_device_time_total for e in norms):.0f} us in "
+              f"{sum(e.count for e in norms)}; guard checks "
+              + ", ".join(f"{e.key} {e.count}x {e.cpu_time_total:.0f} us" for e in guards))
         for e in sorted(norms, key=lambda e: -e.self_device_time_total):
             print(f"   {e.self_device_time_total:9.1f} us {e.count:4d}x  {e.key[:110]}")
-        print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+        if first is None:
+            first = count
+        else:
+            for key in sorted(set(count) | set(first), key=lambda k: count[k] - first[k]):
+                if count[key] != first[key]:
+                    print(f"   kernel count {first[key]:4d} -> {count[key]:4d}  {key[:110]}")
+        print(events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=70))
 
 
 if __name__ == "__main__":
