@@ -2,6 +2,8 @@
 ahead-of-time build for Hopper and Blackwell, the decision that picks it, and (GPU) its outputs
 against float64."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -198,6 +200,36 @@ def test_forward_kernel_takes_it_only_where_the_call_allows():
         facts = dispatch.ForwardFacts(**{**plain, **change})
         assert dispatch.forward_kernel(decision, facts) is decision.forward, change
     assert "RowNormForward (CuTe DSL)" in decision.kernels
+
+
+@pytest.mark.parametrize("device_class", DEVICE_CLASSES)
+def test_a_residual_call_takes_one_row_a_cluster_where_the_table_holds_several(device_class):
+    """Every class's entries of several rows a cluster run a residual call at one row a
+    cluster of 16384-column slices (#95), a variant the ahead-of-time builds hold; a call
+    without one, and every other entry, runs the table's plan."""
+    keys = set(cute.aot_forward_keys(all_dtypes=True))
+    for op, widths in TABLES[device_class].items():
+        for cols in widths:
+            plan = plan_cute_forward(1000, cols, itemsize=2, arch=(9, 0), op=op,
+                                     device_class=device_class)
+            decision = dispatch.Decision(
+                op=op, reason="", family=dispatch.CUTILE_NORM, device=H100,
+                forward=None, backward=None, cute_forward=plan)
+            facts = dispatch.ForwardFacts.of("bfloat16", "bfloat16", "bfloat16", None,
+                                             "bfloat16", "bfloat16", dense=True)
+            assert facts.residual
+            chosen = dispatch.forward_kernel(decision, facts)
+            assert dispatch.forward_kernel(decision, dataclasses.replace(
+                facts, residual=False)) is plan
+            if plan.cluster > 1 and plan.rows_per_cta > 1:
+                assert (chosen.rows_per_cta, chosen.cluster, chosen.threads) == (
+                    1, cols // 16384, 256), (op, cols)
+                assert chosen.grid == 1000 * chosen.cluster
+            else:
+                assert chosen is plan
+            key = cute.ForwardKey.of(chosen, "bfloat16", "bfloat16", False,
+                                     op == "layer_norm", False, True)
+            assert key in keys, key
 
 
 def test_call_facts_take_the_kernel_only_for_what_it_runs():

@@ -89,11 +89,12 @@ class ForwardFacts:
     """What one forward call brings beyond its problem: whether y, h (with a fused residual)
     and every parameter share x's dtype (parameters may also be fp32), whether a bias comes
     without a weight, and whether x and the residual are contiguous rows (``dense``; their
-    storage's 16-byte alignment is checked at each call)."""
+    storage's 16-byte alignment is checked at each call); whether a residual is added."""
 
     same_dtypes: bool
     bias_without_weight: bool
     dense: bool
+    residual: bool = False
 
     @classmethod
     def of(cls, x: str, out: str, weight: str | None, bias: str | None,
@@ -103,7 +104,8 @@ class ForwardFacts:
         return cls(same_dtypes=(out == x and (residual is None or residual == h == x)
                                 and (weight is None or weight in (x, "float32"))
                                 and (bias is None or weight is None or bias == weight)),
-                   bias_without_weight=bias is not None and weight is None, dense=dense)
+                   bias_without_weight=bias is not None and weight is None, dense=dense,
+                   residual=residual is not None)
 
 
 @dataclass(frozen=True)
@@ -331,11 +333,11 @@ def decide(p: Problem) -> Decision:
 def forward_kernel(decision: Decision, call: ForwardFacts) -> CuteForwardPlan | RowNormPlan:
     """The kernel plan that runs one forward call of a decision that uses kernels: the CuTe
     DSL forward where it has a plan and the call allows it (y and h in x's dtype, parameters
-    in x's dtype or fp32, no bias without a weight, contiguous rows), else the cuTile
-    forward."""
+    in x's dtype or fp32, no bias without a weight, contiguous rows), with a residual its
+    ``with_residual`` plan; else the cuTile forward."""
     if (decision.cute_forward is not None and call.same_dtypes
             and not call.bias_without_weight and call.dense):
-        return decision.cute_forward
+        return decision.cute_forward.with_residual() if call.residual else decision.cute_forward
     return decision.forward
 
 
