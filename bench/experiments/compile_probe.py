@@ -3,12 +3,13 @@ bench_training's models and sizes (``--model``, ``--size``), the whole model und
 ``torch.compile`` through bench_training's ``compiled_call``, each provider patched by
 bench_training's own patch. Steps are timed interleaved across providers (CUDA events around
 each step, median) beside the host's time to enqueue a step (wall time to the step's return,
-unsynchronized, median); then one profiled step per provider counts kernel launches, sums
+unsynchronized, median); then profiled steps per provider count kernel launches, sum
 the GPU time of the norms' kernels (inductor's fused norm kernels, tilenorm's) against the
 step's, the host time in dynamo's guard checks, and lists the kernels whose launch counts
 differ from the first provider's; dynamo's counters show graph breaks and recompiles.
 
     python bench/experiments/compile_probe.py [--model qwen3] [--size host] [--steps 30]
+        [--profile-steps 5]
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def main() -> None:
     parser.add_argument("--size", choices=bt.SIZES, default="host")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--providers", default="hf,torch,tilenorm,tilenorm+residual")
+    parser.add_argument("--profile-steps", type=int, default=5,
+                        help="profiled steps per provider; counts and times are per step")
     args = parser.parse_args()
     bt._raise_recompile_limits()
     spec, size, device = bt.MODELS[args.model], bt.SIZES[args.size], torch.device("cuda")
@@ -87,25 +90,28 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     first = None
+    n = args.profile_steps
     for provider, (step, _, _) in runs.items():
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            step()
+            for _ in range(n):
+                step()
             torch.cuda.synchronize()
         events = prof.key_averages()
-        launches = sum(e.count for e in events if e.key in LAUNCHES)
+        launches = sum(e.count for e in events if e.key in LAUNCHES) / n
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
                    and e.self_device_time_total > 0]
         norms = [e for e in kernels if NORM_KERNEL.search(e.key)]
         guards = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU
                   and GUARDS.search(e.key)]
-        count = collections.Counter({e.key: e.count for e in kernels})
-        print(f"\n== {provider}: {launches} kernel launches in one step; GPU time "
-              f"{sum(e.self_device_time_total for e in kernels):.0f} us, of it the norms' "
-              f"{sum(e.self_device_time_total for e in norms):.0f} us in "
-              f"{sum(e.count for e in norms)}; guard checks "
-              + ", ".join(f"{e.key} {e.count}x {e.cpu_time_total:.0f} us" for e in guards))
+        count = collections.Counter({e.key: e.count // n for e in kernels})
+        print(f"\n== {provider}, a step (mean of {n} profiled): {launches:.0f} kernel launches; "
+              f"GPU time {sum(e.self_device_time_total for e in kernels) / n:.0f} us, of it "
+              f"the norms' {sum(e.self_device_time_total for e in norms) / n:.0f} us in "
+              f"{sum(e.count for e in norms) / n:.0f}; guard checks "
+              + ", ".join(f"{e.key} {e.count / n:.0f}x {e.cpu_time_total / n:.0f} us"
+                          for e in guards))
         for e in sorted(norms, key=lambda e: -e.self_device_time_total):
-            print(f"   {e.self_device_time_total:9.1f} us {e.count:4d}x  {e.key[:110]}")
+            print(f"   {e.self_device_time_total / n:9.1f} us {e.count / n:4.0f}x  {e.key[:110]}")
         if first is None:
             first = count
         else:
