@@ -1379,8 +1379,8 @@ def test_explain_on_gpu_names_the_fp8_kernels():
 
 @gpu
 @pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
-@pytest.mark.parametrize("cols,device_class", [(2048, "h200"), (4096, "h200"), (8192, "h200"),
-                                               (8192, "h100"), (16384, "h200")])
+@pytest.mark.parametrize("cols,device_class", [(2048, "h200"), (4096, "h200"), (4096, "h100"),
+                                               (8192, "h200"), (8192, "h100"), (16384, "h200")])
 @pytest.mark.parametrize("scaling", SCALINGS)
 def test_cute_row_kernel_runs_and_matches_float64(scaling, cols, device_class,
                                                   decide_as_class):
@@ -1388,7 +1388,7 @@ def test_cute_row_kernel_runs_and_matches_float64(scaling, cols, device_class,
     (and a row-scaled transposed copy cuTile's, which keeps column amaxes, as 1037 rows are
     no multiple of 16 for the CuTe copy); rows not a multiple of the grid, poisoned outputs,
     reruns bit-identical (``run_kernels``). Each device class's entry, on any GPU (the
-    classes differ at 8192)."""
+    classes differ at 8192, and at 4096 for row and MX scaling)."""
     from tilenorm.dispatch import CUTE_FP8_FORWARD_NAME
     from tilenorm.settings_fp8 import fp8_settings_for
 
@@ -1399,8 +1399,9 @@ def test_cute_row_kernel_runs_and_matches_float64(scaling, cols, device_class,
         decision = tilenorm.fp8.explain(x, w, scaling=scaling)
         copied = tilenorm.fp8.explain(x, w, scaling=scaling, transpose=True)
     assert decision.cute_forward is not None and CUTE_FP8_FORWARD_NAME in decision.kernels
-    entry = fp8_settings_for((9, 0), device_class).cute_forward_recompute_t.get(
-        scaling, {}).get(cols) or fp8_settings_for((9, 0), device_class).cute_forward[cols]
+    settings = fp8_settings_for((9, 0), device_class)
+    entry = (settings.cute_forward_recompute_t.get(scaling, {}).get(cols)
+             or settings.forward_entry(scaling, cols))
     f = decision.cute_forward
     assert (f.threads, f.stages, f.ctas_per_sm) == entry, str(decision)
     assert (copied.cute_forward is None) == (scaling == "row"), str(copied)

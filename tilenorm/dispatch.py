@@ -94,7 +94,7 @@ class ForwardFacts:
     same_dtypes: bool
     bias_without_weight: bool
     dense: bool
-    residual: bool = False
+    residual: bool
 
     @classmethod
     def of(cls, x: str, out: str, weight: str | None, bias: str | None,
@@ -180,6 +180,9 @@ class Decision:
             lines.append(f"  forward of contiguous, aligned rows in x's dtype, "
                          f"{cute_forward_name(self.cute_forward)}: "
                          f"{self.cute_forward.describe()}")
+            with_residual = self.cute_forward.with_residual()
+            if with_residual != self.cute_forward:
+                lines.append(f"  forward with a fused residual: {with_residual.describe()}")
         lines.append(f"  backward: {self.backward.describe()}")
         if isinstance(self.cute_backward, CuteClusterBackwardPlan):
             lines.append(f"  backward of contiguous, aligned rows, the residual's gradient "

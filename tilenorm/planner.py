@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tilenorm.settings import (
+    CLUSTER_SLICE_COLS,
     DEFAULT_DEVICE_CLASS,
     DeviceClass,
     RowNormSettings,
@@ -447,15 +448,15 @@ class CuteForwardPlan:
         start = program // self.cluster * self.rows_per_cta
         return range(start, min(start + self.rows_per_cta, self.rows))
 
+    @property
+    def entry(self) -> tuple[int, int, int, int]:
+        """The settings entry of this plan: (threads, rows a CTA, CTAs per SM, cluster)."""
+        return self.threads, self.rows_per_cta, self.ctas_per_sm, self.cluster
+
     def with_residual(self) -> CuteForwardPlan:
-        """The plan a call with a fused residual runs: one row a cluster of the table's
-        slices (``_cluster_forward``) where this plan holds several rows a cluster, else this
-        one. A residual doubles what a CTA stages, and two rows a cluster of 8 at 65536
-        columns then spill a register and run at 94% of copy where one row a cluster of 4 runs
-        at 101% (H100, #95)."""
-        if self.cluster == 1 or self.rows_per_cta == 1:
-            return self
-        return CuteForwardPlan.of(self.rows, self.cols, _cluster_forward(self.cols))
+        """The plan a call with a fused residual runs (:func:`residual_entry`)."""
+        entry = residual_entry(self.cols, self.entry)
+        return self if entry == self.entry else CuteForwardPlan.of(self.rows, self.cols, entry)
 
     def describe(self) -> str:
         if self.cluster > 1:
@@ -465,6 +466,19 @@ class CuteForwardPlan:
                     f"({self.ctas_per_sm} per SM), their slices staged in shared memory")
         return (f"CuTe DSL, one-shot grid {self.grid} of {self.rows_per_cta} rows a CTA, "
                 f"{self.threads} threads a row ({self.ctas_per_sm} per SM)")
+
+
+def residual_entry(cols: int, entry: tuple[int, ...]) -> tuple[int, ...]:
+    """The ``cute_forward`` entry a call with a fused residual runs for the table's ``entry``
+    at ``cols`` columns: one row a cluster of ``CLUSTER_SLICE_COLS``-column slices (the
+    settings' ``_cluster_forward``) where ``entry`` holds several rows a cluster of a row that
+    spans two such slices or more, else ``entry``. A residual doubles what a CTA stages: two
+    rows a cluster of 8 at 65536 columns then keep a spill slot and run at 94% of copy where
+    one row a cluster of 4 runs at 101% (H100, #95)."""
+    several_rows = len(entry) == 4 and entry[1] > 1 and entry[3] > 1
+    if not several_rows or cols < 2 * CLUSTER_SLICE_COLS:
+        return entry
+    return _cluster_forward(cols)
 
 
 def plan_cute_forward(rows: int, cols: int, *, itemsize: int, arch: tuple[int, int], op: Op,

@@ -103,7 +103,7 @@ def main() -> None:
         norms = [e for e in kernels if NORM_KERNEL.search(e.key)]
         guards = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU
                   and GUARDS.search(e.key)]
-        count = collections.Counter({e.key: e.count // n for e in kernels})
+        count = collections.Counter({e.key: e.count / n for e in kernels})
         print(f"\n== {provider}, a step (mean of {n} profiled): {launches:.0f} kernel launches; "
               f"GPU time {sum(e.self_device_time_total for e in kernels) / n:.0f} us, of it "
               f"the norms' {sum(e.self_device_time_total for e in norms) / n:.0f} us in "
@@ -117,7 +117,7 @@ def main() -> None:
         else:
             for key in sorted(set(count) | set(first), key=lambda k: count[k] - first[k]):
                 if count[key] != first[key]:
-                    print(f"   kernel count {first[key]:4d} -> {count[key]:4d}  {key[:110]}")
+                    print(f"   kernel count {first[key]:6.1f} -> {count[key]:6.1f}  {key[:110]}")
         print(events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=70))
 
 

@@ -24,7 +24,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from tilenorm.planner import CuteBackwardPlan, CuteClusterBackwardPlan, CuteForwardPlan
+from tilenorm.planner import (
+    CuteBackwardPlan,
+    CuteClusterBackwardPlan,
+    CuteForwardPlan,
+    residual_entry,
+)
 from tilenorm.settings import DEVICE_CLASSES, RowNormSettings, settings_for
 
 if TYPE_CHECKING:
@@ -337,12 +342,14 @@ def aot_cluster_backward_keys(all_dtypes: bool = False) -> list[ClusterBackwardK
 
 def aot_forward_keys(all_dtypes: bool = False) -> list[ForwardKey]:
     """Every variant the settings' CuTe DSL forward entries can run in bf16 (and fp16 with
-    ``all_dtypes``): each weight dtype (or none), with and without a residual; LayerNorm with
-    and without a bias, RMSNorm with and without the Gemma offset (which needs a weight);
-    the cluster forward's entries with theirs."""
+    ``all_dtypes``): each weight dtype (or none), with and without a residual (at the
+    entry a residual call runs, :func:`tilenorm.planner.residual_entry`); LayerNorm with and
+    without a bias, RMSNorm with and without the Gemma offset (which needs a weight); the
+    cluster forward's entries with theirs."""
     dtypes = ("bfloat16", "float16") if all_dtypes else ("bfloat16",)
     return _unique(ForwardKey(dtype, weight_dtype, has_bias, op == "layer_norm", has_offset,
-                              has_residual, cols, *config)
+                              has_residual, cols,
+                              *(residual_entry(cols, config) if has_residual else config))
             for s in _every_table()
             for op, widths in s.cute_forward.items() for cols, config in widths.items()
             for dtype in dtypes for weight_dtype in (None, dtype, "float32")
