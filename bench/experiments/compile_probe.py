@@ -1,12 +1,12 @@
-"""Where a compiled training step's time goes with each norm provider (issue 17):
-bench_training's models and sizes (``--model``, ``--size``), the whole model under
-``torch.compile`` through bench_training's ``compiled_call``, each provider patched by
-bench_training's own patch. Steps are timed interleaved across providers (CUDA events around
-each step, median) beside the host's time to enqueue a step (wall time to the step's return,
-unsynchronized, median); then profiled steps per provider count kernel launches, sum
-the GPU time of the norms' kernels (inductor's fused norm kernels, tilenorm's) against the
-step's, the host time in dynamo's guard checks, and lists the kernels whose launch counts
-differ from the first provider's; dynamo's counters show graph breaks and recompiles.
+"""Where a compiled training step's time goes with each norm provider (issue 17): bench_training's
+models and sizes (``--model``, ``--size``), the whole model under ``torch.compile`` in
+bench_training's ``Runner`` (its compiled call, optimizer and step), each provider patched by
+bench_training's own patch. Steps are timed interleaved across providers (CUDA events around each
+step, median) beside the host's time to enqueue a step (wall time to the step's return,
+unsynchronized, median); then profiled steps per provider count kernel launches, sum the GPU time of
+the norms' kernels (inductor's fused norm kernels, tilenorm's) against the step's, the host time in
+dynamo's guard checks, and lists the kernels whose launch counts differ from the first provider's;
+dynamo's counters show graph breaks and recompiles.
 
     python bench/experiments/compile_probe.py [--model qwen3] [--size host] [--steps 30]
         [--profile-steps 5]
@@ -47,24 +47,14 @@ def main() -> None:
     bt._raise_recompile_limits()
     spec, size, device = bt.MODELS[args.model], bt.SIZES[args.size], torch.device("cuda")
     base = bt.build_base(spec, size, device, torch.bfloat16, seed=0)
-    ids = bt.make_batches(size, 1, seed=0, device=device)[0]
+    batches = bt.make_batches(size, 1, seed=0, device=device)
     runs = {}
     for provider in args.providers.split(","):
         model = copy.deepcopy(base)
         bt.PATCHES[provider](model, spec)
-        opt, _ = bt.make_optimizer(model, lr=1e-4)
-        compiled = bt.compiled_call(model)
-
-        def step(compiled=compiled, opt=opt):
-            loss = bt.forward_backward(compiled, ids)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
-
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-        runs[provider] = (step, [], [])
+        runner = bt.Runner(model, "compile", batches, lr=1e-4, device=device)
+        runner.start(5)
+        runs[provider] = (runner.step, [], [])
         print(f"{provider}: compiled", file=sys.stderr, flush=True)
     from torch._dynamo.utils import counters
 

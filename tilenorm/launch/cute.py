@@ -488,19 +488,17 @@ FP8_INPUT_GROUPS = (16, 128)
 
 
 def aot_fp8_keys(all_dtypes: bool = False) -> list[Fp8ForwardKey]:
-    """The FP8-output row kernel's variants: every width of the FP8 settings' table with
-    every scaling (at its ``forward_entry``) and weight dtype (or none), E4M3, in bf16; and
-    the rest of the features
-    (E5M2, the Gemma offset; fp16 x with ``all_dtypes``) at each width's row scaling. Each
-    entry of its ``cute_forward_recompute_t`` table with ``recompute_t`` at its scaling:
-    every weight dtype, E5M2, the offset (and fp16 x). At the widths of its
-    ``cute_forward_column_amax``, row scaling with column amaxes, a 2-byte weight or none
-    (an fp32 weight keeps cuTile's row kernel there). Each width of its
-    ``cute_forward_fp8_input`` table with FP8 x: every scaling and group of
-    :data:`FP8_INPUT_GROUPS`, E4M3, a bf16 weight; no weight, an fp32 weight, E5M2 x and q,
-    the offset (an fp16 weight with ``all_dtypes``) at one scaling each (no column amaxes:
-    FP8 x's row-scaled copy keeps cuTile's kernels). The entries of every device class's
-    FP8 settings (:data:`tilenorm.settings.DEVICE_CLASSES`)."""
+    """The FP8-output row kernel's variants: every width of the FP8 settings' table with every
+    scaling (at its ``forward_entry``) and weight dtype (or none), E4M3, in bf16; and the rest of
+    the features (E5M2, the Gemma offset; fp16 x with ``all_dtypes``) at one scaling each. Each
+    entry of its ``cute_forward_recompute_t`` table with ``recompute_t`` at its scaling: every
+    weight dtype, E5M2, the offset (and fp16 x). At the widths of its ``cute_forward_column_amax``,
+    row scaling with column amaxes, a 2-byte weight or none (an fp32 weight keeps cuTile's row
+    kernel there). Each width of its ``cute_forward_fp8_input`` table with FP8 x: every scaling and
+    group of :data:`FP8_INPUT_GROUPS`, E4M3, a bf16 weight; no weight, an fp32 weight, E5M2 x and q,
+    the offset (an fp16 weight with ``all_dtypes``) at one scaling each (no column amaxes: FP8 x's
+    row-scaled copy keeps cuTile's kernels). The entries of every device class's FP8 settings
+    (:data:`tilenorm.settings.DEVICE_CLASSES`)."""
     from tilenorm.settings_fp8 import fp8_settings_for
 
     return _unique(key for device_class in DEVICE_CLASSES
