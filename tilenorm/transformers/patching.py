@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import itertools
 import sys
 import types
 import warnings
@@ -56,10 +57,31 @@ def original_class(cls: type) -> type:
     return cls.__dict__.get(_ORIGINAL, cls)
 
 
-def _subclass(cls: type, forward: Callable, **attributes) -> type:
-    return type(cls.__name__, (cls,), {
+_tokens = itertools.count()
+
+
+def _subclass(cls: type, forward: Callable, **markers: bool) -> type:
+    """The tilenorm subclass of ``cls`` with ``forward``. It has its own string as
+    :data:`norms.EXACT`, and ``markers`` (what the class itself can do, such as :data:`_PAIRS`);
+    a class derived from it afterwards (a user's subclass, FSDP2's wrapper class) gets None for
+    the first in its own ``__dict__`` and False for the markers it does not set itself, so
+    that exact-class checks can read them through an instance, which torch.compile resolves
+    from the guard it has on the instance's type (``type(module).__dict__`` in traced code
+    adds a guard that each module's class is the others')."""
+
+    def __init_subclass__(sub: type, **kwargs) -> None:
+        super(patched, sub).__init_subclass__(**kwargs)
+        setattr(sub, norms.EXACT, None)
+        for name in markers:
+            if name not in sub.__dict__:
+                setattr(sub, name, False)
+
+    token = f"{cls.__module__}.{cls.__qualname__}#{next(_tokens)}"
+    patched = type(cls.__name__, (cls,), {
         "forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-        "__doc__": cls.__doc__, _ORIGINAL: cls, **attributes})
+        "__doc__": cls.__doc__, _ORIGINAL: cls, norms.EXACT: token,
+        "__init_subclass__": __init_subclass__, **markers})
+    return patched
 
 
 @dataclass(frozen=True)
@@ -102,7 +124,7 @@ def _norm_class(cls: type) -> _Norm:
                 f"for tilenorm (transformers {transformers.__version__})")
         except rewrite.Unsupported as e:
             kind, reason = None, str(e)
-    found = _Norm(cls, kind, _subclass(cls, kind.forward) if kind else None, reason)
+    found = _Norm(cls, kind, _subclass(cls, kind.forward_of(cls)) if kind else None, reason)
     _norm_cache[key] = found
     return found
 
@@ -194,24 +216,31 @@ def _capture_hook_code() -> types.CodeType | None:
                  and c.co_name == "output_capturing_hook"), None)
 
 
-def _across_check(capture: types.CodeType | None, collector) -> Callable[..., bool]:
+def _across_check(capture: types.CodeType | None, collector, layer_class: type
+                  ) -> Callable[..., bool]:
     """The per-call check of a patched model's forward: whether its layers may exchange
     (output, residual) pairs. Not when a layer's output or input is observed: hooks on a
     layer (transformers' hidden-state recorder, ``capture``, excepted: it records only while
     ``collector`` holds a hidden-state list, and then the call computes as written), global
     hooks, a forward replaced on the instance, or a layer that is not a pairs-capable class
-    itself (a subclass made after patching, a wrapper such as a checkpoint wrapper)."""
+    itself (a subclass made after patching, a wrapper such as a checkpoint wrapper).
+
+    A pairs-capable class is a tilenorm subclass of ``layer_class`` marked :data:`_PAIRS`
+    (False in a class derived from it afterwards, see :func:`_subclass`), read through the
+    layer; the instance check first, as a wrapper's ``__getattr__`` may forward the marker of
+    the layer it wraps."""
+    any_global_hook = norms.any_global_hook
 
     def across_layers(model: torch.nn.Module, layers: Sequence[torch.nn.Module]) -> bool:
-        if any(norms.GLOBAL_HOOKS):
+        if any_global_hook():
             return False
         recording = collector.get()
         if recording is not None and _HIDDEN_STATES in recording:
             return False
         for layer in layers:
-            if (not type(layer).__dict__.get(_PAIRS, False) or layer._forward_pre_hooks
-                    or layer._backward_hooks or layer._backward_pre_hooks
-                    or "forward" in layer.__dict__):
+            if (not (isinstance(layer, layer_class) and getattr(layer, _PAIRS, False))
+                    or layer._forward_pre_hooks or layer._backward_hooks
+                    or layer._backward_pre_hooks or "forward" in layer.__dict__):
                 return False
             for hook in layer._forward_hooks.values():
                 if capture is None or getattr(hook, "__code__", None) is not capture:
@@ -258,7 +287,7 @@ def _model_class(family: Family, cls: type, layer: type, norm: _Norm) -> type | 
             inner, _ = _verified(cls, forward, family.models, "fusion across layers "
                                  "(each layer's last add stays a separate add)")
             add_norm = norms.make_add_norm(norm.kind, norm.classes)
-            check = _across_check(_capture_hook_code(), collector)
+            check = _across_check(_capture_hook_code(), collector, layer)
             found = _subclass(cls, rewrite.loop_across(inner, add_norm, check))
         except rewrite.Unsupported as e:
             found = str(e)
