@@ -141,6 +141,7 @@ import importlib.metadata
 import inspect
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -1106,7 +1107,15 @@ def main(argv: list[str] | None = None) -> dict:
                              "several calls)")
     parser.add_argument("--experimental", action="store_true",
                         help="let tilenorm run kernels not yet validated on a GPU")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch's deterministic algorithms for every provider (HF's own "
+                             "run repeats itself bit for bit, so the loss checks judge the norms "
+                             "alone; its attention backward is slower: not for the record's "
+                             "step times)")
     args = parser.parse_args(argv)
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
+        torch.use_deterministic_algorithms(True)
     if args.report:
         record = json.loads(args.report.read_text())
         record["targets"] = targets(record["rows"], getattr(torch, record["dtype"]))
