@@ -359,11 +359,35 @@ def _compiled_then(model, compiled):
     return call
 
 
+def _dynamo_guards_module_classes() -> bool:
+    """Whether this torch's Dynamo recompiles a model one of whose submodules had its class
+    switched after the first call (2.13 does; 2.11 runs the old graph, an unpatched HF model's
+    too: bench/NOTES.md #97)."""
+    class Scale(torch.nn.Module):  # a parameter: 2.11 sees the switch of a parameterless one
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(2))
+
+        def forward(self, x):
+            return x * self.weight
+
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(Scale())
+    call = torch.compile(model, backend="eager")
+    x = torch.ones(2)
+    call(x)
+    model[0].__class__ = _doubled(Scale)
+    return bool(call(x)[0] == 2)
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_norm_subclassed_after_patching_takes_the_unfused_path(compiled):
     """A norm whose class derives from the tilenorm class after patching is not that class:
     the fused layer calls it (compiled: a class switched after the first call fails a guard
-    and recompiles)."""
+    and recompiles, where torch's Dynamo guards module classes at all)."""
+    if compiled and not _dynamo_guards_module_classes():
+        pytest.skip(f"torch {torch.__version__}'s Dynamo does not see a module's class "
+                    "switched after compiling, with or without tilenorm")
     model = build("qwen3")
     ref = copy.deepcopy(model)
     tt.apply(model)
