@@ -74,6 +74,8 @@ def test_torch_side_row_and_table(monkeypatch, capsys):
     side = bench_jax.measure_torch(x, w, dy, settings, row)
     assert (side["fwd_ms"], side["bwd_ms"], side["step_ms"]) == (0.5, 0.5, 1.0)
     assert side["fwd_b2b_ms"] > 0 and side["step_b2b_ms"] > 0
+    # No CUDA device for torch's profiler here: no kernel time, and the table shows none.
+    assert side["fwd_kernel_ms"] is side["step_kernel_ms"] is ours["fwd_kernel_ms"] is None
     assert not bench_jax.problems(side, "bfloat16", on_gpu=True)
     # On a GPU a tilenorm.jax row without its FFI calls measured the reference path.
     both = [native.FORWARD_TARGET, native.BACKWARD_TARGET]
@@ -85,6 +87,26 @@ def test_torch_side_row_and_table(monkeypatch, capsys):
     table = capsys.readouterr().out
     ratio = 100 * (ours["fwd_ms"] / 0.5 - 1)
     assert f"{ratio:+.1f}%" in table
+    profiled = {"fwd_kernel_ms": 0.5, "step_kernel_ms": 1.0}
+    bench_jax.print_table({"device": "cpu", "dtype": "bfloat16", "copy_gbps": 10.0,
+                           "rows": [{**ours, "fwd_kernel_ms": 0.53, "step_kernel_ms": 0.99},
+                                    {**side, **profiled}],
+                           "overhead": [], "absent": {}, "failures": []})
+    ours_line = next(line for line in capsys.readouterr().out.splitlines()
+                     if "tilenorm.jax" in line)
+    assert "+6.0%" in ours_line and "-1.0%" in ours_line
+
+
+def test_gpu_us_sums_the_gpu_work_of_a_trace():
+    """Kernels, memsets and copies count; host-side events and others do not."""
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "dur": 10.0}, {"ph": "X", "cat": "gpu_memset", "dur": 2.5},
+        {"ph": "X", "cat": "gpu_memcpy", "dur": 1.5}, {"ph": "X", "cat": "cuda_runtime",
+                                                        "dur": 100.0},
+        {"ph": "X", "cat": "cpu_op", "dur": 50.0}, {"ph": "M", "cat": "kernel", "dur": 7.0},
+        {"ph": "f", "cat": "ac2g"}]}
+    assert bench_jax.gpu_us(trace) == 14.0
+    assert bench_jax.gpu_us({}) == 0.0
 
 
 def test_ffi_targets_name_the_cute_forward():
