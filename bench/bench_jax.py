@@ -94,14 +94,15 @@ class Settings:
     """How long each measurement runs; ``--smoke`` shrinks everything to prove the code
     paths on any backend."""
 
-    def __init__(self, smoke: bool):
+    def __init__(self, smoke: bool, kernel_time: bool = True):
         self.copy_bytes = (4 << 20) if smoke else (1 << 30)
         self.window_s = 0.0 if smoke else 5e-3  # wall time of the shorter timed window
         self.rounds = 2 if smoke else 5
         self.host_calls = 40 if smoke else 1000
         self.host_rounds = 2 if smoke else 11
         self.host_shape = (64, 256) if smoke else HOST_SHAPE
-        self.profiled_calls = 2 if smoke else 20
+        #: Calls profiled for the kernels' own time; 0: not profiled (``--no-kernel-time``).
+        self.profiled_calls = 0 if not kernel_time else 2 if smoke else 20
 
 
 # --- timing ----------------------------------------------------------------------------------
@@ -148,8 +149,8 @@ def kernel_ms(call: Callable[[], object], settings: Settings,
               block: Callable[[object], object] = jax.block_until_ready) -> float | None:
     """Milliseconds of GPU work per ``call()`` as CUPTI records it (:func:`gpu_us` of
     ``settings.profiled_calls`` calls, after a warm-up); None without a CUDA device for torch
-    or where the profiler saw no GPU work."""
-    if not torch.cuda.is_available():
+    or where the profiler saw no GPU work; None too with ``--no-kernel-time``."""
+    if not torch.cuda.is_available() or not settings.profiled_calls:
         return None
     for _ in range(3):
         block(call())
@@ -442,9 +443,11 @@ def main(argv: list[str] | None = None) -> dict:
                         help="let tilenorm run kernels not yet validated on a GPU")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny measurements on any backend: proves the code paths")
+    parser.add_argument("--no-kernel-time", dest="kernel_time", action="store_false",
+                        help="skip the profiled kernel time (torch's profiler in the process)")
     args = parser.parse_args(argv)
     began = time.perf_counter()
-    settings = Settings(args.smoke)
+    settings = Settings(args.smoke, args.kernel_time)
     if args.experimental:
         tilenorm.set_experimental(True)
     dtype = DTYPES[args.dtype]

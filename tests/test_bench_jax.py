@@ -107,6 +107,8 @@ def test_gpu_us_sums_the_gpu_work_of_a_trace():
         {"ph": "f", "cat": "ac2g"}]}
     assert bench_jax.gpu_us(trace) == 14.0
     assert bench_jax.gpu_us({}) == 0.0
+    off = bench_jax.Settings(smoke=True, kernel_time=False)
+    assert off.profiled_calls == 0 and bench_jax.kernel_ms(lambda: None, off) is None
 
 
 def test_ffi_targets_name_the_cute_forward():
