@@ -160,6 +160,9 @@ def kernel_ms(call: Callable[[], object], settings: Settings,
             out = call()
         block(out)
         torch.cuda.synchronize()
+    # The exported trace, not prof.events() (compile_crossover.py's kernel_time): the trace
+    # holds every record CUPTI delivered, whether or not a torch op launched it, as JAX's
+    # kernels are not.
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
