@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Device calls through the GPU kit (../shared/gpu-kit: cuTile, its CUDA 13.4 compiler, the
+# CuTe DSL and the peers), from the repository root on the GPU host. A fresh machine first
+# takes the kit's three parts, one call each (carry ".gpu-kit/N", `bash .gpu-kit/N/install.sh`;
+# the third part can share a call with this script). Then, per call:
+#   bash bench/experiments/gpu_kit.sh COMMIT PHASE [LIMIT_S] [args...]
+# PHASE, each writing its JSON and log to $OUT:
+#   sweep SHAPES          bench_rms_norm.py over SHAPES (MxN,...; "narrow" / "wide" name the
+#                         sweep's halves: ~2 / ~3.5 min on an H200) beside every peer
+#   ops                   bench_norm_ops.py, every op at 32768x4096 and 4096x65536 (~3 min)
+#   fp8                   bench_fp8.py, its default shapes and scalings (~2.5 min)
+#   jax                   bench_jax.py with profiled kernel time (~2.5 min)
+#   dtype DTYPE           the sweep in float16 or float32 beside Quack, Liger, torch.compile
+#   variants FILE         each case of a variants file (bench/experiments/variants/*.json:
+#                         {"cases": [{"tool", "ops" or "scalings", "shapes", "variants"}]})
+#   suite TAG PATHS...    the GPU tests (-m gpu) of PATHS; TAG "jax" runs them in one process
+#                         (JAX's GPU tests), any other with 3 xdist workers. JUnit files stay
+#                         in /tmp/suite for the machine's life, so a suite can span calls
+#   summarize             the validation summary of every JUnit file in /tmp/suite:
+#                         $OUT/gpu-tests.json, for `python -m tilenorm validation record` here
+# LIMIT_S (default 540) bounds each tool run; a run cut short keeps what it measured.
+# TILENORM_EXPERIMENTAL=1 where the sources under test are not yet validated (a suite sets it).
+set -uo pipefail
+: "${OUT:?run through the device tool}"
+commit=${1:?commit under test}
+phase=${2:?phase}
+limit=${3:-540}
+shift $(( $# < 3 ? $# : 3 ))
+source /tmp/gpu-kit/env.sh
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 CUDA_TILE_CACHE_DIR=/tmp/cutile-cache \
+  TILENORM_CACHE_DIR=/tmp/tilenorm-cache TILENORM_COMMIT=$commit
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
+NARROW=1048576x128,524288x256,262144x512,131072x1024,65536x2048,32768x128,4096x4096
+WIDE=32768x4096,26214x5120,18724x7168,16384x8192,8192x16384,4096x32768,2048x65536,1024x131072
+
+run() {  # run NAME SCRIPT ARGS...: one tool run into $OUT/NAME.json and NAME.log
+  local name=$1
+  shift
+  timeout "$limit" python3 "$@" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  echo "$name exit $? (124: cut at $limit s)"
+  tail -45 "$OUT/$name.log"
+}
+
+case $phase in
+  sweep)
+    shapes=${1:?shapes}
+    [ "$shapes" = narrow ] && shapes=$NARROW
+    [ "$shapes" = wide ] && shapes=$WIDE
+    run "sweep-$(date +%H%M%S)" bench/bench_rms_norm.py --shapes "$shapes" ;;
+  ops) run ops bench/bench_norm_ops.py --shapes 32768x4096,4096x65536 ;;
+  fp8) run fp8 bench/bench_fp8.py ;;
+  jax) XLA_PYTHON_CLIENT_PREALLOCATE=false run jax bench/bench_jax.py ;;
+  dtype)
+    run "sweep-${1:?dtype}" bench/bench_rms_norm.py --dtype "$1" --modes graph \
+      --providers tilenorm,quack,liger,torch.compile ;;
+  variants)
+    file=${1:?variants file}
+    n=$(python3 -c "import json,sys; print(len(json.load(open(sys.argv[1]))['cases']))" "$file")
+    for ((i = 0; i < n; i++)); do
+      mapfile -t argv < <(python3 - "$file" "$i" <<'EOF'
+import json
+import sys
+
+case = json.load(open(sys.argv[1]))["cases"][int(sys.argv[2])]
+tool = case.get("tool", "bench_norm_ops")
+print(f"bench/{tool}.py")
+for key in ("ops", "scalings", "shapes", "cases"):
+    if key in case:
+        print(f"--{key}")
+        print(case[key])
+if tool == "bench_norm_ops":
+    print("--modes")
+    print("graph")
+if tool != "tune_norm":  # tune_norm launches the kernels itself, validated or not
+    print("--experimental")
+print("--variants")
+print(json.dumps(case["variants"]))
+EOF
+      )
+      run "variants-$i" "${argv[@]}"
+    done ;;
+  suite)
+    tag=${1:?tag}
+    shift
+    export TILENORM_EXPERIMENTAL=1
+    mkdir -p /tmp/suite
+    start=$SECONDS
+    if [ "$tag" = jax ]; then
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$limit" python3 -m pytest -m gpu -q \
+        -p no:cacheprovider "$@" --junitxml="/tmp/suite/junit-$tag.xml" \
+        > "$OUT/pytest-$tag.log" 2>&1
+    else
+      timeout "$limit" python3 -m pytest -m gpu -n 3 --dist loadgroup -q -p no:cacheprovider \
+        "$@" --junitxml="/tmp/suite/junit-$tag.xml" > "$OUT/pytest-$tag.log" 2>&1
+    fi
+    echo "pytest $tag exit $? in $((SECONDS - start)) s (124: cut at $limit s, no JUnit)"
+    grep -E "^(FAILED|ERROR)" "$OUT/pytest-$tag.log" | head -30
+    tail -2 "$OUT/pytest-$tag.log"
+    ls /tmp/suite ;;
+  summarize)
+    junits=()
+    for f in /tmp/suite/junit-*.xml; do junits+=(--junit "$f"); done
+    python3 -m tilenorm validation summarize "${junits[@]}" --commit "$commit" --markers gpu \
+      --out "$OUT/gpu-tests.json"
+    cat "$OUT/gpu-tests.json" ;;
+  *) echo "unknown phase $phase"; exit 2 ;;
+esac
