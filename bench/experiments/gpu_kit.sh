@@ -3,7 +3,7 @@
 # CuTe DSL and the peers), from the repository root on the GPU host. A fresh machine first
 # takes the kit's three parts, one call each (carry ".gpu-kit/N", `bash .gpu-kit/N/install.sh`;
 # the third part can share a call with this script). Then, per call:
-#   bash bench/experiments/gpu_kit.sh COMMIT PHASE [LIMIT_S] [args...]
+#   bash bench/experiments/gpu_kit.sh COMMIT PHASE [LIMIT_S [args...]]
 # PHASE, each writing its JSON and log to $OUT:
 #   sweep SHAPES          bench_rms_norm.py over SHAPES (MxN,...; "narrow" / "wide" name the
 #                         sweep's halves: ~2 / ~3.5 min on an H200) beside every peer
@@ -16,9 +16,11 @@
 #   suite TAG PATHS...    the GPU tests (-m gpu) of PATHS; TAG "jax" runs them in one process
 #                         (JAX's GPU tests), any other with 3 xdist workers. JUnit files stay
 #                         in /tmp/suite for the machine's life, so a suite can span calls
+#                         (the torch tests but FP8 and JAX: ~8 min on an H200, NOTES #98)
 #   summarize             the validation summary of every JUnit file in /tmp/suite:
 #                         $OUT/gpu-tests.json, for `python -m tilenorm validation record` here
-# LIMIT_S (default 540) bounds each tool run; a run cut short keeps what it measured.
+# LIMIT_S (default 540; given whenever args follow) bounds each tool run; a run cut short
+# keeps what it measured. E.g. `... gpu_kit.sh 5709815 suite 540 fp8 tests/test_fp8.py`.
 # TILENORM_EXPERIMENTAL=1 where the sources under test are not yet validated (a suite sets it).
 set -uo pipefail
 : "${OUT:?run through the device tool}"
