@@ -137,11 +137,19 @@ def test_apply_counts_and_fp32_parity(family):
     assert _worst(_run(model, ids, proj), _run(ref, ids, proj)) <= 1e-5
 
 
+#: The bf16 parity's MoE routes every token to every expert: a top-k router turns a rounding
+#: difference at a near-tie into another expert's gradient, a jump of the routing, not of the
+#: norm (which rounding wins a tie depends on the CPU's bf16 GEMM); with every expert taken
+#: the routing weights stay continuous.
+BF16_PARITY_CONFIG = {"qwen3_moe": {"num_experts_per_tok": 4}}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_parity(family):
     """Patched and unpatched bf16 models are both within bf16 rounding of the fp32 model."""
-    ref32 = build(family)
-    model, hf = build(family, torch.bfloat16), build(family, torch.bfloat16)
+    config = BF16_PARITY_CONFIG.get(family, {})
+    ref32 = build(family, **config)
+    model, hf = build(family, torch.bfloat16, **config), build(family, torch.bfloat16, **config)
     tt.apply(model)
     ids, proj = _inputs()
     exact = _run(ref32, ids, proj)
