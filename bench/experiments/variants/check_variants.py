@@ -140,7 +140,6 @@ class Compiler:
     reads their resources; each kernel variant once."""
 
     def __init__(self):
-        sys.path.insert(0, str(ROOT / "bench"))
         from bench import kernel_resources
 
         self.kr = kernel_resources
@@ -225,7 +224,6 @@ def check(path: Path, device: str, compile_: bool, show: bool) -> int:
             with patched(case.get("patch", {})):
                 for i, variant in enumerate(variants):
                     try:
-                        tune_norm.variant_settings(variant)  # the tools' upfront check
                         if tool == "tune_norm":
                             info = DEVICES[device]
                             settings = tune_norm.variant_settings(
