@@ -80,26 +80,21 @@ def variant_settings(variant: dict, base: RowNormSettings = SM90) -> RowNormSett
 @contextlib.contextmanager
 def measuring_variant(variant: dict) -> Iterator[RowNormSettings]:
     """This device's settings with ``variant``'s fields replaced (:func:`variant_settings`),
-    in force for the ops called inside (:func:`tilenorm.settings.measuring`); the decisions,
-    cuTile plans and prepared calls made with other settings are dropped on entry and on
-    exit. The ops plan without naming their settings, so ``planner.plan_row_norm``'s cache
-    does not tell one variant's settings from another's: without the clear, a variant of
-    its fields (``single_pass_hints``, ``tile_elements``, ...) ran the plans cached under
-    the variant before it."""
+    in force for the ops called inside (:func:`tilenorm.settings.measuring`); the decisions
+    and prepared calls made with other settings are dropped on entry and on exit, since
+    both are cached by problem, not by settings."""
     from tilenorm import dispatch, settings
     from tilenorm.pytorch import calls
 
     info = device_info(torch.cuda.current_device())
     replaced = variant_settings(variant, settings_for(info.arch, info.device_class))
     dispatch.decide.cache_clear()
-    planner.plan_row_norm.cache_clear()
     calls.clear()
     try:
         with settings.measuring(replaced):
             yield replaced
     finally:
         dispatch.decide.cache_clear()
-        planner.plan_row_norm.cache_clear()
         calls.clear()
 
 

@@ -105,6 +105,21 @@ def test_measured_settings_replace_every_class_inside_the_context_only():
     assert settings_for((9, 0), "h100") is SM90_H100 and settings_for((9, 0)) is SM90
 
 
+def test_row_plans_made_inside_measuring_take_the_measured_settings():
+    """A plan cached before ``measuring`` is not handed out inside it, nor the measured one
+    after: the planner's cache is keyed by the settings it resolved."""
+    kwargs = dict(itemsize=2, sm_count=132, arch=(9, 0), direction="forward")
+    before = plan_row_norm(4096, 1024, **kwargs)
+    probe = dataclasses.replace(SM90, tile_elements={"forward": 2048, "backward": 2048})
+    assert probe.tile_elements != SM90.tile_elements
+    with measuring(probe):
+        inside = plan_row_norm(4096, 1024, **kwargs)
+    assert inside == plan_row_norm(4096, 1024, settings=probe, **kwargs)
+    assert (inside.tile_rows, before.tile_rows) == (2048 // 1024,
+                                                     SM90.tile_elements["forward"] // 1024)
+    assert plan_row_norm(4096, 1024, **kwargs) == before
+
+
 def test_the_h100_tables_differ_exactly_where_the_h100_measured_otherwise():
     """The LayerNorm backward at 4096 columns leaves the CuTe DSL for cuTile's (#38); the
     RMSNorm forward at 7168 columns runs the CuTe DSL's (#90); the cluster forward's RMSNorm

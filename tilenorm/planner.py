@@ -182,7 +182,6 @@ def max_single_pass_cols(direction: Direction, op: Op, itemsize: int,
     return settings.max_single_pass_bytes[direction][op] // itemsize
 
 
-@functools.lru_cache(maxsize=4096)
 def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
                   arch: tuple[int, int], direction: Direction, heads: int = 1,
                   per_head_weight: bool = False, max_offset: int | None = None,
@@ -198,7 +197,17 @@ def plan_row_norm(rows: int, cols: int, *, itemsize: int, sm_count: int,
     to the architecture's and ``device_class``'s (:func:`tilenorm.settings.settings_for`).
     Raises :class:`UnsupportedShape` for problems the kernels cannot take.
     """
-    s = settings or settings_for(arch, device_class)
+    # The settings are resolved before the cache, so that a plan made inside
+    # settings.measuring() is keyed by the settings under measurement.
+    return _plan_row_norm(rows, cols, itemsize, sm_count, tuple(arch), direction, heads,
+                          per_head_weight, max_offset, op,
+                          settings or settings_for(arch, device_class))
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_row_norm(rows: int, cols: int, itemsize: int, sm_count: int, arch: tuple[int, int],
+                   direction: Direction, heads: int, per_head_weight: bool,
+                   max_offset: int | None, op: Op, s: RowNormSettings) -> RowNormPlan:
     if rows < 1 or cols < 1 or heads < 1:
         raise UnsupportedShape(f"empty problem ({rows}x{heads}x{cols}) needs no kernel")
     if sm_count < 1:

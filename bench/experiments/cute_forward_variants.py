@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 import tilenorm  # noqa: E402
 from bench import common  # noqa: E402
-from tilenorm import dispatch, planner  # noqa: E402
+from tilenorm import dispatch  # noqa: E402
 from tilenorm.pytorch import calls  # noqa: E402
 from tilenorm.pytorch.calls import ForwardCall  # noqa: E402
 from tilenorm.settings import SM90  # noqa: E402
@@ -49,7 +49,6 @@ def route(cols: int, config: tuple[int, int, int] | None) -> None:
         else:
             widths[cols] = tuple(config)
     dispatch.decide.cache_clear()
-    planner.plan_row_norm.cache_clear()
     calls.clear()
 
 
