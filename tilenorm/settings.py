@@ -120,10 +120,13 @@ class RowNormSettings:
     #: (#87; 32768's (2, 512, 2, 1) was the probe's best, #81). Every width is past
     #: ``max_single_pass_bytes["backward"]``: the cluster kernel replaces the column split,
     #: nothing else. LayerNorm takes RMSNorm's entries, none tuned for it (the one-CTA CuTe
-    #: backward covers 4096 only, #38).
+    #: backward covers 4096 only, #38). RMSNorm at 16384 columns runs across 2 CTAs: 92% of
+    #: an H100's copy where cuTile's one-pass backward runs at 84% (#95), 93% against 86% on
+    #: an H200 (#98; LayerNorm's there is untimed and keeps cuTile's).
     cute_cluster_backward: dict = field(default_factory=lambda: {
-        op: {32768: (2, 512, 2, 1), 65536: (8, 256, 2, 2), 131072: (8, 256, 2, 1)}
-        for op in ("rms_norm", "layer_norm")})
+        "rms_norm": {16384: (2, 256, 2, 2), 32768: (2, 512, 2, 1), 65536: (8, 256, 2, 2),
+                     131072: (8, 256, 2, 1)},
+        "layer_norm": {32768: (2, 512, 2, 1), 65536: (8, 256, 2, 2), 131072: (8, 256, 2, 1)}})
     #: Forwards the CuTe DSL kernel runs instead of cuTile's, per op and row width:
     #: (threads, rows a CTA, CTAs per SM) of its one-shot grid, each CTA loading its rows
     #: whole before reducing them, the hardware handing CTAs to SMs as they free up: 99.5-99.8%
@@ -135,13 +138,18 @@ class RowNormSettings:
     #: row a CTA, 4 CTAs an SM (Quack's shape): through the op on an H100 RMSNorm 100-101% of
     #: copy at 65536 and 131072, LayerNorm (fp32 weight and bias) 92 / 92 / 86% at 32768 /
     #: 65536 / 131072 (#79, #89), where cuTile's chunked forward reads every row twice at 66%
-    #: (#75). Several rows a CTA read the parameters once for them all (untimed). Widths
-    #: absent here were not measured to gain.
+    #: (#75). Measured beside these on an H100 and then an H200 (#95, #98): RMSNorm at 7168
+    #: columns one row a CTA of 128 threads (H200 98% of copy, cuTile's 92%); at 16384 a row
+    #: across 2 CTAs (H200 98%, one CTA 89%); LayerNorm at 32768 two rows a cluster of 4,
+    #: reading the parameters once for both (H200 79% against 77%). Widths absent here were
+    #: not measured to gain.
     cute_forward: dict = field(default_factory=lambda: {
-        op: {4096: (128, 2, 4), 5120: (128, 1, 4), 8192: (256, 2, 2), 16384: (512, 2, 1),
-             32768: (512, 1, 1) if op == "rms_norm" else _cluster_forward(32768),
-             65536: _cluster_forward(65536), 131072: _cluster_forward(131072)}
-        for op in ("rms_norm", "layer_norm")})
+        "rms_norm": {4096: (128, 2, 4), 5120: (128, 1, 4), 7168: (128, 1, 4),
+                     8192: (256, 2, 2), 16384: (256, 1, 4, 2), 32768: (512, 1, 1),
+                     65536: _cluster_forward(65536), 131072: _cluster_forward(131072)},
+        "layer_norm": {4096: (128, 2, 4), 5120: (128, 1, 4), 8192: (256, 2, 2),
+                       16384: (512, 2, 1), 32768: (256, 2, 4, 4),
+                       65536: _cluster_forward(65536), 131072: _cluster_forward(131072)}})
     #: Element sizes the CuTe kernels take: bf16 and fp16, eight to a 16-byte vector.
     cute_itemsizes: tuple[int, ...] = (2,)
 
@@ -152,27 +160,17 @@ SM90 = RowNormSettings()
 
 #: Hopper at the H100's bandwidth: the H200's settings but where the H100 measured another
 #: choice. The LayerNorm backward at 4096 columns keeps cuTile's: the CuTe DSL backward
-#: runs at 94% of copy on an H100 where cuTile's runs at 101% (#38). The RMSNorm forward at
-#: 7168 columns runs the CuTe DSL's at (128, 1, 4), 100% of copy where cuTile's runs at 98%
-#: (#90; LayerNorm's there is untimed and keeps cuTile's). The cluster forward (#95):
-#: RMSNorm at 16384 columns across 2 CTAs (101% of copy, one CTA 99%), at 65536 two rows a
-#: cluster of 8 (102% against 99%); LayerNorm at 32768 two rows a cluster of 4 (fp32
-#: weight and bias 98% against 92%). The RMSNorm cluster backward at 16384 columns,
-#: (2, 256, 2, 2): 92% of copy where cuTile's one-pass backward runs at 84% (#95;
-#: LayerNorm's there is untimed and keeps cuTile's).
+#: runs at 94% of copy on an H100 where cuTile's runs at 101% (#38). The RMSNorm cluster
+#: forward at 65536 columns holds two rows a cluster of 8: 102% of an H100's copy against
+#: 99% (#95), level on an H200 (96% both, #98).
 SM90_H100 = dataclasses.replace(
     SM90,
     cute_backward={
         **SM90.cute_backward,
         "layer_norm": {cols: entry for cols, entry in SM90.cute_backward["layer_norm"].items()
                        if cols != 4096}},
-    cute_forward={
-        "rms_norm": {**SM90.cute_forward["rms_norm"], 7168: (128, 1, 4),
-                     16384: (256, 1, 4, 2), 65536: (256, 2, 4, 8)},
-        "layer_norm": {**SM90.cute_forward["layer_norm"], 32768: (256, 2, 4, 4)}},
-    cute_cluster_backward={
-        **SM90.cute_cluster_backward,
-        "rms_norm": {**SM90.cute_cluster_backward["rms_norm"], 16384: (2, 256, 2, 2)}})
+    cute_forward={**SM90.cute_forward,
+                  "rms_norm": {**SM90.cute_forward["rms_norm"], 65536: (256, 2, 4, 8)}})
 
 #: What picks a device's tables: the Hopper part they were measured on.
 DeviceClass = Literal["h200", "h100"]
