@@ -22,7 +22,13 @@ from tests.kernel_harness import (
 from tilenorm import dispatch
 from tilenorm.launch import cute
 from tilenorm.planner import CuteForwardPlan, plan_cute_forward, plan_row_norm
-from tilenorm.settings import DEFAULT_DEVICE_CLASS, DEVICE_CLASSES, SM90, settings_for
+from tilenorm.settings import (
+    CLUSTER_SLICE_COLS,
+    DEFAULT_DEVICE_CLASS,
+    DEVICE_CLASSES,
+    SM90,
+    settings_for,
+)
 from tilenorm.testing import float64_norm
 
 gpu = pytest.mark.gpu
@@ -66,16 +72,19 @@ def test_plan_gives_every_row_to_one_cta_or_cluster(rows):
                 assert p.program_rows(cta) == p.program_rows(cta - cta % cluster)
 
 
-def test_cluster_entries_hold_a_row_in_16384_column_slices():
-    """The cluster forward covers the widths one CTA cannot hold whole (#75): 65536 and
-    131072 for both ops, LayerNorm's 32768 (RMSNorm's keeps its one-CTA entry, #69); each
-    CTA of 256 threads holds 16384 columns, 4 CTAs an SM, one row a cluster."""
-    assert set(CLUSTER_ROUTED) == {("rms_norm", 65536), ("rms_norm", 131072),
+def test_cluster_entries_split_a_row_into_equal_slices():
+    """The cluster forward covers the widths one CTA cannot hold whole (#75) and those where
+    it measured faster than one CTA (RMSNorm's 16384 and 32768, #95, #98): each CTA of 256
+    threads holds an equal slice of at most 16384 columns, 4 CTAs an SM, one or two rows a
+    cluster."""
+    assert set(CLUSTER_ROUTED) == {("rms_norm", 16384), ("rms_norm", 32768),
+                                   ("rms_norm", 65536), ("rms_norm", 131072),
                                    ("layer_norm", 32768), ("layer_norm", 65536),
                                    ("layer_norm", 131072)}
     for op, cols in CLUSTER_ROUTED:
-        assert CUTE_FORWARD[op][cols] == (256, 1, 4, cols // 16384)
-    assert len(CUTE_FORWARD["rms_norm"][32768]) == 3
+        threads, rows, ctas, cluster = CUTE_FORWARD[op][cols]
+        assert (threads, ctas) == (256, 4) and rows in (1, 2), (op, cols)
+        assert cols % cluster == 0 and cols // cluster <= CLUSTER_SLICE_COLS, (op, cols)
 
 
 def test_a_cluster_of_several_rows_takes_each_row_once():

@@ -122,7 +122,8 @@ def test_row_plans_made_inside_measuring_take_the_measured_settings():
 
 def test_the_h100_tables_differ_exactly_where_the_h100_measured_otherwise():
     """The LayerNorm backward at 4096 columns leaves the CuTe DSL for cuTile's (#38); the
-    RMSNorm cluster forward at 65536 holds two rows a cluster (#95, level on an H200: #98);
+    RMSNorm forward at 32768 keeps one CTA a row (#69) and at 65536 holds two rows a cluster
+    (#95, level on an H200: #98);
     the FP8 row kernel of 2-byte x at 8192 columns runs at (512, 2, 2) (#82), at 4096 for
     row and MX scaling at (256, 4, 2) (#95). FP8 x keeps its own entry (#88, #95). Nothing
     else differs."""
@@ -130,7 +131,8 @@ def test_the_h100_tables_differ_exactly_where_the_h100_measured_otherwise():
     h200, h100 = _entries(SM90.cute_backward), _entries(SM90_H100.cute_backward)
     assert h200 == {**h100, ("layer_norm", 4096): (256, 2, 2)} and len(h200) == len(h100) + 1
     h200, h100 = _entries(SM90.cute_forward), _entries(SM90_H100.cute_forward)
-    assert h100 == {**h200, ("rms_norm", 65536): (256, 2, 4, 8)} and len(h100) == len(h200)
+    assert h100 == {**h200, ("rms_norm", 32768): (512, 1, 1),
+                    ("rms_norm", 65536): (256, 2, 4, 8)} and len(h100) == len(h200)
     assert set(_differences(SM90_FP8, SM90_FP8_H100)) == {"cute_forward", "cute_forward_scaling"}
     assert SM90_FP8_H100.cute_forward == {**SM90_FP8.cute_forward, 8192: (512, 2, 2)}
     assert SM90_FP8.cute_forward[8192] == (256, 4, 2) and SM90_FP8.cute_forward_scaling == {}

@@ -140,12 +140,12 @@ class RowNormSettings:
     #: 65536 / 131072 (#79, #89), where cuTile's chunked forward reads every row twice at 66%
     #: (#75). Measured beside these on an H100 and then an H200 (#95, #98): RMSNorm at 7168
     #: columns one row a CTA of 128 threads (H200 98% of copy, cuTile's 92%); at 16384 a row
-    #: across 2 CTAs (H200 98%, one CTA 89%); LayerNorm at 32768 two rows a cluster of 4,
-    #: reading the parameters once for both (H200 79% against 77%). Widths absent here were
-    #: not measured to gain.
+    #: across 2 CTAs (H200 98%, one CTA 89%), at 32768 too (H200 97%, one CTA 92%);
+    #: LayerNorm at 32768 two rows a cluster of 4, reading the parameters once for both
+    #: (H200 79% against 77%). Widths absent here were not measured to gain.
     cute_forward: dict = field(default_factory=lambda: {
         "rms_norm": {4096: (128, 2, 4), 5120: (128, 1, 4), 7168: (128, 1, 4),
-                     8192: (256, 2, 2), 16384: (256, 1, 4, 2), 32768: (512, 1, 1),
+                     8192: (256, 2, 2), 16384: (256, 1, 4, 2), 32768: _cluster_forward(32768),
                      65536: _cluster_forward(65536), 131072: _cluster_forward(131072)},
         "layer_norm": {4096: (128, 2, 4), 5120: (128, 1, 4), 8192: (256, 2, 2),
                        16384: (512, 2, 1), 32768: (256, 2, 4, 4),
@@ -160,9 +160,11 @@ SM90 = RowNormSettings()
 
 #: Hopper at the H100's bandwidth: the H200's settings but where the H100 measured another
 #: choice. The LayerNorm backward at 4096 columns keeps cuTile's: the CuTe DSL backward
-#: runs at 94% of copy on an H100 where cuTile's runs at 101% (#38). The RMSNorm cluster
-#: forward at 65536 columns holds two rows a cluster of 8: 102% of an H100's copy against
-#: 99% (#95), level on an H200 (96% both, #98).
+#: runs at 94% of copy on an H100 where cuTile's runs at 101% (#38). The RMSNorm forward
+#: at 32768 columns keeps one CTA a row, measured on the H100 (93.5-101.5% of copy, #69; the
+#: cluster one is untimed there). The RMSNorm cluster forward at 65536 columns holds two
+#: rows a cluster of 8: 102% of an H100's copy against 99% (#95), level on an H200 (96% both,
+#: #98).
 SM90_H100 = dataclasses.replace(
     SM90,
     cute_backward={
@@ -170,7 +172,8 @@ SM90_H100 = dataclasses.replace(
         "layer_norm": {cols: entry for cols, entry in SM90.cute_backward["layer_norm"].items()
                        if cols != 4096}},
     cute_forward={**SM90.cute_forward,
-                  "rms_norm": {**SM90.cute_forward["rms_norm"], 65536: (256, 2, 4, 8)}})
+                  "rms_norm": {**SM90.cute_forward["rms_norm"], 32768: (512, 1, 1),
+                               65536: (256, 2, 4, 8)}})
 
 #: What picks a device's tables: the Hopper part they were measured on.
 DeviceClass = Literal["h200", "h100"]
