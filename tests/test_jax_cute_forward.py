@@ -59,18 +59,25 @@ ARGUMENT_ERRORS = ("Mismatched", "Misaligned", "Expects", "Out of bound", "TypeE
 def _key(op="rms_norm", cols=WIDTH, dtype="bfloat16", weight="float32", bias=False,
          offset=False, residual=False, rows=9) -> tuple:
     plan = plan_cute_forward(rows, cols, itemsize=2, arch=(9, 0), op=op)
+    if residual:  # what a call with a fused residual runs (dispatch.forward_kernel)
+        plan = plan.with_residual()
     return plan, cute.ForwardKey.of(plan, dtype, weight, bias, op == "layer_norm", offset,
                                     residual)
 
 
 #: Clusters the made-up H100 holds at once (``fake_h100``): fewer than most tests' rows.
 RESIDENT_CLUSTERS = 15
-#: The widths of the cluster backward (RMSNorm's; LayerNorm's are the same).
+#: The widths of the cluster backward: RMSNorm's, and LayerNorm's among them.
 CLUSTER_BACKWARD_WIDTHS = sorted(SM90.cute_cluster_backward["rms_norm"])
+LAYER_NORM_CLUSTER_BACKWARD_WIDTHS = sorted(SM90.cute_cluster_backward["layer_norm"])
+#: (op, width) of every cluster backward entry.
+CLUSTER_BACKWARD_ENTRIES = [(op, cols) for op, widths in SM90.cute_cluster_backward.items()
+                            for cols in sorted(widths)]
 
 
-def _backward_key(cols=CLUSTER_BACKWARD_WIDTHS[0], weight="bfloat16", offset=False,
-                  dres_in=False, rows=37, op="rms_norm", bias=False) -> tuple:
+def _backward_key(cols=None, weight="bfloat16", offset=False, dres_in=False, rows=37,
+                  op="rms_norm", bias=False) -> tuple:
+    cols = min(SM90.cute_cluster_backward[op]) if cols is None else cols
     plan = plan_cute_cluster_backward(
         rows, cols, itemsize=2, arch=(9, 0), op=op,
         resident_clusters=lambda cluster, threads, ctas_per_sm: RESIDENT_CLUSTERS)
@@ -273,7 +280,8 @@ def test_covers_takes_the_cluster_kernels_where_torch_does(fake_h100, monkeypatc
     torch_side = kernel_dispatch.decide(problem)
     decision = kernels.covers(problem)
     assert decision.cute_forward == torch_side.cute_forward and decision.cute_forward.cluster > 1
-    assert decision.cute_forward.grid == rows * decision.cute_forward.cluster
+    plan = decision.cute_forward
+    assert plan.grid == -(-rows // plan.rows_per_cta) * plan.cluster
     assert kernel_dispatch.CUTE_CLUSTER_FORWARD_NAME in decision.kernels
     if cols in SM90.cute_cluster_backward[op]:
         plan = decision.cute_backward
@@ -320,8 +328,7 @@ def test_covers_leaves_the_row_backward_to_cutile(fake_h100, monkeypatch):
             f"runs" in decision.reason)
 
 
-@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
-@pytest.mark.parametrize("cols", CLUSTER_BACKWARD_WIDTHS)
+@pytest.mark.parametrize(("op", "cols"), CLUSTER_BACKWARD_ENTRIES)
 def test_explain_names_the_cluster_kernels(fake_h100, monkeypatch, cols, op):
     """``tilenorm.jax.explain`` on the installed kernel path: the torch side's names of the
     CuTe DSL forward (the cluster forward where its settings entry has a cluster) and the
@@ -394,7 +401,7 @@ def test_layer_norm_backward_variant_takes_mean_and_dbias(fake_h100, monkeypatch
     does: the variant has LayerNorm's mean and the bias's gradient group (dweight's first)."""
     _records(monkeypatch, jax_forward=True)
     found = []
-    for cols in CLUSTER_BACKWARD_WIDTHS:
+    for cols in LAYER_NORM_CLUSTER_BACKWARD_WIDTHS:
         shape = (37, cols)
 
         def decide(x, w, b):
@@ -522,8 +529,7 @@ def _call_line(text: str, target: str) -> str:
     return next(line for line in text.splitlines() if f"@{target}(" in line)
 
 
-@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
-@pytest.mark.parametrize("cols", CLUSTER_BACKWARD_WIDTHS)
+@pytest.mark.parametrize(("op", "cols"), CLUSTER_BACKWARD_ENTRIES)
 def test_lowered_step_runs_the_cluster_kernels(cute_routed, monkeypatch, cols, op):
     """At the cluster backward's widths a training step is the CuTe DSL forward's call, the
     cluster backward's (dx and the partial buffer of its co-resident clusters, 37 rows on
@@ -716,7 +722,7 @@ def test_host_backward_call_passes_every_argument_check_of_the_kernel(cute_on_cp
     """The cluster backward's call as the kernel path makes it (37 rows, 15 clusters):
     every array it hands the entry passes the entry's checks (LayerNorm's mean among them,
     its partial buffer one or two groups)."""
-    cols = CLUSTER_BACKWARD_WIDTHS[0]
+    cols = min(SM90.cute_cluster_backward[op])
     plan, key = _backward_key(cols, weight, weight is not None and offset != 0, dres_in,
                               op=op, bias=bias)
     device = cute_on_cpu
