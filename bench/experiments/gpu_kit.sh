@@ -14,7 +14,8 @@
 #   variants FILE         each case of a variants file (bench/experiments/variants/*.json:
 #                         {"cases": [{"tool", "ops" or "scalings", "shapes", "variants"}]})
 #   suite TAG PATHS...    the GPU tests (-m gpu) of PATHS; TAG "jax" runs them in one process
-#                         (JAX's GPU tests), any other with 3 xdist workers. JUnit files stay
+#                         (JAX's GPU tests), any other with $WORKERS xdist workers (default 3;
+#                         an H200's 139 GB holds 5, an H100's 80 GB 3: NOTES #65). JUnit files stay
 #                         in /tmp/suite for the machine's life, so a suite can span calls
 #                         (the torch tests but FP8 and JAX: ~8 min on an H200, NOTES #98)
 #   summarize             the validation summary of every JUnit file in /tmp/suite:
@@ -92,7 +93,7 @@ EOF
         -p no:cacheprovider "$@" --junitxml="/tmp/suite/junit-$tag.xml" \
         > "$OUT/pytest-$tag.log" 2>&1
     else
-      timeout "$limit" python3 -m pytest -m gpu -n 3 --dist loadgroup -q -p no:cacheprovider \
+      timeout "$limit" python3 -m pytest -m gpu -n "${WORKERS:-3}" --dist loadgroup -q -p no:cacheprovider \
         "$@" --junitxml="/tmp/suite/junit-$tag.xml" > "$OUT/pytest-$tag.log" 2>&1
     fi
     echo "pytest $tag exit $? in $((SECONDS - start)) s (124: cut at $limit s, no JUnit)"
