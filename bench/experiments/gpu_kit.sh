@@ -13,11 +13,12 @@
 #   dtype DTYPE           the sweep in float16 or float32 beside Quack, Liger, torch.compile
 #   variants FILE         each case of a variants file (bench/experiments/variants/*.json:
 #                         {"cases": [{"tool", "ops" or "scalings", "shapes", "variants"}]})
-#   suite TAG PATHS...    the GPU tests (-m gpu) of PATHS; TAG "jax" runs them in one process
-#                         (JAX's GPU tests), any other with $WORKERS xdist workers (default 3;
-#                         an H200's 139 GB holds 5, an H100's 80 GB 3: NOTES #65). JUnit files stay
-#                         in /tmp/suite for the machine's life, so a suite can span calls
-#                         (the torch tests but FP8 and JAX: ~8 min on an H200, NOTES #98)
+#   suite TAG PATHS...    the GPU tests (-m gpu) of PATHS with $WORKERS xdist workers (default
+#                         3; 5 ran out of an H100's 80 GB: NOTES #65, #99), JAX allocating as
+#                         it goes. JUnit files stay in /tmp/suite for the machine's life, so a
+#                         suite spans calls. On an H100, 3 workers (NOTES #99): test_cute_forward
+#                         + test_cute_cluster_backward 2 min, the other torch tests 6.2 min,
+#                         test_fp8 6.2 min (4 workers), JAX's two files 1 min (5 workers)
 #   summarize             the validation summary of every JUnit file in /tmp/suite:
 #                         $OUT/gpu-tests.json, for `python -m tilenorm validation record` here
 # LIMIT_S (default 540; given whenever args follow) bounds each tool run; a run cut short
@@ -88,14 +89,9 @@ EOF
     export TILENORM_EXPERIMENTAL=1
     mkdir -p /tmp/suite
     start=$SECONDS
-    if [ "$tag" = jax ]; then
-      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$limit" python3 -m pytest -m gpu -q \
-        -p no:cacheprovider "$@" --junitxml="/tmp/suite/junit-$tag.xml" \
-        > "$OUT/pytest-$tag.log" 2>&1
-    else
-      timeout "$limit" python3 -m pytest -m gpu -n "${WORKERS:-3}" --dist loadgroup -q -p no:cacheprovider \
-        "$@" --junitxml="/tmp/suite/junit-$tag.xml" > "$OUT/pytest-$tag.log" 2>&1
-    fi
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$limit" python3 -m pytest -m gpu \
+      -n "${WORKERS:-3}" --dist loadgroup -q -p no:cacheprovider "$@" \
+      --junitxml="/tmp/suite/junit-$tag.xml" > "$OUT/pytest-$tag.log" 2>&1
     echo "pytest $tag exit $? in $((SECONDS - start)) s (124: cut at $limit s, no JUnit)"
     grep -E "^(FAILED|ERROR)" "$OUT/pytest-$tag.log" | head -30
     tail -2 "$OUT/pytest-$tag.log"
