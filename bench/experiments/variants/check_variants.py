@@ -5,7 +5,8 @@ bench_norm_ops that is ``bench.tune_norm.measuring_variant`` (the device's setti
 variant's fields replaced) around the ops' dispatch: each shape's decision, as
 ``tilenorm.explain`` prints it (``--explain``), and the forward and backward kernel that its
 plain bf16 RMSNorm / LayerNorm call runs; for tune_norm (``--cases op:N[:M]``, cuTile
-only) ``tune_norm.variant_settings`` and the planner with those settings. A case's
+only) ``tune_norm.variant_settings`` and the planner with those settings; for bench_fp8
+``bench_fp8.fp8_variant`` alone (its FP8 settings fields, and row ones), no plans. A case's
 ``expect`` (one {shape: {"fwd", "bwd"}} a variant, in :func:`signature`'s words) is checked;
 a variant that the tools would refuse, or whose plan differs, fails here, not on the GPU.
 A case's ``patch`` ({"module.ATTRIBUTE": value}) is applied for its variants only.
@@ -35,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from bench import tune_norm  # noqa: E402
+from bench import bench_fp8, tune_norm  # noqa: E402
 from tilenorm import dispatch  # noqa: E402
 from tilenorm.device import DeviceInfo  # noqa: E402
 from tilenorm.planner import (  # noqa: E402
@@ -224,6 +225,9 @@ def check(path: Path, device: str, compile_: bool, show: bool) -> int:
             with patched(case.get("patch", {})):
                 for i, variant in enumerate(variants):
                     try:
+                        if tool == "bench_fp8":  # FP8 settings fields, and row ones
+                            bench_fp8.fp8_variant(variant)
+                            continue
                         if tool == "tune_norm":
                             info = DEVICES[device]
                             settings = tune_norm.variant_settings(
