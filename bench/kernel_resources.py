@@ -67,6 +67,9 @@ def cubin_resources(cubin: Path, tool: str) -> tuple[dict, str]:
 def keeping_cubins(dump_dir: str) -> Iterator[None]:
     """Every ``cute.compile`` inside keeps its cubin in ``dump_dir`` (the launch module's
     compile takes no such option): the CuTe DSL kernels' cubins, for :func:`cubin_resources`."""
+    from tilenorm.launch import cute as launch_cute
+
+    launch_cute.available()  # puts the DSL's package folder on sys.path
     import cutlass.cute as dsl
 
     compile_ = dsl.compile
