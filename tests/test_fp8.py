@@ -859,6 +859,46 @@ def test_every_cute_fp8_variant_builds_for_hopper_and_blackwell():
 
 @pytest.mark.aot
 @pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_cute_fp8_conversions_saturate(tmp_path, arch):
+    """The CuTe FP8 kernels leave saturation to the conversion (cute_row_norm_fp8.py): every
+    fp32 -> FP8 conversion in their SASS is F2FP.SATFINITE, for both formats, the row kernel
+    of 2-byte and of FP8 x, block scaling and the transposed copy; without it a value past
+    the format's range would become NaN (E4M3) or an infinity (E5M2)."""
+    import re
+
+    from bench.kernel_resources import cubin_resources, find_cuobjdump, keeping_cubins
+
+    tool = find_cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not installed")
+    row = functools.partial(cute.Fp8ForwardKey, cute.AOT_ROWS)
+    builds = [
+        (cute.compile_fp8_forward, row("bfloat16", "bfloat16", fmt, scaling, False, 4096,
+                                       128, 4, 4))
+        for fmt in ("float8_e4m3fn", "float8_e5m2") for scaling in ("row", "block", "mx")]
+    builds += [
+        (cute.compile_fp8_forward, row("float8_e4m3fn", "bfloat16", "float8_e4m3fn", "row",
+                                       False, 4096, 128, 4, 4, group=128)),
+        (cute.compile_fp8_forward, row("bfloat16", "bfloat16", "float8_e4m3fn", "block",
+                                       False, 16384, 256, 2, 2, recompute_t=True))]
+    builds += [(cute.compile_fp8_transpose,
+                cute.Fp8TransposeKey("bfloat16", "bfloat16", fmt, "block", False, 4096, 128, 3))
+               for fmt in ("float8_e4m3fn", "float8_e5m2")]
+    for n, (compile_, key) in enumerate(builds):
+        folder = tmp_path / str(n)
+        folder.mkdir()
+        with keeping_cubins(str(folder)):
+            compile_(key, arch)
+        _, sass = cubin_resources(next(folder.rglob("*.cubin")), tool)
+        fmt = "E4M3" if key.fp8_dtype == "float8_e4m3fn" else "E5M2"
+        to_fp8 = re.findall(rf"F2FP\S*\.{fmt}\.F32\S*", sass)
+        assert to_fp8, (key, "no conversion to FP8 found")
+        assert all(".SATFINITE." in op for op in to_fp8), (key, set(to_fp8))
+
+
+@pytest.mark.aot
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
 def test_cute_fp8_recompute_t_entries_fit_their_registers_on_hopper(tmp_path):
     """What the settings' ``cute_forward_recompute_t`` entries are for: the kernel without
     spills at sm_90a (no local-memory stores or loads) where the kernel that holds t spills,

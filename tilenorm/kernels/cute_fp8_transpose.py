@@ -229,7 +229,7 @@ class TransposedFp8Quantize(Fp8Scales):
             scale = scales[block, c * self.vec + j]
             qf = cute.make_rmem_tensor((THREAD_ROWS,), Float32)
             for i in cutlass.range_constexpr(THREAD_ROWS):
-                qf[i] = self._saturated(y[j, i] * scale)
+                qf[i] = y[j, i] * scale  # the conversion saturates (cute_row_norm_fp8.py)
             q = cute.make_rmem_tensor((THREAD_ROWS,), self.fp8_dtype)
             q.store(qf.load().to(self.fp8_dtype))
             lines[c * self.vec + j, chunk] = cute.recast_tensor(q, cutlass.Int64)[0]

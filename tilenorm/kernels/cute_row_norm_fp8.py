@@ -18,8 +18,13 @@ Rounding is monotonic and ``rstd > 0``, so the largest ``|y|`` of any set of ele
 exactly ``max|t| * rstd`` rounded once: the row's sum of squares and its ``max|t|`` (or its
 blocks') go through one reduction together, and every scale is an exact function of the
 amax of the stored y, as in the cuTile kernel (``_scale_of``, ``_mx_exponent``). Every
-amax skips NaN (``fmax`` returns the number), so a NaN stays in its row or block;
-saturation keeps every finite value finite.
+amax skips NaN (``fmax`` returns the number), so a NaN stays in its row or block.
+Saturation is the conversion's own: PTX converts fp32 to FP8 only with ``.satfinite``
+(``cvt.rn.satfinite.e4m3x2.f32``, F2FP.SATFINITE in the SASS, asserted by
+tests/test_fp8.py), which clamps what lies beyond the format's largest finite value, an
+infinity too, to it and keeps NaN: a clamp of our own before it changes no bit and cost two
+of the ~16 instructions an element of a kernel that is issue-bound on an H200
+(bench/NOTES.md #100).
 
 Scalings (``scaling``): ``"row"`` (q and one fp32 ``scale_inv`` a row, (rows, 1)),
 ``"block"`` (one per 128 columns, (rows, cols / 128) with strides (1, rows)), ``"mx"``
@@ -143,15 +148,6 @@ class Fp8Scales:
         ints[0] = (k + 127) << 23
         return bits[0]
 
-    @cute.jit
-    def _saturated(self, v: Float32) -> Float32:
-        """``v`` clamped to [-fp8_max, fp8_max]; NaN passes through."""
-        if v > Float32(self.fp8_max):
-            v = Float32(self.fp8_max)
-        if v < Float32(-self.fp8_max):
-            v = Float32(-self.fp8_max)
-        return v
-
 
 class RowNormFp8Forward(RowKernel, Fp8Scales):
     """The kernel for one (dtypes, width, scaling, launch config, ``recompute_t``,
@@ -213,8 +209,8 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
 
     @cute.jit
     def _quantize(self, t: cute.Tensor, q: cute.Tensor, rstd: Float32, scale: Float32, i: int):
-        """q[i] = saturate(t[i] * rstd * scale) in FP8; NaN passes through."""
-        q[i] = self._saturated(t[i] * rstd * scale)
+        """The fp32 value of q[i]: t[i] * rstd * scale (the conversion to FP8 saturates)."""
+        q[i] = t[i] * rstd * scale
 
     @cute.jit
     def _widen(self, src: cute.Tensor, dst: cute.Tensor, zero: Int32):
@@ -444,37 +440,73 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
     @cute.jit
     def _quantize_blocks(self, t, y, q, q_bytes, rstd, row, tidx, lane, bits, mQ, mQScale):
         """Block and MX scales: a block is ``block_lanes`` consecutive lanes' vectors of one
-        rep; its amax a butterfly over those lanes; the first lane of a block stores its
-        scale. With ``recompute_t`` each rep's 8 bytes of q are converted and stored as soon
-        as the rep is quantized rather than the row's at the end: the same values, two
-        registers of q live instead of ``2 * reps``."""
+        rep; its amax a butterfly over those lanes. Block scaling where a lane group has a
+        lane for every rep (``reps <= block_lanes``) divides once a row a lane: lane ``g``
+        of the group computes rep ``g``'s scale and ``scale_inv`` (every lane knows every
+        rep's amax after the butterflies), stores the latter and hands the scale to the
+        group by shuffles; dividing for every rep on every lane put two IEEE divisions with
+        their slow-path calls and convergence barriers in every rep (block 2352 SASS
+        instructions at 4096 columns against 2000, bench/NOTES.md #58, #100). Else (MX,
+        whose scales are exponent arithmetic, or more reps than lanes) every lane takes each
+        rep's scale itself, and the first lane of a block stores it. With ``recompute_t``
+        each rep's 8 bytes of q are converted and stored as soon as the rep is quantized
+        rather than the row's at the end: the same values, two registers of q live instead
+        of ``2 * reps``."""
         q_row = self._thread_view(mQ[row, None], tidx)
-        for r in cutlass.range_constexpr(self.reps):
-            m = Float32(0.0)
-            for e in cutlass.range_constexpr(self.vec):
-                m = cute.arch.fmax(m, cute.math.absf(t[e, r]))
-            m = cute.arch.warp_reduction(m, cute.arch.fmax, threads_in_group=self.block_lanes)
-            amax = m * rstd
-            block = (tidx + r * self.threads) // self.block_lanes
-            if const_expr(self.scaling == "mx"):
-                k = self._mx_exponent(amax, bits)
-                scale = self._power_of_two(-k, bits)
-                if lane % self.block_lanes == 0:
-                    mQScale[row, block] = cutlass.Uint8(k + 127)
-            else:
-                scale = self._scale_of(amax)
-                if lane % self.block_lanes == 0:
-                    mQScale[row, block] = Float32(1.0) / scale
-            if const_expr(self.recompute_t):
-                y_r = cute.make_rmem_tensor((self.vec,), Float32)
-                for e in cutlass.range_constexpr(self.vec):
-                    y_r[e] = self._saturated(t[e, r] * rstd * scale)
-                q_r = cute.make_rmem_tensor((self.vec,), self.fp8_dtype)
-                q_r.store(y_r.load().to(self.fp8_dtype))
-                cute.autovec_copy(cute.recast_tensor(q_r, cutlass.Uint8), q_row[None, r])
-            else:
-                for e in cutlass.range_constexpr(self.vec):
-                    y[e, r] = self._saturated(t[e, r] * rstd * scale)
+        g = lane % self.block_lanes
+        if const_expr(self.scaling == "block" and self.reps <= self.block_lanes):
+            mine = Float32(0.0)
+            for r in cutlass.range_constexpr(self.reps):
+                m = self._block_amax(t, r)
+                if g == r:
+                    mine = m * rstd
+            scale_mine = self._scale_of(mine)
+            if g < self.reps:
+                # Lane g's block: rep g's of lane (lane - g)'s group.
+                mQScale[row, (tidx - g + g * self.threads) // self.block_lanes] = (
+                    Float32(1.0) / scale_mine)
+            for r in cutlass.range_constexpr(self.reps):
+                self._quantize_rep(t, y, q_row, rstd,
+                                   cute.arch.shuffle_sync(scale_mine, lane - g + r), r)
+        else:
+            for r in cutlass.range_constexpr(self.reps):
+                amax = self._block_amax(t, r) * rstd
+                block = (tidx + r * self.threads) // self.block_lanes
+                if const_expr(self.scaling == "mx"):
+                    k = self._mx_exponent(amax, bits)
+                    scale = self._power_of_two(-k, bits)
+                    if g == 0:
+                        mQScale[row, block] = cutlass.Uint8(k + 127)
+                else:
+                    scale = self._scale_of(amax)
+                    if g == 0:
+                        mQScale[row, block] = Float32(1.0) / scale
+                self._quantize_rep(t, y, q_row, rstd, scale, r)
         if const_expr(not self.recompute_t):
             q.store(y.load().to(self.fp8_dtype))
             cute.autovec_copy(q_bytes, q_row)
+
+    @cute.jit
+    def _block_amax(self, t: cute.Tensor, r: int) -> Float32:
+        """The largest |t| of rep ``r``'s block: this thread's vector, then a butterfly over
+        the block's lanes."""
+        m = Float32(0.0)
+        for e in cutlass.range_constexpr(self.vec):
+            m = cute.arch.fmax(m, cute.math.absf(t[e, r]))
+        return cute.arch.warp_reduction(m, cute.arch.fmax, threads_in_group=self.block_lanes)
+
+    @cute.jit
+    def _quantize_rep(self, t: cute.Tensor, y: cute.Tensor, q_row: cute.Tensor, rstd: Float32,
+                      scale: Float32, r: int):
+        """Rep ``r``'s fp32 q values into ``y`` or, with ``recompute_t``, converted and
+        stored at once."""
+        if const_expr(self.recompute_t):
+            y_r = cute.make_rmem_tensor((self.vec,), Float32)
+            for e in cutlass.range_constexpr(self.vec):
+                y_r[e] = t[e, r] * rstd * scale
+            q_r = cute.make_rmem_tensor((self.vec,), self.fp8_dtype)
+            q_r.store(y_r.load().to(self.fp8_dtype))
+            cute.autovec_copy(cute.recast_tensor(q_r, cutlass.Uint8), q_row[None, r])
+        else:
+            for e in cutlass.range_constexpr(self.vec):
+                y[e, r] = t[e, r] * rstd * scale
