@@ -48,20 +48,14 @@ CONFIGS = {
     16384: [(512, 2, 2), (512, 4, 1), (1024, 2, 1), (256, 2, 2), (1024, 4, 1)],
 }
 SCALINGS = ("row", "block", "mx", "delayed", "amax")
-#: ``--variant`` of the kernel's own ``recompute_t`` flag; other names are classes of
-#: bench/experiments/cute_fp8_variants.py.
+#: ``--variant`` of the kernel's own ``recompute_t`` flag (#74; #58's LeanBlockScales, the
+#: other variant timed here, is the kernel's block path since #100).
 RECOMPUTE_T = "recompute-t"
 
 
-def variant_of(key: cute.Fp8ForwardKey, variant: str | None):
-    """``key`` and the kernel class (None: the kernel's) of ``variant``."""
-    if variant == RECOMPUTE_T:
-        return dataclasses.replace(key, recompute_t=True), None
-    if variant:
-        from bench.experiments.cute_fp8_variants import VARIANTS
-
-        return key, VARIANTS[variant]
-    return key, None
+def variant_of(key: cute.Fp8ForwardKey, variant: str | None) -> cute.Fp8ForwardKey:
+    """``key`` as ``variant`` (None: the kernel's own) compiles it."""
+    return dataclasses.replace(key, recompute_t=True) if variant == RECOMPUTE_T else key
 
 
 def outputs(m: int, n: int, scaling: str, grid: int, row_major_blocks: bool = False
@@ -117,11 +111,9 @@ def check(out: dict, x: torch.Tensor, w: torch.Tensor, scaling: str, scale: torc
     return testing.fp8_rounding_excess(q, scale_inv, scaling, ref.y, FP8)
 
 
-def run(key: cute.Fp8ForwardKey, x, w, scale, grid, row_major_blocks: bool = False,
-        kernel_class=None):
-    fn = (cute.compile_fp8_forward(key, row_major_block_scales=row_major_blocks,
-                                   kernel_class=kernel_class)
-          if row_major_blocks or kernel_class else cute.compiled_fp8_forward(key))
+def run(key: cute.Fp8ForwardKey, x, w, scale, grid, row_major_blocks: bool = False):
+    fn = (cute.compile_fp8_forward(key, row_major_block_scales=row_major_blocks)
+          if row_major_blocks else cute.compiled_fp8_forward(key))
     out = outputs(*x.shape, key.scaling, grid, row_major_blocks)
 
     def launch():
@@ -138,8 +130,8 @@ def measure(m: int, n: int, scaling: str, config, info, record: dict, x, w, scal
     key = cute.Fp8ForwardKey(None if runtime_rows else m, "bfloat16", "bfloat16",
                              "float8_e4m3fn", scaling, False, n, threads, stages, ctas)
     t0 = time.time()
-    key, kernel_class = variant_of(key, variant)
-    launch, out = run(key, x, w, scale, grid, row_major_blocks, kernel_class)
+    key = variant_of(key, variant)
+    launch, out = run(key, x, w, scale, grid, row_major_blocks)
     compile_s = time.time() - t0
     launch()
     torch.cuda.synchronize()
@@ -205,11 +197,11 @@ def compile_only(arch: str, shapes, configs: dict, scalings: list[str],
                 shipped = cute.Fp8ForwardKey(m, "bfloat16", "bfloat16", "float8_e4m3fn",
                                              scaling, False, n, *config)
                 for name in ("shipped", variant) if variant else ("shipped",):
-                    key, kernel_class = variant_of(shipped, None if name == "shipped" else name)
+                    key = variant_of(shipped, None if name == "shipped" else name)
                     with tempfile.TemporaryDirectory() as tmp:
                         try:
                             with keeping_cubins(tmp):
-                                cute.compile_fp8_forward(key, arch, kernel_class=kernel_class)
+                                cute.compile_fp8_forward(key, arch)
                             r = cubin_resources(sorted(Path(tmp).rglob("*.cubin"))[0], tool)[0]
                         except Exception as e:
                             print(f"{m}x{n:<6} {str(config):>14} {scaling:>8} {name:>22} "
@@ -232,9 +224,9 @@ def main() -> None:
                         help="the scalings run with each shape's best row configuration")
     parser.add_argument("--row-major-blocks", action="store_true",
                         help="also time block scaling with row-major scales (NOTES #57)")
-    parser.add_argument("--variant", help="also time this kernel variant: recompute-t (the "
-                                          "kernel's recompute_t, NOTES #74) or one of "
-                                          "bench/experiments/cute_fp8_variants.py (NOTES #58)")
+    parser.add_argument("--variant", choices=[RECOMPUTE_T],
+                        help="also time this kernel variant: recompute-t (the kernel's "
+                             "recompute_t, NOTES #74)")
     parser.add_argument("--variant-configs", type=json.loads,
                         help='JSON {"cols": [[threads, stages, ctas], ...]}: time --variant '
                              "at these instead of the shipped kernel's best row configuration")

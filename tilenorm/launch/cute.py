@@ -420,7 +420,7 @@ class Fp8ForwardKey:
 
 
 def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
-                        row_major_block_scales: bool = False, kernel_class=None):
+                        row_major_block_scales: bool = False):
     """Compile ``key``'s kernel (``arch`` as in :func:`compile_backward`). The result is
     called as ``fn(x, x_scale_inv, weight, scale, q, q_scale, rstd, amax_partial, eps,
     offset, grid)`` with DLPack arrays (None for the absent ones) on the current stream:
@@ -432,8 +432,7 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
     with ``column_amax`` the (grid, cols) fp32 column amaxes.
     ``row_major_block_scales`` lays "block" scales out (rows, cols / 128) row-major instead:
     a measurement of what the GEMM layout's column-major stores cost (bench/NOTES.md #57),
-    not a layout the ops return; ``kernel_class`` a subclass of the kernel under
-    measurement (bench/experiments/cute_fp8_variants.py)."""
+    not a layout the ops return."""
     _require_dsl()
     import cutlass
     import cutlass.cute as cute
@@ -447,7 +446,7 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
     dtype = fp8_dtypes[key.dtype] if key.group else dtypes[key.dtype]
     weight_dtype = None if key.weight_dtype is None else dtypes[key.weight_dtype]
     fp8 = fp8_dtypes[key.fp8_dtype]
-    kernel = (kernel_class or RowNormFp8Forward)(
+    kernel = RowNormFp8Forward(
         dtype, weight_dtype, fp8, FP8_MAX[key.fp8_dtype], key.cols, key.threads, key.stages,
         key.ctas_per_sm, key.scaling, key.has_offset, key.recompute_t, key.column_amax,
         key.group)
