@@ -99,6 +99,77 @@ def test_a_cluster_of_several_rows_takes_each_row_once():
     assert "2 rows across a cluster of 4 CTAs" in plan.describe()
 
 
+#: Entries of the persistent cluster forward under measurement (bench/NOTES.md #101): one
+#: row a cluster at a time, LayerNorm's fp32 parameters staged once: (cols, entry).
+PERSISTENT_ENTRIES = [(32768, (256, 1, 2, 4, True)), (65536, (256, 1, 2, 8, True)),
+                      (131072, (512, 1, 1, 8, True))]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 131, 1023, 100003])
+@pytest.mark.parametrize(("cols", "entry"), PERSISTENT_ENTRIES, ids=str)
+def test_a_persistent_plan_takes_each_row_once_in_resident_clusters(rows, cols, entry):
+    """The persistent plan: the clusters the device holds at once (or fewer, one a row),
+    every row to one cluster, a cluster's CTAs sharing their rows; its entry round-trips;
+    a residual call runs the one-shot cluster forward."""
+    from tilenorm.planner import residual_entry
+
+    plan = CuteForwardPlan.of(rows, cols, entry, 31)
+    threads, _, ctas, cluster, _ = entry
+    assert plan.persistent and plan.entry == entry
+    assert plan.grid // cluster == min(rows, 31)
+    taken = sorted(r for p in range(0, plan.grid, cluster) for r in plan.program_rows(p))
+    assert taken == list(range(rows))
+    assert all(plan.program_rows(p) == plan.program_rows(p - p % cluster)
+               for p in range(plan.grid))
+    assert "persistent" in plan.describe()
+    assert residual_entry(cols, entry) == (256, 1, 4, cols // CLUSTER_SLICE_COLS)
+
+
+def test_a_persistent_plan_refuses_what_the_kernel_cannot_run():
+    with pytest.raises(ValueError, match="co-resident"):
+        CuteForwardPlan.of(100, 65536, (256, 1, 2, 8, True))
+    for entry in ((256, 2, 2, 8, True), (256, 1, 2, 1, True)):
+        with pytest.raises(ValueError, match="one row a cluster"):
+            CuteForwardPlan.of(100, 65536, entry, 30)
+
+
+def test_the_planner_sizes_a_persistent_grid_by_the_clusters_the_device_holds():
+    """plan_cute_forward asks ``resident_clusters`` for a persistent entry's shape only, and
+    leaves the row to another forward where the device holds none of its clusters."""
+    cols, entry = PERSISTENT_ENTRIES[1]
+    table = {**SM90.cute_forward, "layer_norm": {**SM90.cute_forward["layer_norm"],
+                                                 cols: entry}}
+    probe = dataclasses.replace(SM90, cute_forward=table)
+    asked = []
+
+    def resident(cluster, threads, ctas):
+        asked.append((cluster, threads, ctas))
+        return 29
+
+    kwargs = dict(itemsize=2, arch=(9, 0), op="layer_norm", settings=probe)
+    plan = plan_cute_forward(4096, cols, resident_clusters=resident, **kwargs)
+    assert plan.persistent and plan.grid == 29 * entry[3]
+    assert asked == [(entry[3], entry[0], entry[2])]
+    assert plan_cute_forward(4096, cols, resident_clusters=lambda *shape: 0, **kwargs) is None
+    plan_cute_forward(4096, 32768, resident_clusters=resident, **kwargs)  # one-shot entry
+    assert len(asked) == 1
+
+
+@needs_cute
+@pytest.mark.parametrize(("cols", "entry"), PERSISTENT_ENTRIES, ids=str)
+def test_a_persistent_entry_fits_its_ctas_in_shared_memory(cols, entry):
+    """Two buffers of x's slice, LayerNorm's fp32 weight and bias staged: the entry's CTAs
+    an SM fit."""
+    import cutlass
+
+    from tilenorm.kernels.cute_cluster_norm_forward import PersistentClusterRowNormForward
+
+    threads, _, ctas, cluster, _ = entry
+    kernel = PersistentClusterRowNormForward(cutlass.BFloat16, cutlass.Float32, cols, threads,
+                                             cluster, ctas, True, True, False)
+    assert (kernel.shared_bytes() + SMEM_RESERVED) * ctas <= SMEM_PER_SM
+
+
 @needs_cute
 def test_every_cluster_entry_fits_its_ctas_in_shared_memory():
     """Each class's cluster entries fit their CTAs an SM in shared memory (x's slices of the
@@ -337,6 +408,42 @@ def test_every_variant_builds_for_hopper_and_blackwell(tmp_path):
                     key, found)
 
 
+#: Every feature set of the persistent cluster forward, at each of its entries.
+PERSISTENT_VARIANTS = [
+    cute.ForwardKey("bfloat16", w, bias, op == "layer_norm", offset, False, cols,
+                    *entry)
+    for cols, entry in PERSISTENT_ENTRIES
+    for op, w, bias, offset in (("layer_norm", "float32", True, False),
+                                ("layer_norm", "bfloat16", True, False),
+                                ("layer_norm", None, False, False),
+                                ("rms_norm", "float32", False, False),
+                                ("rms_norm", "bfloat16", False, True),
+                                ("rms_norm", None, False, False))]
+
+
+@pytest.mark.aot
+@needs_cute
+def test_persistent_variants_build_for_hopper_and_blackwell_without_spills(tmp_path):
+    from bench.kernel_resources import cubin_resources, find_cuobjdump
+
+    tool = find_cuobjdump()
+    for i, key in enumerate(PERSISTENT_VARIANTS):
+        for arch in cute.AOT_ARCHS:
+            cubins = tmp_path / f"{i}-{arch}"
+            keep = str(cubins) if tool and arch == "sm_90a" else None
+            assert callable(cute.compile_forward(key, arch, cubin_dir=keep)), (key, arch)
+            if keep:
+                found = cubin_resources(next(cubins.rglob("*.cubin")), tool)[0]
+                assert found["spill_stores"] == found["spill_loads"] == found["stack"] == 0, (
+                    key, found)
+
+
+def test_the_persistent_kernel_takes_no_residual():
+    key = dataclasses.replace(PERSISTENT_VARIANTS[0], has_residual=True)
+    with pytest.raises(ValueError, match="no residual"):
+        cute.compile_forward(key, "sm_90a")
+
+
 # --- GPU --------------------------------------------------------------------------------
 
 
@@ -348,7 +455,7 @@ def check_forward(m, n, op="rms_norm", dtype=torch.bfloat16, w_dtype=torch.bfloa
     number (default 0.5 for LayerNorm, 0 for RMSNorm) or a tensor of one a column. The
     kernel is ``device_class``'s table entry, whatever this GPU's class, or ``entry`` (a
     table entry's tuple) where given."""
-    from tilenorm.device import device_info
+    from tilenorm.device import device_info, max_active_clusters
 
     layer_norm = op == "layer_norm"
     eps = 1e-5 if layer_norm else 1e-6
@@ -361,7 +468,9 @@ def check_forward(m, n, op="rms_norm", dtype=torch.bfloat16, w_dtype=torch.bfloa
         else None
     b = torch.randn(n, generator=g, device="cuda").to(w_dtype) if has_bias else None
     info = device_info(torch.cuda.current_device())
-    plan = (CuteForwardPlan.of(m, n, entry) if entry is not None else
+    resident = (max_active_clusters(info.index, entry[3], entry[0], entry[2])
+                if entry is not None and len(entry) > 4 else None)
+    plan = (CuteForwardPlan.of(m, n, entry, resident) if entry is not None else
             plan_cute_forward(m, n, itemsize=2, arch=info.arch, op=op,
                               device_class=device_class))
     if has_residual and entry is None:
@@ -488,6 +597,75 @@ def test_cluster_forward_of_several_rows_matches_float64(n, entry, case):
     rows = min(255, CLUSTER_TEST_ELEMENTS // n - 1)
     assert rows % entry[1]
     check_forward(rows, n, op, entry=entry, **kwargs)
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("key", PERSISTENT_VARIANTS, ids=_variant_id)
+@pytest.mark.parametrize("rows", [3, 1023])
+def test_persistent_cluster_forward_matches_float64(key, rows):
+    """Every persistent variant: fewer rows than clusters (clusters that take none) and
+    several rows a cluster (both buffers, both mbarrier phases, a last pair of one row),
+    every element written, reruns bit-identical."""
+    names = {v: k for k, v in NAMES.items()}
+    check_forward(min(rows, CLUSTER_TEST_ELEMENTS // key.cols - 1), key.cols,
+                  "layer_norm" if key.layer_norm else "rms_norm",
+                  w_dtype=names.get(key.weight_dtype, torch.bfloat16),
+                  has_weight=key.weight_dtype is not None, has_bias=key.has_bias,
+                  offset=1.0 if key.has_offset else 0.0,
+                  entry=(key.threads, 1, key.ctas_per_sm, key.cluster, True))
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize(("cols", "entry"), PERSISTENT_ENTRIES, ids=str)
+def test_persistent_layer_norm_of_a_large_mean_keeps_the_variance_exact(cols, entry):
+    check_forward(300, cols, "layer_norm", has_bias=True, w_dtype=torch.float32,
+                  x_mean=1000.0, entry=entry)
+
+
+@gpu
+@needs_cute
+def test_public_op_runs_a_persistent_entry_and_a_residual_call_the_one_shot(monkeypatch):
+    """Under settings that route LayerNorm at 65536 to the persistent kernel (as a variant
+    run does), the op's decision names it, it runs and its output matches float64; a call
+    with a residual runs the one-shot cluster forward."""
+    from tilenorm.pytorch.calls import ForwardCall
+    from tilenorm.settings import measuring
+
+    ran = []
+    run_cute = ForwardCall._run_cute
+    monkeypatch.setattr(ForwardCall, "_run_cute",
+                        lambda self, *a: ran.append(self.cute.persistent) or run_cute(self, *a))
+
+    cols, entry = PERSISTENT_ENTRIES[1]
+    table = {**SM90.cute_forward, "layer_norm": {**SM90.cute_forward["layer_norm"],
+                                                 cols: entry}}
+    probe = dataclasses.replace(SM90, cute_forward=table)
+    g, seed = fresh_generator("cuda")
+    x = (torch.randn(1100, cols, generator=g, device="cuda") + 0.5).to(torch.bfloat16)
+    r = torch.randn(1100, cols, generator=g, device="cuda").to(torch.bfloat16)
+    w = 1 + 0.5 * torch.randn(cols, generator=g, device="cuda")
+    b = torch.randn(cols, generator=g, device="cuda")
+    from tilenorm.pytorch import calls
+
+    dispatch.decide.cache_clear()  # decisions and prepared calls are cached by problem
+    calls.clear()
+    try:
+        with tilenorm.experimental(), measuring(probe):
+            decision = tilenorm.explain(x, w, bias=b, layer_norm=True)
+            assert decision.cute_forward is not None and decision.cute_forward.persistent
+            y = tilenorm.layer_norm(x, w, b, eps=1e-5)
+            y_r, h = tilenorm.layer_norm(x, w, b, eps=1e-5, residual=r, prenorm=True)
+    finally:
+        dispatch.decide.cache_clear()
+        calls.clear()
+    assert ran == [True, False], "the persistent kernel, then the one-shot with a residual"
+    ref = float64_norm(x, w, b, 1e-5, layer_norm=True)
+    assert rel(y, ref.y) <= OUT_TOL[torch.bfloat16], seed
+    ref_r = float64_norm(x, w, b, 1e-5, layer_norm=True, residual=r)
+    assert rel(y_r, ref_r.y) <= OUT_TOL[torch.bfloat16], seed
+    assert torch.equal(h, (x.float() + r.float()).to(torch.bfloat16)), seed
 
 
 FEATURES = {

@@ -269,9 +269,13 @@ def _cute_forward(p: Problem, info: DeviceInfo) -> CuteForwardPlan | None:
     x_bytes = p.rows * p.heads * p.cols * ITEMSIZE[p.dtypes[0]]
     if x_bytes < CUTE_FORWARD_MIN_BYTES or not _cute_may_run(p):
         return None
+
+    def resident_clusters(cluster: int, threads: int, ctas_per_sm: int) -> int:
+        return max_active_clusters(info.index, cluster, threads, ctas_per_sm)
+
     return plan_cute_forward(p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]], arch=info.arch,
                              device_class=info.device_class, op=p.op, heads=p.heads,
-                             max_offset=p.max_offset)
+                             max_offset=p.max_offset, resident_clusters=resident_clusters)
 
 
 #: Under ``torch.compile``, a norm whose x holds at most this many bytes is traced as torch

@@ -439,28 +439,50 @@ class CuteForwardPlan:
     ctas_per_sm: int
     grid: int
     cluster: int = 1
+    #: The persistent cluster forward: ``grid / cluster`` co-resident clusters, cluster
+    #: ``c`` taking rows ``c, c + grid / cluster, ...`` one at a time (rows_per_cta 1).
+    persistent: bool = False
 
     @classmethod
-    def of(cls, rows: int, cols: int, entry: tuple[int, ...]) -> CuteForwardPlan:
-        """The plan of a settings table's (threads, rows a CTA, CTAs per SM[, cluster])
-        ``entry``."""
+    def of(cls, rows: int, cols: int, entry: tuple[int, ...],
+           resident_clusters: int | None = None) -> CuteForwardPlan:
+        """The plan of a settings table's (threads, rows a CTA, CTAs per SM[, cluster[,
+        persistent]]) ``entry``; a persistent one needs the clusters of its shape the device
+        holds at once (:func:`tilenorm.device.max_active_clusters`): a persistent grid of
+        more would run its last clusters after the others."""
         threads, rows_per_cta, ctas_per_sm, *rest = entry
         cluster = rest[0] if rest else 1
+        persistent = bool(rest[1]) if len(rest) > 1 else False
         if rows < 1 or rows_per_cta < 1:
             raise ValueError(f"rows and rows_per_cta must be positive, got {rows}, "
                              f"{rows_per_cta}")
-        return cls(rows=rows, cols=cols, threads=threads, rows_per_cta=rows_per_cta,
-                   ctas_per_sm=ctas_per_sm, grid=cdiv(rows, rows_per_cta) * cluster,
-                   cluster=cluster)
+        if not persistent:
+            return cls(rows=rows, cols=cols, threads=threads, rows_per_cta=rows_per_cta,
+                       ctas_per_sm=ctas_per_sm, grid=cdiv(rows, rows_per_cta) * cluster,
+                       cluster=cluster)
+        if cluster < 2 or rows_per_cta != 1:
+            raise ValueError(f"a persistent forward holds one row a cluster of 2 or more "
+                             f"CTAs, got {entry}")
+        if resident_clusters is None or resident_clusters < 1:
+            raise ValueError("a persistent forward's grid needs the clusters co-resident on "
+                             f"the device, got {resident_clusters}")
+        clusters = min(rows, resident_clusters)
+        return cls(rows=rows, cols=cols, threads=threads, rows_per_cta=1,
+                   ctas_per_sm=ctas_per_sm, grid=clusters * cluster, cluster=cluster,
+                   persistent=True)
 
     def program_rows(self, program: int) -> range:
+        if self.persistent:
+            return range(program // self.cluster, self.rows, self.grid // self.cluster)
         start = program // self.cluster * self.rows_per_cta
         return range(start, min(start + self.rows_per_cta, self.rows))
 
     @property
-    def entry(self) -> tuple[int, int, int, int]:
-        """The settings entry of this plan: (threads, rows a CTA, CTAs per SM, cluster)."""
-        return self.threads, self.rows_per_cta, self.ctas_per_sm, self.cluster
+    def entry(self) -> tuple[int, ...]:
+        """The settings entry of this plan: (threads, rows a CTA, CTAs per SM, cluster[,
+        True where persistent])."""
+        entry = (self.threads, self.rows_per_cta, self.ctas_per_sm, self.cluster)
+        return (*entry, True) if self.persistent else entry
 
     def with_residual(self) -> CuteForwardPlan:
         """The plan a call with a fused residual runs (:func:`residual_entry`)."""
@@ -468,6 +490,11 @@ class CuteForwardPlan:
         return self if entry == self.entry else CuteForwardPlan.of(self.rows, self.cols, entry)
 
     def describe(self) -> str:
+        if self.persistent:
+            return (f"CuTe DSL persistent cluster forward, grid {self.grid}: "
+                    f"{self.grid // self.cluster} clusters of {self.cluster} CTAs of "
+                    f"{self.threads} threads ({self.ctas_per_sm} per SM), a row at a time, "
+                    f"the next one's slices in flight, the parameters staged once")
         if self.cluster > 1:
             rows = "a row" if self.rows_per_cta == 1 else f"{self.rows_per_cta} rows"
             return (f"CuTe DSL cluster forward, one-shot grid {self.grid}: {rows} across a "
@@ -483,7 +510,10 @@ def residual_entry(cols: int, entry: tuple[int, ...]) -> tuple[int, ...]:
     settings' ``_cluster_forward``) where ``entry`` holds several rows a cluster of a row that
     spans two such slices or more, else ``entry``. A residual doubles what a CTA stages: two
     rows a cluster of 8 at 65536 columns then keep a spill slot and run at 94% of copy where
-    one row a cluster of 4 runs at 101% (H100, #95)."""
+    one row a cluster of 4 runs at 101% (H100, #95). A persistent entry (a fifth element,
+    True) runs the one-shot kernel with a residual too: the persistent one takes none."""
+    if len(entry) > 4 and entry[4]:  # the persistent kernel takes no residual
+        return _cluster_forward(cols)
     several_rows = len(entry) == 4 and entry[1] > 1 and entry[3] > 1
     if not several_rows or cols < 2 * CLUSTER_SLICE_COLS:
         return entry
@@ -493,15 +523,29 @@ def residual_entry(cols: int, entry: tuple[int, ...]) -> tuple[int, ...]:
 def plan_cute_forward(rows: int, cols: int, *, itemsize: int, arch: tuple[int, int], op: Op,
                       heads: int = 1, max_offset: int | None = None,
                       settings: RowNormSettings | None = None,
-                      device_class: DeviceClass = DEFAULT_DEVICE_CLASS
+                      device_class: DeviceClass = DEFAULT_DEVICE_CLASS,
+                      resident_clusters: Callable[[int, int, int], int] | None = None
                       ) -> CuteForwardPlan | None:
     """The CuTe DSL forward for ``rows x heads`` vectors of ``cols`` elements, or None where
     cuTile's runs: widths and element sizes not in the settings' ``cute_forward`` table,
     several heads, and offsets past 32 bits (the kernel indexes with 32; ``max_offset`` as
-    for :func:`plan_row_norm`; ``settings`` as there)."""
+    for :func:`plan_row_norm`; ``settings`` as there). ``resident_clusters(cluster, threads,
+    ctas_per_sm)`` (as for :func:`plan_cute_cluster_backward`) sizes a persistent entry's
+    grid, asked only for one; a device whose GPCs cannot hold the cluster leaves the row to
+    another forward."""
     s = settings or settings_for(arch, device_class)
     entry = _cute_entry(s, s.cute_forward, op, rows, cols, itemsize, heads, max_offset)
-    return None if entry is None else CuteForwardPlan.of(rows, cols, entry)
+    if entry is None:
+        return None
+    resident = None
+    if len(entry) > 4 and entry[4]:
+        threads, _, ctas_per_sm, cluster, _ = entry
+        if resident_clusters is None:
+            raise ValueError("a persistent forward entry needs resident_clusters")
+        resident = resident_clusters(cluster, threads, ctas_per_sm)
+        if resident < 1:
+            return None
+    return CuteForwardPlan.of(rows, cols, entry, resident)
 
 
 # --- FP8 output (tilenorm.kernels.cutile_row_norm_fp8) -------------------------------------

@@ -97,14 +97,16 @@ class ClusterRowNormForward(NormForwardKernel, ClusterRowKernel):
 
     @cute.jit
     def _row_moments(self, parts: list, t_xs: list, v: cute.Tensor, slots: cute.Tensor,
-                     mbar, rank: Int32, lane: Int32, warp: Int32) -> list:
+                     mbar, rank: Int32, lane: Int32, warp: Int32, phase: Int32 = 0,
+                     wait_peers: cutlass.Constexpr = True) -> list:
         """LayerNorm's (mean, variance) of each of the CTA's rows in one cluster exchange
         (``parts[i]``: this thread's sum of its elements of row ``i``; ``t_xs[i]`` its
         elements of that row's h in shared memory, read again a vector at a time through
         ``v``). Each warp takes its own mean of each row, then the sum of its elements'
         squares about it, and pushes the pairs (sum, centered sum of squares) to every
-        cluster CTA (the slots and mbarrier used once: phase 0; row ``i``'s pair in columns
-        ``2i`` and ``2i + 1``). Every thread then combines each row's pairs in one fixed
+        cluster CTA (the slots and mbarrier at ``phase``; row ``i``'s pair in columns
+        ``2i`` and ``2i + 1``; ``wait_peers``: the first use, which waits for every peer's
+        mbarrier to be initialised). Every thread then combines each row's pairs in one fixed
         tree (:meth:`_fixed_order_sum`) by Chan et al.'s parallel formula, every warp
         holding ``warp_cols`` = n_w of the N elements::
 
@@ -134,8 +136,9 @@ class ClusterRowNormForward(NormForwardKernel, ClusterRowKernel):
                 c = v.load().to(Float32) - warp_mean
                 part = part + (c * c).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             values += [warp_sums[i], cute.arch.warp_reduction(part, operator.add)]
-        cute.arch.cluster_wait()  # every peer's mbarrier initialised
-        self._push_warp_values(values, slots, mbar, 0, rank, lane, warp)
+        if const_expr(wait_peers):
+            cute.arch.cluster_wait()  # every peer's mbarrier initialised
+        self._push_warp_values(values, slots, mbar, phase, rank, lane, warp)
         inv_n = Float32(1.0 / self.cols)
         means = [self._fixed_order_sum(lambda slot, i=i: slots[slot, 2 * i]) * inv_n
                  for i in range(self.rows_per_cta)]
@@ -291,3 +294,179 @@ class ClusterRowNormForward(NormForwardKernel, ClusterRowKernel):
                     out.store(y.to(self.dtype))
                     cute.autovec_copy(
                         out, self._slice_view(mY[row, None], rank, tidx)[None, k])
+
+
+class PersistentClusterRowNormForward(ClusterRowNormForward):
+    """The cluster forward as a persistent loop: ``__call__``'s ``grid`` is ``clusters *
+    cluster`` CTAs (as many clusters as are resident at once), cluster ``c`` taking rows
+    ``c, c + clusters, ...``, one at a time, each CTA its slice of each.
+
+    What it is for: a parameter not held in registers (an fp32 weight, the bias) is read once
+    a kernel into shared memory instead of once a row from L2 (8 bytes a column against x's
+    2 with LayerNorm's fp32 weight and bias: LayerNorm at 4096 x 65536 ran at 75% of an
+    H200's copy, at the same absolute rate as an H100's 95%, bench/NOTES.md #98, #101); and
+    the next row's slice is in flight while a row is reduced and stored.
+
+    - Rows in pairs, two shared-memory buffers: while row ``r`` (buffer ``s``) is reduced,
+      normalized and stored, row ``r + clusters`` is loaded into buffer ``1 - s`` by 16-byte
+      ``cp.async`` (``cp.async.wait_group 1`` then waits for row ``r``'s alone). A thread
+      reads back only the vectors it copied, into a buffer only after it read the last row
+      there, so no block barrier orders them; the parameters' slices are staged the same
+      way, once.
+    - The cluster exchange of row ``r`` uses buffer ``s``'s slot columns and mbarrier, at
+      phase ``(pair index) mod 2``; its thread 0 arms the mbarrier for each row. No peer
+      pushes row ``r + 2 * clusters`` into those slots before this CTA has read row ``r``'s:
+      a peer's push of it follows its wait for row ``r + clusters``, which needs this CTA's
+      push of that row, which follows its reads of row ``r``'s slots in every thread. A
+      peer's bytes may reach an mbarrier before thread 0 arms it for their row (the phase's
+      transaction count goes below zero until then, which PTX allows).
+    - Every CTA of a cluster takes the same rows, so the exchange's counts hold; the grid's
+      clusters beyond the rows take none.
+
+    No residual (its call runs the one-shot kernel, ``planner.residual_entry``); one row a
+    cluster at a time."""
+
+    def __init__(self, dtype, weight_dtype, cols: int, threads: int, cluster: int,
+                 ctas_per_sm: int, layer_norm: bool, has_bias: bool, has_offset: bool):
+        super().__init__(dtype, weight_dtype, cols, threads, 1, cluster, ctas_per_sm,
+                         layer_norm, has_bias, has_offset, False)
+        #: The parameters staged in shared memory: those not held in registers.
+        self.stage_weight = self.has_weight and not self.hold_weight
+
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory a CTA allocates: two buffers of x's slice, the staged
+        parameters' slices, two sets of slots, two mbarriers (each aligned as allocated)."""
+        x = 2 * self.slice * self.dtype.width // 8
+        params = (int(self.stage_weight) + int(self.has_bias)) * self.slice * (
+            self.weight_dtype.width // 8 if self.has_weight else 0)
+        return x + params + self.slot_bytes(2 * self.sums) + 16
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mR: cute.Tensor | None, mW: cute.Tensor | None,
+               mB: cute.Tensor | None, mY: cute.Tensor, mH: cute.Tensor | None,
+               mMean: cute.Tensor | None, mRstd: cute.Tensor, eps: Float32, offset: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        rank = cute.arch.block_in_cluster_idx()[0]
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        rows = mX.shape[0]
+        last = rows - 1
+        clusters = grid // self.cluster
+        first = cta // self.cluster
+        inv_n = Float32(1.0 / self.cols)
+
+        smem = cutlass.memory.SmemAllocator()
+        # (element, buffer): the two rows in flight.
+        s_x = smem.allocate_tensor(self.dtype, cute.make_layout((self.slice, 2)), 128)
+        param_dtype = self.weight_dtype if self.has_weight else self.dtype
+        s_w = (smem.allocate_tensor(param_dtype, cute.make_layout((self.slice,)), 128)
+               if const_expr(self.stage_weight) else None)
+        s_b = (smem.allocate_tensor(param_dtype, cute.make_layout((self.slice,)), 128)
+               if const_expr(self.has_bias) else None)
+        # (slot, value): buffer s's values of a row in columns [s * sums, (s + 1) * sums).
+        parts = smem.allocate_tensor(
+            Float32, cute.make_layout((self.cluster * self.warps, 2 * self.sums)), 16)
+        mbar = smem.allocate_tensor(cutlass.Int64, cute.make_layout((2,)), 8)
+        if tidx == 0:
+            cute.arch.mbarrier_init(mbar.iterator, 1)
+            cute.arch.mbarrier_init(mbar.iterator + 1, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.cluster_arrive_relaxed()
+
+        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS),
+                                  self.dtype, num_bits_per_copy=128)
+        t_xs = [self._thread_view(s_x[None, i], tidx) for i in range(2)]
+        # The first row into buffer 0 (a cluster past the rows loads the last, unused).
+        cute.copy(g2s, self._slice_view(mX[cutlass.min(first, last), None], rank, tidx),
+                  t_xs[0])
+        cute.arch.cp_async_commit_group()
+        # The parameters: a 2-byte weight into registers, the rest into shared memory, each
+        # thread its own vectors, once.
+        shape = (self.vec, self.reps)
+        w_view = self._slice_view(mW, rank, tidx) if const_expr(self.has_weight) else None
+        b_view = self._slice_view(mB, rank, tidx) if const_expr(self.has_bias) else None
+        w_held = (cute.make_rmem_tensor(shape, self.weight_dtype)
+                  if const_expr(self.hold_weight) else None)
+        if const_expr(self.hold_weight):
+            cute.autovec_copy(w_view, w_held)
+        t_w = self._thread_view(s_w, tidx) if const_expr(self.stage_weight) else None
+        t_b = self._thread_view(s_b, tidx) if const_expr(self.has_bias) else None
+        w_v = cute.make_rmem_tensor((self.vec,), param_dtype)
+        b_v = cute.make_rmem_tensor((self.vec,), param_dtype)
+        for k in cutlass.range_constexpr(self.reps):
+            if const_expr(self.stage_weight):
+                cute.autovec_copy(w_view[None, k], w_v)
+                cute.autovec_copy(w_v, t_w[None, k])
+            if const_expr(self.has_bias):
+                cute.autovec_copy(b_view[None, k], b_v)
+                cute.autovec_copy(b_v, t_b[None, k])
+        cute.arch.cluster_wait()  # every peer's mbarriers initialised
+
+        v = cute.make_rmem_tensor((self.vec,), self.dtype)
+        out = cute.make_rmem_tensor((self.vec,), self.dtype)
+        expected = self.sums * self.cluster * self.warps * PARTIAL_BYTES
+        for base in cutlass.range(first, rows, 2 * clusters):
+            phase = ((base - first) // (2 * clusters)) % 2
+            for s in cutlass.range_constexpr(2):
+                row = base + s * clusters
+                # The next row into the other buffer, then this row's copies awaited.
+                cute.copy(g2s, self._slice_view(mX[cutlass.min(row + clusters, last), None],
+                                                rank, tidx), t_xs[1 - s])
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(1)
+                if row < rows:  # the same for every CTA of the cluster
+                    self._normalize_row(mY, mMean, mRstd, t_xs[s], parts, mbar, s, phase,
+                                        row, rank, tidx, lane, warp, v, out, w_held, t_w,
+                                        t_b, w_v, b_v, eps, offset, inv_n, expected)
+        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def _normalize_row(self, mY, mMean, mRstd, t_x, parts, mbar, s: int, phase, row, rank,
+                       tidx, lane, warp, v, out, w_held, t_w, t_b, w_v, b_v, eps, offset,
+                       inv_n, expected):
+        """One row from buffer ``s``: its sums, the cluster exchange in buffer ``s``'s slots
+        and mbarrier at ``phase``, its statistics, y."""
+        bar = mbar.iterator + s
+        slots = cute.make_tensor(parts.iterator + s * self.sums * self.cluster * self.warps,
+                                 cute.make_layout((self.cluster * self.warps, self.sums)))
+        if tidx == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, expected)
+        part = Float32(0.0)
+        for k in cutlass.range_constexpr(self.reps):
+            cute.autovec_copy(t_x[None, k], v)
+            h = v.load().to(Float32)
+            part = part + ((h if const_expr(self.layer_norm) else h * h)
+                           .reduce(cute.ReductionOp.ADD, Float32(0.0), 0))
+        if const_expr(self.layer_norm):
+            mu, var = self._row_moments([part], [t_x], v, slots, bar, rank, lane, warp,
+                                        phase, False)[0]
+        else:
+            mu = Float32(0.0)
+            var = self._push_sums([part], slots, bar, phase, rank, lane, warp)[0] * inv_n
+        rstd = cute.math.rsqrt(var + eps)
+        if rank == 0 and tidx == 0:
+            if const_expr(self.layer_norm):
+                mMean[row] = mu
+            mRstd[row] = rstd
+        y_row = self._slice_view(mY[row, None], rank, tidx)
+        for k in cutlass.range_constexpr(self.reps):
+            cute.autovec_copy(t_x[None, k], v)
+            h = v.load().to(Float32)
+            n = (h - mu if const_expr(self.layer_norm) else h) * rstd
+            y = n
+            if const_expr(self.has_weight):
+                if const_expr(self.hold_weight):
+                    w = w_held[None, k].load().to(Float32)
+                else:
+                    cute.autovec_copy(t_w[None, k], w_v)
+                    w = w_v.load().to(Float32)
+                y = n * w
+                if const_expr(self.has_offset):
+                    y = y + n * offset
+            if const_expr(self.has_bias):
+                cute.autovec_copy(t_b[None, k], b_v)
+                y = y + b_v.load().to(Float32)
+            out.store(y.to(self.dtype))
+            cute.autovec_copy(out, y_row[None, k])

@@ -116,12 +116,16 @@ class ForwardKey:
     rows_per_cta: int
     ctas_per_sm: int
     cluster: int = 1
+    #: The persistent cluster forward
+    #: (:class:`~tilenorm.kernels.cute_cluster_norm_forward.PersistentClusterRowNormForward`).
+    persistent: bool = False
 
     @classmethod
     def of(cls, plan: CuteForwardPlan, dtype: str, weight_dtype: str | None, has_bias: bool,
            layer_norm: bool, has_offset: bool, has_residual: bool) -> ForwardKey:
         return cls(dtype, weight_dtype, has_bias, layer_norm, has_offset, has_residual,
-                   plan.cols, plan.threads, plan.rows_per_cta, plan.ctas_per_sm, plan.cluster)
+                   plan.cols, plan.threads, plan.rows_per_cta, plan.ctas_per_sm, plan.cluster,
+                   plan.persistent)
 
 
 def compile_forward(key: ForwardKey, arch: str | None = None, cubin_dir: str | None = None):
@@ -138,7 +142,15 @@ def compile_forward(key: ForwardKey, arch: str | None = None, cubin_dir: str | N
     dtype = dtypes[key.dtype]
     weight_dtype = None if key.weight_dtype is None else dtypes[key.weight_dtype]
     features = (key.layer_norm, key.has_bias, key.has_offset, key.has_residual)
-    if key.cluster > 1:
+    if key.persistent:
+        if key.has_residual or key.rows_per_cta != 1:
+            raise ValueError(f"the persistent cluster forward takes one row a cluster and no "
+                             f"residual: {key}")
+        from tilenorm.kernels.cute_cluster_norm_forward import PersistentClusterRowNormForward
+
+        kernel = PersistentClusterRowNormForward(dtype, weight_dtype, key.cols, key.threads,
+                                                 key.cluster, key.ctas_per_sm, *features[:3])
+    elif key.cluster > 1:
         from tilenorm.kernels.cute_cluster_norm_forward import ClusterRowNormForward
 
         kernel = ClusterRowNormForward(dtype, weight_dtype, key.cols, key.threads,

@@ -87,7 +87,8 @@ def described_device(info: DeviceInfo):
     saved = (dispatch.device_info, dispatch.max_active_clusters, tune_norm.device_info,
              torch.cuda.current_device)
     dispatch.device_info = tune_norm.device_info = lambda index: info
-    # Cluster backward entries only: an estimate (every SM holds ctas_per_sm of them).
+    # The cluster backward's and the persistent forward's grids: an estimate (every SM holds
+    # ctas_per_sm of them).
     dispatch.max_active_clusters = (
         lambda index, cluster, threads, ctas: info.sm_count * ctas // cluster)
     torch.cuda.current_device = lambda: 0
