@@ -157,6 +157,25 @@ class ClusterRowNormForward(NormForwardKernel, ClusterRowKernel):
         spread = slots[slot, column] * inv_warp_n - mean
         return slots[slot, column + 1] + Float32(self.warp_cols) * spread * spread
 
+    @cute.jit
+    def _affine(self, n, k: cutlass.Constexpr, w_held: cute.Tensor | None,
+                w_v: cute.Tensor, b_v: cute.Tensor, offset: Float32):
+        """y of the normalized vector ``n`` (fp32) of rep ``k``: ``n * w + n * offset + b``
+        for the parameters present, the weight held in ``w_held`` (``hold_weight``) or
+        loaded into ``w_v``, the bias into ``b_v``."""
+        y = n
+        if const_expr(self.has_weight):
+            if const_expr(self.hold_weight):
+                w = w_held[None, k].load().to(Float32)
+            else:
+                w = w_v.load().to(Float32)
+            y = n * w
+            if const_expr(self.has_offset):
+                y = y + n * offset
+        if const_expr(self.has_bias):
+            y = y + b_v.load().to(Float32)
+        return y
+
     def _stored(self, row: Int32, rows: Int32):
         """Whether ``row`` is one to store: with one row a cluster the grid holds exactly the
         rows (no test, no register); with several the last cluster's may run past the end."""
@@ -280,18 +299,7 @@ class ClusterRowNormForward(NormForwardKernel, ClusterRowKernel):
                     cute.autovec_copy(t_xs[i][None, k], v)
                     h = v.load().to(Float32)
                     n = (h - mus[i] if const_expr(self.layer_norm) else h) * rstds[i]
-                    y = n
-                    if const_expr(self.has_weight):
-                        if const_expr(self.hold_weight):
-                            w = w_held[None, k].load().to(Float32)
-                        else:
-                            w = w_v.load().to(Float32)
-                        y = n * w
-                        if const_expr(self.has_offset):
-                            y = y + n * offset
-                    if const_expr(self.has_bias):
-                        y = y + b_v.load().to(Float32)
-                    out.store(y.to(self.dtype))
+                    out.store(self._affine(n, k, w_held, w_v, b_v, offset).to(self.dtype))
                     cute.autovec_copy(
                         out, self._slice_view(mY[row, None], rank, tidx)[None, k])
 
@@ -455,18 +463,9 @@ class PersistentClusterRowNormForward(ClusterRowNormForward):
             cute.autovec_copy(t_x[None, k], v)
             h = v.load().to(Float32)
             n = (h - mu if const_expr(self.layer_norm) else h) * rstd
-            y = n
-            if const_expr(self.has_weight):
-                if const_expr(self.hold_weight):
-                    w = w_held[None, k].load().to(Float32)
-                else:
-                    cute.autovec_copy(t_w[None, k], w_v)
-                    w = w_v.load().to(Float32)
-                y = n * w
-                if const_expr(self.has_offset):
-                    y = y + n * offset
+            if const_expr(self.stage_weight):
+                cute.autovec_copy(t_w[None, k], w_v)
             if const_expr(self.has_bias):
                 cute.autovec_copy(t_b[None, k], b_v)
-                y = y + b_v.load().to(Float32)
-            out.store(y.to(self.dtype))
+            out.store(self._affine(n, k, w_held, w_v, b_v, offset).to(self.dtype))
             cute.autovec_copy(out, y_row[None, k])
