@@ -12,7 +12,8 @@
 #   jax                   bench_jax.py with profiled kernel time (~2.5 min)
 #   dtype DTYPE           the sweep in float16 or float32 beside Quack, Liger, torch.compile
 #   variants FILE         each case of a variants file (bench/experiments/variants/*.json:
-#                         {"cases": [{"tool", "ops" or "scalings", "shapes", "variants"}]})
+#                         {"cases": [{"tool", "ops" or "scalings", "shapes", ["dtype"],
+#                         "variants"}]})
 #   suite TAG PATHS...    the GPU tests (-m gpu) of PATHS with $WORKERS xdist workers (default
 #                         3; 5 ran out of an H100's 80 GB: NOTES #65, #99), JAX allocating as
 #                         it goes. JUnit files stay in /tmp/suite for the machine's life, so a
@@ -68,7 +69,7 @@ import sys
 case = json.load(open(sys.argv[1]))["cases"][int(sys.argv[2])]
 tool = case.get("tool", "bench_norm_ops")
 print(f"bench/{tool}.py")
-for key in ("ops", "scalings", "shapes", "cases"):
+for key in ("ops", "scalings", "shapes", "cases", "dtype"):
     if key in case:
         print(f"--{key}")
         print(case[key])

@@ -115,12 +115,12 @@ def patched(patch: dict):
             setattr(mod, attr, value)
 
 
-def bench_call_plans(op: str, m: int, n: int):
+def bench_call_plans(op: str, m: int, n: int, dtype: str = "bfloat16"):
     """(decision, forward plan, backward plan) of bench_norm_ops's call of ``op`` at m x n:
-    bf16 x, dy and weight (LayerNorm: fp32 weight and bias), contiguous, aligned."""
+    x, dy and weight in ``dtype`` (LayerNorm: fp32 weight and bias), contiguous, aligned."""
     layer_norm = op == "layer_norm"
-    w = "float32" if layer_norm else "bfloat16"
-    dtypes = ("bfloat16", w, w) if layer_norm else ("bfloat16", w)
+    w = "float32" if layer_norm else dtype
+    dtypes = (dtype, w, w) if layer_norm else (dtype, w)
     if op not in ("rms_norm", "layer_norm"):
         raise SystemExit(f"check_variants covers plain rms_norm and layer_norm, not {op}")
     p = dispatch.Problem(op=op, device_type="cuda", device_index=0, dtypes=dtypes, rows=m,
@@ -130,7 +130,7 @@ def bench_call_plans(op: str, m: int, n: int):
     if not decision.uses_kernel:
         return decision, None, None
     fwd = dispatch.forward_kernel(decision, dispatch.ForwardFacts.of(
-        "bfloat16", "bfloat16", w, w if layer_norm else None, None, None, dense=True))
+        dtype, dtype, w, w if layer_norm else None, None, None, dense=True))
     bwd = dispatch.backward_kernel(decision, dispatch.BackwardFacts(
         has_residual=False, has_dres_in=False, has_offset=False, same_dtypes=True,
         dense_aligned=True, max_offset=m * n - 1))
@@ -148,21 +148,21 @@ class Compiler:
         self.tool = kernel_resources.cuobjdump()
         self.done: dict = {}
 
-    def __call__(self, plan, op: str) -> str:
+    def __call__(self, plan, op: str, dtype: str = "bfloat16") -> str:
         from tilenorm.launch import aot, cute
 
         layer_norm = op == "layer_norm"
-        weight = "float32" if layer_norm else "bfloat16"
+        weight = "float32" if layer_norm else dtype
         if isinstance(plan, CuteForwardPlan):
-            key = cute.ForwardKey.of(plan, "bfloat16", weight, layer_norm, layer_norm,
+            key = cute.ForwardKey.of(plan, dtype, weight, layer_norm, layer_norm,
                                      False, False)
             build = lambda: cute.compile_forward(key, arch="sm_90a")  # noqa: E731
         elif isinstance(plan, CuteClusterBackwardPlan):
-            key = cute.ClusterBackwardKey.of(plan, "bfloat16", weight, False, False,
+            key = cute.ClusterBackwardKey.of(plan, dtype, weight, False, False,
                                              layer_norm, layer_norm)
             build = lambda: cute.compile_cluster_backward(key, arch="sm_90a")  # noqa: E731
         elif isinstance(plan, CuteBackwardPlan):
-            key = cute.BackwardKey.of(plan, "bfloat16", weight, layer_norm, layer_norm)
+            key = cute.BackwardKey.of(plan, dtype, weight, layer_norm, layer_norm)
             build = lambda: cute.compile_backward(key, arch="sm_90a")  # noqa: E731
         else:
             v = aot.OP_VARIANTS["layer_norm" if layer_norm else "rms"]
@@ -239,7 +239,8 @@ def check(path: Path, device: str, compile_: bool, show: bool) -> int:
                             continue
                         with tune_norm.measuring_variant(variant):
                             for op, m, n in runs:
-                                failures += _one(i, op, m, n, expect, compiler, show)
+                                failures += _one(i, op, m, n, expect, compiler, show,
+                                                 dtype=case.get("dtype", "bfloat16"))
                     except (Exception, SystemExit) as e:
                         print(f"  v{i}: REFUSED: {type(e).__name__}: {e}")
                         failures += 1
@@ -260,12 +261,12 @@ def tune_case(text: str) -> tuple[str, int, int]:
 TUNE_OPS = {"rms": "rms_norm", "layer_norm": "layer_norm"}
 
 
-def _one(i, op, m, n, expect, compiler, show, settings=None) -> int:
-    """One variant's run at one shape: through the ops' dispatch, or with ``settings`` the
-    cuTile plans tune_norm binds."""
+def _one(i, op, m, n, expect, compiler, show, settings=None, dtype="bfloat16") -> int:
+    """One variant's run at one shape: through the ops' dispatch in x's ``dtype``, or with
+    ``settings`` the cuTile plans tune_norm binds."""
     shape = f"{m}x{n}"
     if settings is None:
-        decision, fwd, bwd = bench_call_plans(op, m, n)
+        decision, fwd, bwd = bench_call_plans(op, m, n, dtype)
         if fwd is None:
             print(f"  v{i} {op} {shape}: REFERENCE PATH: {decision}")
             return 1
@@ -294,7 +295,7 @@ def _one(i, op, m, n, expect, compiler, show, settings=None) -> int:
     if compiler is not None:
         for direction, plan in (("fwd", fwd), ("bwd", bwd)):
             try:
-                print(f"    {direction} compiled: {compiler(plan, op)}", flush=True)
+                print(f"    {direction} compiled: {compiler(plan, op, dtype)}", flush=True)
             except Exception as e:  # a kernel that does not compile is the variant's failure
                 print(f"    {direction} DOES NOT COMPILE: {type(e).__name__}: "
                       f"{str(e)[:300]}")
