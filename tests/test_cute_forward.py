@@ -21,7 +21,7 @@ from tests.kernel_harness import (
 )
 from tilenorm import dispatch
 from tilenorm.launch import cute
-from tilenorm.planner import CuteForwardPlan, plan_cute_forward, plan_row_norm
+from tilenorm.planner import CuteForwardPlan, is_persistent, plan_cute_forward, plan_row_norm
 from tilenorm.settings import (
     CLUSTER_SLICE_COLS,
     DEFAULT_DEVICE_CLASS,
@@ -469,7 +469,7 @@ def check_forward(m, n, op="rms_norm", dtype=torch.bfloat16, w_dtype=torch.bfloa
     b = torch.randn(n, generator=g, device="cuda").to(w_dtype) if has_bias else None
     info = device_info(torch.cuda.current_device())
     resident = (max_active_clusters(info.index, entry[3], entry[0], entry[2])
-                if entry is not None and len(entry) > 4 else None)
+                if entry is not None and is_persistent(entry) else None)
     plan = (CuteForwardPlan.of(m, n, entry, resident) if entry is not None else
             plan_cute_forward(m, n, itemsize=2, arch=info.arch, op=op,
                               device_class=device_class))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tilenorm import validation
@@ -233,6 +234,14 @@ def _cute_may_run(p: Problem) -> bool:
             and all(d in (p.dtypes[0], "float32") for d in p.dtypes[1:]))
 
 
+def _resident_clusters(info: DeviceInfo) -> Callable[[int, int, int], int]:
+    """``resident_clusters(cluster, threads, ctas_per_sm)`` of the planners: how many such
+    clusters ``info``'s device holds at once (:func:`tilenorm.device.max_active_clusters`,
+    looked up when asked)."""
+    return lambda cluster, threads, ctas_per_sm: max_active_clusters(
+        info.index, cluster, threads, ctas_per_sm)
+
+
 def _cute_backward(p: Problem, info: DeviceInfo
                    ) -> CuteBackwardPlan | CuteClusterBackwardPlan | None:
     """The CuTe DSL backward where the planner has one for the shape and it may run: the
@@ -240,13 +249,9 @@ def _cute_backward(p: Problem, info: DeviceInfo
     device, else the row backward."""
     if not _cute_may_run(p):
         return None
-
-    def resident_clusters(cluster: int, threads: int, ctas_per_sm: int) -> int:
-        return max_active_clusters(info.index, cluster, threads, ctas_per_sm)
-
     cluster_plan = plan_cute_cluster_backward(
         p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]], arch=info.arch,
-        device_class=info.device_class, op=p.op, resident_clusters=resident_clusters,
+        device_class=info.device_class, op=p.op, resident_clusters=_resident_clusters(info),
         heads=p.heads, max_offset=p.max_offset)
     if cluster_plan is not None:
         return cluster_plan
@@ -269,13 +274,9 @@ def _cute_forward(p: Problem, info: DeviceInfo) -> CuteForwardPlan | None:
     x_bytes = p.rows * p.heads * p.cols * ITEMSIZE[p.dtypes[0]]
     if x_bytes < CUTE_FORWARD_MIN_BYTES or not _cute_may_run(p):
         return None
-
-    def resident_clusters(cluster: int, threads: int, ctas_per_sm: int) -> int:
-        return max_active_clusters(info.index, cluster, threads, ctas_per_sm)
-
     return plan_cute_forward(p.rows, p.cols, itemsize=ITEMSIZE[p.dtypes[0]], arch=info.arch,
                              device_class=info.device_class, op=p.op, heads=p.heads,
-                             max_offset=p.max_offset, resident_clusters=resident_clusters)
+                             max_offset=p.max_offset, resident_clusters=_resident_clusters(info))
 
 
 #: Under ``torch.compile``, a norm whose x holds at most this many bytes is traced as torch

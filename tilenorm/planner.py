@@ -452,7 +452,7 @@ class CuteForwardPlan:
         more would run its last clusters after the others."""
         threads, rows_per_cta, ctas_per_sm, *rest = entry
         cluster = rest[0] if rest else 1
-        persistent = bool(rest[1]) if len(rest) > 1 else False
+        persistent = is_persistent(entry)
         if rows < 1 or rows_per_cta < 1:
             raise ValueError(f"rows and rows_per_cta must be positive, got {rows}, "
                              f"{rows_per_cta}")
@@ -504,6 +504,12 @@ class CuteForwardPlan:
                 f"{self.threads} threads a row ({self.ctas_per_sm} per SM)")
 
 
+def is_persistent(entry: tuple[int, ...]) -> bool:
+    """Whether a ``cute_forward`` entry is the persistent cluster forward's: a fifth element,
+    True."""
+    return len(entry) > 4 and bool(entry[4])
+
+
 def residual_entry(cols: int, entry: tuple[int, ...]) -> tuple[int, ...]:
     """The ``cute_forward`` entry a call with a fused residual runs for the table's ``entry``
     at ``cols`` columns: one row a cluster of ``CLUSTER_SLICE_COLS``-column slices (the
@@ -512,7 +518,7 @@ def residual_entry(cols: int, entry: tuple[int, ...]) -> tuple[int, ...]:
     rows a cluster of 8 at 65536 columns then keep a spill slot and run at 94% of copy where
     one row a cluster of 4 runs at 101% (H100, #95). A persistent entry (a fifth element,
     True) runs the one-shot kernel with a residual too: the persistent one takes none."""
-    if len(entry) > 4 and entry[4]:  # the persistent kernel takes no residual
+    if is_persistent(entry):  # the persistent kernel takes no residual
         return _cluster_forward(cols)
     several_rows = len(entry) == 4 and entry[1] > 1 and entry[3] > 1
     if not several_rows or cols < 2 * CLUSTER_SLICE_COLS:
@@ -538,7 +544,7 @@ def plan_cute_forward(rows: int, cols: int, *, itemsize: int, arch: tuple[int, i
     if entry is None:
         return None
     resident = None
-    if len(entry) > 4 and entry[4]:
+    if is_persistent(entry):
         threads, _, ctas_per_sm, cluster, _ = entry
         if resident_clusters is None:
             raise ValueError("a persistent forward entry needs resident_clusters")
