@@ -31,6 +31,8 @@ from tilenorm.testing import float64_norm, row_blocks
 gpu = pytest.mark.gpu
 needs_cute = pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
 TABLE = SM90.cute_cluster_backward
+#: The table for 4-byte x (fp32).
+TABLE_FP32 = SM90.cute_cluster_backward_fp32
 WIDTHS = sorted({cols for widths in TABLE.values() for cols in widths})
 #: (op, width) of every entry: LayerNorm's table need not hold RMSNorm's widths.
 ENTRIES = [(op, cols) for op in sorted(TABLE) for cols in sorted(TABLE[op])]
@@ -80,13 +82,19 @@ def test_plan_only_where_measured_and_asks_residency_only_then(op):
     assert plan(100, op=op, resident=resident)
     cluster, threads, _, ctas = TABLE[op][cols]
     assert asked == [(cluster, threads, ctas)]
-    for refused in (dict(cols=cols + 8), dict(itemsize=4), dict(heads=2),
+    for refused in (dict(cols=cols + 8), dict(itemsize=1), dict(itemsize=8), dict(heads=2),
                     dict(max_offset=2**31)):
         assert plan(100, op=op, resident=resident, **refused) is None, refused
     rows = 2**31 // cols
     assert plan(rows, op=op, resident=resident)
     assert plan(rows + 1, op=op, resident=resident) is None
     assert len(asked) == 2
+    for width in WIDTHS:  # 4-byte x: its own table
+        fp32 = plan(100, width, itemsize=4, op=op)
+        entry = TABLE_FP32[op].get(width)
+        assert (fp32 is None) == (entry is None), width
+        assert fp32 is None or (fp32.cluster, fp32.threads, fp32.stages,
+                                fp32.ctas_per_sm) == entry
     assert plan(100, op=op, resident=lambda *shape: 0) is None, "no such cluster fits"
     with pytest.raises(ValueError):
         CuteClusterBackwardPlan.of(100, cols, TABLE[op][cols], 0)
@@ -195,7 +203,10 @@ def test_decision_picks_it_for_wide_rows(monkeypatch, op):
     assert isinstance(pick(("bfloat16", "float32", "float32")), CuteClusterBackwardPlan)
     assert isinstance(pick(("bfloat16",)), CuteClusterBackwardPlan)
     assert pick(("bfloat16", "float16")) is None
-    assert pick(("float32", "float32")) is None
+    fp32 = pick(("float32", "float32"), cols=min(TABLE_FP32[op]))
+    assert (fp32.cluster, fp32.threads, fp32.stages,
+            fp32.ctas_per_sm) == TABLE_FP32[op][min(TABLE_FP32[op])]
+    assert pick(("float32", "bfloat16"), cols=min(TABLE_FP32[op])) is None
     assert pick(max_offset=2**31) is None
     assert not isinstance(pick(cols=narrowest + 1024), CuteClusterBackwardPlan)
     monkeypatch.setattr(dispatch.validation, "is_stable", lambda family: False)
@@ -293,10 +304,12 @@ def test_kernel_refuses_shapes_it_cannot_hold():
 @needs_cute
 def test_every_variant_builds_for_hopper_and_blackwell():
     keys = cute.aot_cluster_backward_keys(all_dtypes=True)
-    assert {(k.layer_norm, k.cols) for k in keys} == {
-        (op == "layer_norm", cols) for c in DEVICE_CLASSES
-        for op, widths in settings_for((9, 0), c).cute_cluster_backward.items()
-        for cols in widths}
+    for dtypes, table in ((("bfloat16", "float16"), "cute_cluster_backward"),
+                          (("float32",), "cute_cluster_backward_fp32")):
+        assert {(k.layer_norm, k.cols) for k in keys if k.dtype in dtypes} == {
+            (op == "layer_norm", cols) for c in DEVICE_CLASSES
+            for op, widths in getattr(settings_for((9, 0), c), table).items()
+            for cols in widths}
     layer_norm = [k for k in keys if k.layer_norm]
     assert {(k.weight_dtype, k.has_bias, k.has_dres_in) for k in layer_norm
             if k.dtype == "bfloat16" and k.cols == min(TABLE["layer_norm"])} == {
@@ -353,12 +366,12 @@ def test_routed_variants_do_not_spill_at_sm_90a():
 NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-def _plan(rows, cols, op="rms_norm"):
+def _plan(rows, cols, op="rms_norm", itemsize=2):
     from tilenorm.device import device_info, max_active_clusters
 
     info = device_info(torch.cuda.current_device())
     return plan_cute_cluster_backward(
-        rows, cols, itemsize=2, arch=info.arch, op=op,
+        rows, cols, itemsize=itemsize, arch=info.arch, op=op,
         resident_clusters=lambda *shape: max_active_clusters(info.index, *shape))
 
 
@@ -402,7 +415,7 @@ def check_cluster_backward(m, n, op="rms_norm", dtype=torch.bfloat16, w_dtype=to
     dres = torch.randn(m, n, generator=g, device="cuda").to(dtype) if residual else None
     ref_dx, ref_dw, ref_db, mean, rstd = _reference(x, w, b, eps, dy, offset, dres,
                                                     layer_norm)
-    plan = _plan(m, n, op)
+    plan = _plan(m, n, op, dtype.itemsize)
     assert plan.clusters <= m and plan.grid == plan.clusters * plan.cluster
     key = cute.ClusterBackwardKey.of(plan, NAMES[dtype],
                                      None if w is None else NAMES[w.dtype], offset != 0,
@@ -440,6 +453,21 @@ def test_matches_float64(m, n, op):
     clusters = _plan(2**31 // n, n, op).clusters
     rows = {"clusters": clusters, "2 clusters + 1": 2 * clusters + 1}.get(m) or int(m)
     p = check_cluster_backward(rows, n, op, w_dtype=torch.bfloat16,
+                               bias=op == "layer_norm")
+    assert p.clusters == min(rows, clusters)
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("op,n", [(op, n) for op in sorted(TABLE_FP32)
+                                  for n in sorted(TABLE_FP32[op])])
+@pytest.mark.parametrize("m", ["3", "clusters", "2 clusters + 1"])
+def test_fp32_matches_float64(m, n, op):
+    """fp32 x, dy and parameters at every entry of the fp32 table (LayerNorm with a bias):
+    as many rows as the clusters, and past them."""
+    clusters = _plan(2**31 // n, n, op, 4).clusters
+    rows = {"clusters": clusters, "2 clusters + 1": 2 * clusters + 1}.get(m) or int(m)
+    p = check_cluster_backward(rows, n, op, dtype=torch.float32, w_dtype=torch.float32,
                                bias=op == "layer_norm")
     assert p.clusters == min(rows, clusters)
 
@@ -493,21 +521,24 @@ def cluster_launches(monkeypatch) -> list:
 @gpu
 @needs_cute
 @pytest.mark.parametrize("case,n", [
-    (case, n) for case in ("plain", "gemma residual", "layer norm", "layer norm residual")
-    for n in sorted(TABLE["layer_norm" if case.startswith("layer norm") else "rms_norm"])])
+    (case, n) for case in ("plain", "gemma residual", "layer norm", "layer norm residual",
+                           "fp32", "layer norm fp32")
+    for n in sorted((TABLE_FP32 if case.endswith("fp32") else TABLE)[
+        "layer_norm" if case.startswith("layer norm") else "rms_norm"])])
 def test_public_op_runs_it_and_matches_float64_bit_for_bit(case, n, cluster_launches):
     """Through autograd: the decision names the cluster kernel, dx, dweight (and dbias:
     reduced by column_sums) match float64 and a second backward bit for bit; with a fused
-    residual the residual's gradient is dx."""
+    residual the residual's gradient is dx. fp32 x and parameters at the fp32 table's
+    widths."""
     g, seed = fresh_generator("cuda")
     m = 1023
     layer_norm = case.startswith("layer norm")
     residual = case.endswith("residual")
+    dtype = torch.float32 if case.endswith("fp32") else torch.bfloat16
     eps = 1e-5 if layer_norm else 1e-6
-    x = torch.randn(m, n, generator=g, device="cuda", dtype=torch.bfloat16)
-    w = (0.5 * torch.randn(n, generator=g, device="cuda")).to(torch.bfloat16)
-    b = (0.5 * torch.randn(n, generator=g, device="cuda")).to(torch.bfloat16) \
-        if layer_norm else None
+    x = torch.randn(m, n, generator=g, device="cuda", dtype=dtype)
+    w = (0.5 * torch.randn(n, generator=g, device="cuda")).to(dtype)
+    b = (0.5 * torch.randn(n, generator=g, device="cuda")).to(dtype) if layer_norm else None
     r = torch.randn_like(x) if residual else None
     offset = 1.0 if case == "gemma residual" else 0.0
     dy = torch.randn_like(x)
@@ -534,8 +565,11 @@ def test_public_op_runs_it_and_matches_float64_bit_for_bit(case, n, cluster_laun
                        dy=dy)
     want = [ref.dx, ref.dweight] + ([ref.dbias] if layer_norm else []) + (
         [ref.dresidual] if residual else [])
-    for got, expected in zip(grads[0], want, strict=True):
-        assert rel(got, expected) <= OUT_TOL[torch.bfloat16], seed
+    # dweight and dbias sum every row's terms: fp32's take DGAMMA_TOL_FP32.
+    tols = [OUT_TOL[dtype]] + [max(OUT_TOL[dtype], DGAMMA_TOL_FP32)] * (1 + layer_norm) + (
+        [OUT_TOL[dtype]] if residual else [])
+    for got, expected, tol in zip(grads[0], want, tols, strict=True):
+        assert rel(got, expected) <= tol, seed
     for first, again in zip(*grads, strict=True):
         assert torch.equal(first, again), seed
 

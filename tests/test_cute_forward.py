@@ -9,6 +9,7 @@ import torch
 
 import tilenorm
 from tests.kernel_harness import (
+    DGAMMA_TOL_FP32,
     H100,
     OUT_TOL,
     SMEM_PER_SM,
@@ -47,6 +48,14 @@ CLASS_ROUTED = [(DEFAULT_DEVICE_CLASS, op, cols) for op, cols in ROUTED] + [
     for op in OPS for cols in sorted(TABLES[c][op])
     if TABLES[c][op][cols] != CUTE_FORWARD[op].get(cols)]
 NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+#: Every class's table for 4-byte x (fp32), and its (device class, op, width) entries as
+#: CLASS_ROUTED holds 2-byte x's.
+TABLES_FP32 = {c: settings_for((9, 0), c).cute_forward_fp32 for c in DEVICE_CLASSES}
+FP32_ROUTED = [(DEFAULT_DEVICE_CLASS, op, cols) for op in sorted(SM90.cute_forward_fp32)
+               for cols in sorted(SM90.cute_forward_fp32[op])] + [
+    (c, op, cols) for c in DEVICE_CLASSES if c != DEFAULT_DEVICE_CLASS
+    for op in sorted(TABLES_FP32[c]) for cols in sorted(TABLES_FP32[c][op])
+    if TABLES_FP32[c][op][cols] != SM90.cute_forward_fp32[op].get(cols)]
 
 
 #: (op, width) pairs the table routes to the cluster forward: entries of four, (threads,
@@ -180,7 +189,9 @@ def test_every_cluster_entry_fits_its_ctas_in_shared_memory():
 
     from tilenorm.kernels.cute_cluster_norm_forward import ClusterRowNormForward
 
-    for table in TABLES.values():
+    tables = [(cutlass.BFloat16, t) for t in TABLES.values()]
+    tables += [(cutlass.Float32, t) for t in TABLES_FP32.values()]
+    for dtype, table in tables:
         for op, widths in table.items():
             for cols, entry in widths.items():
                 if len(entry) != 4:
@@ -188,7 +199,7 @@ def test_every_cluster_entry_fits_its_ctas_in_shared_memory():
                 threads, rows, ctas, cluster = entry
                 layer_norm = op == "layer_norm"
                 kernel = ClusterRowNormForward(
-                    cutlass.BFloat16, cutlass.Float32, cols, threads, rows, cluster, ctas,
+                    dtype, cutlass.Float32, cols, threads, rows, cluster, ctas,
                     layer_norm, layer_norm, False, False)
                 assert (kernel.shared_bytes() + SMEM_RESERVED) * ctas <= SMEM_PER_SM, (
                     op, cols, entry)
@@ -230,7 +241,9 @@ def test_plan_only_where_measured():
     assert plan() and plan(op="layer_norm")
     assert plan(cols=cols + 8) is None
     assert plan(cols=min(WIDTHS) // 2) is None
-    assert plan(itemsize=4) is None
+    assert plan(itemsize=4).entry == plan(cols=2 * cols).entry, "2-byte x's of twice the width"
+    assert plan(itemsize=4, cols=5120) is None, "a width the fp32 table does not list"
+    assert plan(itemsize=1) is None and plan(itemsize=8) is None
     assert plan(heads=2) is None
     assert plan(rows=0) is None
     rows = 2**31 // cols
@@ -256,7 +269,8 @@ def test_decision_picks_it_only_for_its_dtypes_sizes_and_when_allowed(monkeypatc
     assert pick(("bfloat16",), rows=MIN_ROWS - 1) is None, "a small x keeps the C++ path"
     assert pick(("float16", "float16", "float16"), op="layer_norm")
     assert pick(("bfloat16", "float16")) is None
-    assert pick(("float32", "float32")) is None
+    assert pick(("float32", "float32"))
+    assert pick(("float32", "bfloat16")) is None, "parameters in x's dtype or fp32"
     assert pick(("bfloat16",), max_offset=2**31) is None
     monkeypatch.setattr(dispatch.validation, "is_stable", lambda family: False)
     assert pick(("bfloat16",), allow=False) is None
@@ -393,10 +407,11 @@ def test_every_variant_builds_for_hopper_and_blackwell(tmp_path):
     tool = find_cuobjdump()
     keys = cute.aot_forward_keys(all_dtypes=True)
     assert {k.cols for k in keys} == set(WIDTHS)
-    assert {(op, k.cols) for k in keys if k.cluster > 1
-            for op in ["layer_norm" if k.layer_norm else "rms_norm"]} == {
-        (op, cols) for t in TABLES.values() for op, widths in t.items()
-        for cols, entry in widths.items() if len(entry) == 4}
+    for dtypes, tables in ((("bfloat16", "float16"), TABLES), (("float32",), TABLES_FP32)):
+        assert {(op, k.cols) for k in keys if k.cluster > 1 and k.dtype in dtypes
+                for op in ["layer_norm" if k.layer_norm else "rms_norm"]} == {
+            (op, cols) for t in tables.values() for op, widths in t.items()
+            for cols, entry in widths.items() if len(entry) == 4}
     for i, key in enumerate(keys):
         for arch in cute.AOT_ARCHS:
             cubins = tmp_path / f"{i}-{arch}"
@@ -471,7 +486,7 @@ def check_forward(m, n, op="rms_norm", dtype=torch.bfloat16, w_dtype=torch.bfloa
     resident = (max_active_clusters(info.index, entry[3], entry[0], entry[2])
                 if entry is not None and is_persistent(entry) else None)
     plan = (CuteForwardPlan.of(m, n, entry, resident) if entry is not None else
-            plan_cute_forward(m, n, itemsize=2, arch=info.arch, op=op,
+            plan_cute_forward(m, n, itemsize=dtype.itemsize, arch=info.arch, op=op,
                               device_class=device_class))
     if has_residual and entry is None:
         plan = plan.with_residual()  # the plan a residual call runs (dispatch.forward_kernel)
@@ -515,18 +530,30 @@ def test_matches_float64(m, device_class, op, n):
     check_forward(min(m, MAX_TEST_ELEMENTS // n), n, op, device_class=device_class)
 
 
+@gpu
+@needs_cute
+@pytest.mark.parametrize(("device_class", "op", "n"), FP32_ROUTED)
+@pytest.mark.parametrize("m", [3, 1000])
+def test_fp32_matches_float64(m, device_class, op, n):
+    """fp32 x and parameters at every entry of the fp32 table, LayerNorm with a bias."""
+    check_forward(min(m, MAX_TEST_ELEMENTS // (2 * n)), n, op, dtype=torch.float32,
+                  w_dtype=torch.float32, has_bias=op == "layer_norm",
+                  device_class=device_class)
+
+
 #: Elements of x in a cluster variant's test: 255 rows at 131072 (4 waves of resident
 #: clusters). 1023 rows there (11 GB with the float64 reference) beside the large tests of
 #: other workers ran out of an 80 GB GPU.
 CLUSTER_TEST_ELEMENTS = 1 << 25
 
-#: Every bf16 variant the cluster forward's entries build (:func:`cute.aot_forward_keys`).
+#: Every bf16 and fp32 variant the cluster forward's entries build
+#: (:func:`cute.aot_forward_keys`).
 CLUSTER_VARIANTS = [k for k in cute.aot_forward_keys() if k.cluster > 1]
 
 
 def _variant_id(key) -> str:
     op = "layer_norm" if key.layer_norm else "rms_norm"
-    return (f"{op}-{key.cols}-w_{key.weight_dtype}" + "-bias" * key.has_bias
+    return (f"{op}-{key.dtype}-{key.cols}-w_{key.weight_dtype}" + "-bias" * key.has_bias
             + "-offset" * key.has_offset + "-residual" * key.has_residual
             + f"-{key.rows_per_cta}x{key.cluster}")
 
@@ -542,7 +569,7 @@ def test_cluster_forward_variants_match_float64(key):
     bit-identical."""
     names = {v: k for k, v in NAMES.items()}
     check_forward(min(1023, CLUSTER_TEST_ELEMENTS // key.cols - 1), key.cols,
-                  "layer_norm" if key.layer_norm else "rms_norm",
+                  "layer_norm" if key.layer_norm else "rms_norm", dtype=names[key.dtype],
                   w_dtype=names.get(key.weight_dtype, torch.bfloat16),
                   has_weight=key.weight_dtype is not None, has_bias=key.has_bias,
                   has_residual=key.has_residual, offset=1.0 if key.has_offset else 0.0,
@@ -695,11 +722,12 @@ def test_features_match_float64(case, device_class, op, n):
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "torch.compile"])
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("n", [WIDTHS[0], 65536])
-def test_public_op_runs_it_and_matches_float64(op, compiled, n, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_public_op_runs_it_and_matches_float64(op, compiled, n, dtype, monkeypatch):
     """The op runs the kernel (x of the smallest size it takes, past what inductor keeps
     under compile) with a fused residual add, RowNormForward at the narrowest width and
-    the cluster forward at 65536; y, h and the gradients of x, the residual and the weight
-    match float64."""
+    the cluster forward at 65536, in bf16 and fp32; y, h and the gradients of x, the
+    residual and the weight match float64."""
     from tilenorm.pytorch.calls import ForwardCall
 
     ran = []
@@ -709,12 +737,11 @@ def test_public_op_runs_it_and_matches_float64(op, compiled, n, monkeypatch):
     g, seed = fresh_generator("cuda")
     layer_norm = op == "layer_norm"
     eps = 1e-5 if layer_norm else 1e-6
-    shape = (4, dispatch.CUTE_FORWARD_MIN_BYTES // (2 * n) // 4, n)
-    x = torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
-    r = torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
-    w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(torch.bfloat16)
-    dy, dh = (torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
-              for _ in range(2))
+    shape = (4, dispatch.CUTE_FORWARD_MIN_BYTES // (dtype.itemsize * n) // 4, n)
+    x = torch.randn(shape, generator=g, device="cuda", dtype=dtype)
+    r = torch.randn(shape, generator=g, device="cuda", dtype=dtype)
+    w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(dtype)
+    dy, dh = (torch.randn(shape, generator=g, device="cuda", dtype=dtype) for _ in range(2))
     norm = tilenorm.layer_norm if layer_norm else tilenorm.rms_norm
     leaves = [t.clone().requires_grad_() for t in (x, r, w)]
     with tilenorm.experimental():
@@ -730,11 +757,13 @@ def test_public_op_runs_it_and_matches_float64(op, compiled, n, monkeypatch):
         torch.autograd.backward((y, h), (dy, dh))
     assert ran, "the CuTe DSL forward ran"
     ref = float64_norm(x, w, None, eps, layer_norm=layer_norm, residual=r, dy=dy, dh=dh)
-    assert rel(y, ref.y) <= OUT_TOL[torch.bfloat16], seed
+    assert rel(y, ref.y) <= OUT_TOL[dtype], seed
     assert torch.equal(h, x + r), seed
-    for got, want in zip((t.grad for t in leaves), (ref.dx, ref.dresidual, ref.dweight),
-                         strict=True):
-        assert rel(got, want) <= OUT_TOL[torch.bfloat16], seed
+    # dweight sums every row's terms: fp32's partial buffer takes DGAMMA_TOL_FP32.
+    tols = (OUT_TOL[dtype],) * 2 + (max(OUT_TOL[dtype], DGAMMA_TOL_FP32),)
+    for got, want, tol in zip((t.grad for t in leaves), (ref.dx, ref.dresidual, ref.dweight),
+                              tols, strict=True):
+        assert rel(got, want) <= tol, seed
 
 
 @gpu

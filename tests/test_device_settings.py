@@ -125,22 +125,30 @@ def test_the_h100_tables_differ_exactly_where_the_h100_measured_otherwise():
     RMSNorm forward at 32768 keeps one CTA a row (#69) and at 65536 holds two rows a cluster
     (#95, level on an H200: #98);
     the FP8 row kernel of 2-byte x at 8192 columns runs at (512, 2, 2) (#82), at 4096 for
-    row and MX scaling at (256, 4, 2) (#95). FP8 x keeps its own entry (#88, #95). Nothing
-    else differs."""
-    assert set(_differences(SM90, SM90_H100)) == {"cute_backward", "cute_forward"}
+    row and MX scaling at (256, 4, 2) (#95), and a per-row copy's column amaxes at 16384
+    come from the CuTe row kernel (#103). FP8 x keeps its own entry (#88, #95). fp32 x at
+    16384 takes 2-byte x's 32768 entry, one CTA a row. Nothing else differs."""
+    assert set(_differences(SM90, SM90_H100)) == {"cute_backward", "cute_forward",
+                                                  "cute_forward_fp32"}
     h200, h100 = _entries(SM90.cute_backward), _entries(SM90_H100.cute_backward)
     assert h200 == {**h100, ("layer_norm", 4096): (256, 2, 2)} and len(h200) == len(h100) + 1
     h200, h100 = _entries(SM90.cute_forward), _entries(SM90_H100.cute_forward)
     assert h100 == {**h200, ("rms_norm", 32768): (512, 1, 1),
                     ("rms_norm", 65536): (256, 2, 4, 8)} and len(h100) == len(h200)
-    assert set(_differences(SM90_FP8, SM90_FP8_H100)) == {"cute_forward", "cute_forward_scaling"}
+    h200, h100 = _entries(SM90.cute_forward_fp32), _entries(SM90_H100.cute_forward_fp32)
+    assert h100 == {**h200, ("rms_norm", 16384): (512, 1, 1)} and len(h100) == len(h200)
+    assert set(_differences(SM90_FP8, SM90_FP8_H100)) == {
+        "cute_forward", "cute_forward_scaling", "cute_forward_column_amax"}
+    assert SM90_FP8_H100.cute_forward_column_amax == (
+        *SM90_FP8.cute_forward_column_amax, 16384)
     assert SM90_FP8_H100.cute_forward == {**SM90_FP8.cute_forward, 8192: (512, 2, 2)}
     assert SM90_FP8.cute_forward[8192] == (256, 4, 2) and SM90_FP8.cute_forward_scaling == {}
     assert SM90_FP8_H100.cute_forward_scaling == {"row": {4096: (256, 4, 2)},
                                                   "mx": {4096: (256, 4, 2)}}
     assert SM90_FP8_H100.cute_forward_fp8_input[8192] == (256, 4, 2)
     row_h200, row_h100 = row_settings_for((9, 0), "h200"), row_settings_for((9, 0), "h100")
-    assert set(_differences(row_h200, row_h100)) == {"cute_backward", "cute_forward"}
+    assert set(_differences(row_h200, row_h100)) == {"cute_backward", "cute_forward",
+                                                    "cute_forward_fp32"}
 
 
 def test_an_fp8_scaling_entry_replaces_the_width_entry_of_that_scaling_only():

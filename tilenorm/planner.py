@@ -331,11 +331,12 @@ def plan_cute_backward(rows: int, cols: int, *, itemsize: int, sm_count: int,
                        device_class: DeviceClass = DEFAULT_DEVICE_CLASS
                        ) -> CuteBackwardPlan | None:
     """The CuTe DSL backward for ``rows x heads`` vectors of ``cols`` elements, or None where
-    cuTile's runs: widths and element sizes not in the settings' ``cute_backward`` table,
+    cuTile's runs: widths not in the settings' ``cute_backward`` table (2-byte x only),
     several heads, and offsets past 32 bits (the kernel indexes with 32; ``max_offset`` as
     for :func:`plan_row_norm`; ``settings`` as there)."""
     s = settings or settings_for(arch, device_class)
-    entry = _cute_entry(s, s.cute_backward, op, rows, cols, itemsize, heads, max_offset)
+    table = s.cute_backward if itemsize == 2 else {}  # 4-byte x: no entry measured to gain
+    entry = _cute_entry(table, op, rows, cols, heads, max_offset)
     return None if entry is None else CuteBackwardPlan.of(rows, cols, entry, sm_count)
 
 
@@ -394,13 +395,14 @@ def plan_cute_cluster_backward(rows: int, cols: int, *, itemsize: int, arch: tup
                                ) -> CuteClusterBackwardPlan | None:
     """The CuTe DSL cluster backward for ``rows x heads`` vectors of ``cols`` elements, or
     None where another backward runs (as :func:`plan_cute_backward`, from the settings'
-    ``cute_cluster_backward`` table). ``resident_clusters(cluster, threads, ctas_per_sm)``:
-    how many clusters of the entry's shape are co-resident on the device
-    (:func:`tilenorm.device.max_active_clusters`), asked only where an entry applies; none
-    (a device whose GPCs cannot hold the cluster) leaves the row to another backward."""
+    ``cute_cluster_backward`` table, ``cute_cluster_backward_fp32`` for 4-byte x).
+    ``resident_clusters(cluster, threads, ctas_per_sm)``: how many clusters of the entry's
+    shape are co-resident on the device (:func:`tilenorm.device.max_active_clusters`), asked
+    only where an entry applies; none (a device whose GPCs cannot hold the cluster) leaves
+    the row to another backward."""
     s = settings or settings_for(arch, device_class)
-    entry = _cute_entry(s, s.cute_cluster_backward, op, rows, cols, itemsize, heads,
-                        max_offset)
+    table = {2: s.cute_cluster_backward, 4: s.cute_cluster_backward_fp32}.get(itemsize, {})
+    entry = _cute_entry(table, op, rows, cols, heads, max_offset)
     if entry is None:
         return None
     cluster, threads, _, ctas_per_sm = entry
@@ -410,16 +412,15 @@ def plan_cute_cluster_backward(rows: int, cols: int, *, itemsize: int, arch: tup
     return CuteClusterBackwardPlan.of(rows, cols, entry, resident)
 
 
-def _cute_entry(s: RowNormSettings, table: dict, op: Op, rows: int, cols: int, itemsize: int,
-                heads: int, max_offset: int | None) -> tuple[int, ...] | None:
-    """A CuTe DSL kernel's ``table`` entry for the shape, or None where cuTile's runs: widths
-    and element sizes the settings do not list, several heads, no rows, offsets past 32 bits
-    (the kernels index with 32)."""
+def _cute_entry(table: dict, op: Op, rows: int, cols: int, heads: int,
+                max_offset: int | None) -> tuple[int, ...] | None:
+    """A CuTe DSL kernel's ``table`` entry (the settings' table for x's element size) for the
+    shape, or None where cuTile's runs: widths the table does not list, several heads, no
+    rows, offsets past 32 bits (the kernels index with 32)."""
     entry = table.get(op, {}).get(cols)
     if max_offset is None:
         max_offset = rows * heads * cols - 1
-    if (entry is None or heads != 1 or itemsize not in s.cute_itemsizes or rows < 1
-            or max_offset > MAX_INT32_OFFSET):
+    if entry is None or heads != 1 or rows < 1 or max_offset > MAX_INT32_OFFSET:
         return None
     return entry
 
@@ -533,14 +534,16 @@ def plan_cute_forward(rows: int, cols: int, *, itemsize: int, arch: tuple[int, i
                       resident_clusters: Callable[[int, int, int], int] | None = None
                       ) -> CuteForwardPlan | None:
     """The CuTe DSL forward for ``rows x heads`` vectors of ``cols`` elements, or None where
-    cuTile's runs: widths and element sizes not in the settings' ``cute_forward`` table,
-    several heads, and offsets past 32 bits (the kernel indexes with 32; ``max_offset`` as
-    for :func:`plan_row_norm`; ``settings`` as there). ``resident_clusters(cluster, threads,
+    cuTile's runs: widths not in the settings' ``cute_forward`` table (``cute_forward_fp32``
+    for 4-byte x; other element sizes have none), several heads, and offsets past 32 bits
+    (the kernel indexes with 32; ``max_offset`` as for :func:`plan_row_norm`; ``settings``
+    as there). ``resident_clusters(cluster, threads,
     ctas_per_sm)`` (as for :func:`plan_cute_cluster_backward`) sizes a persistent entry's
     grid, asked only for one; a device whose GPCs cannot hold the cluster leaves the row to
     another forward."""
     s = settings or settings_for(arch, device_class)
-    entry = _cute_entry(s, s.cute_forward, op, rows, cols, itemsize, heads, max_offset)
+    table = {2: s.cute_forward, 4: s.cute_forward_fp32}.get(itemsize, {})
+    entry = _cute_entry(table, op, rows, cols, heads, max_offset)
     if entry is None:
         return None
     resident = None

@@ -150,8 +150,24 @@ class RowNormSettings:
         "layer_norm": {4096: (128, 2, 4), 5120: (128, 1, 4), 8192: (256, 2, 2),
                        16384: (512, 2, 1), 32768: (256, 2, 4, 4),
                        65536: _cluster_forward(65536), 131072: _cluster_forward(131072)}})
-    #: Element sizes the CuTe kernels take: bf16 and fp16, eight to a 16-byte vector.
-    cute_itemsizes: tuple[int, ...] = (2,)
+    #: ``cute_forward`` and ``cute_cluster_backward`` for 4-byte x (fp32; the tables above
+    #: are 2-byte x's, bf16 and fp16). Each entry is the 2-byte entry of twice the width: the
+    #: same bytes a row, a CTA, a thread and in shared memory, four elements to a 16-byte
+    #: vector where 2-byte x has eight; 131072 columns (262144 has no 2-byte entry) a row
+    #: across 8 CTAs of 512 threads, 2 an SM, each staging a 64 KB slice. LayerNorm's one-row
+    #: cluster entries keep fewer CTAs an SM, (512, 1, 2, 4) at 32768 and (256, 1, 3, 8) at
+    #: 65536: at 4 an SM its fp32 weight and bias spill 1-2 stores on sm_90a, and so does a
+    #: residual at (512, 1, 2, 4) for 65536. On an H100, fp32 against cuTile's (% of copy,
+    #: forward / backward): bench/NOTES.md #104.
+    cute_forward_fp32: dict = field(default_factory=lambda: {
+        "rms_norm": {4096: (256, 2, 2), 8192: (256, 1, 4, 2), 16384: (256, 1, 4, 2),
+                     32768: (256, 1, 4, 4), 65536: (256, 1, 4, 8), 131072: (512, 1, 2, 8)},
+        "layer_norm": {4096: (256, 2, 2), 8192: (512, 2, 1), 16384: (256, 2, 4, 4),
+                       32768: (512, 1, 2, 4), 65536: (256, 1, 3, 8),
+                       131072: (512, 1, 2, 8)}})
+    cute_cluster_backward_fp32: dict = field(default_factory=lambda: {
+        "rms_norm": {16384: (2, 512, 2, 1), 32768: (8, 256, 2, 2), 65536: (8, 256, 2, 1)},
+        "layer_norm": {16384: (2, 512, 2, 1), 32768: (8, 256, 2, 2), 65536: (8, 256, 2, 1)}})
 
 
 #: Hopper at the H200's memory bandwidth: the settings above as measured, on an H200 where
@@ -164,7 +180,7 @@ SM90 = RowNormSettings()
 #: at 32768 columns keeps one CTA a row, measured on the H100 (93.5-101.5% of copy, #69; the
 #: cluster one is untimed there). The RMSNorm cluster forward at 65536 columns holds two
 #: rows a cluster of 8: 102% of an H100's copy against 99% (#95), level on an H200 (96% both,
-#: #98).
+#: #98). fp32 at 16384 columns takes the 2-byte entry of 32768, one CTA a row.
 SM90_H100 = dataclasses.replace(
     SM90,
     cute_backward={
@@ -173,7 +189,9 @@ SM90_H100 = dataclasses.replace(
                        if cols != 4096}},
     cute_forward={**SM90.cute_forward,
                   "rms_norm": {**SM90.cute_forward["rms_norm"], 32768: (512, 1, 1),
-                               65536: (256, 2, 4, 8)}})
+                               65536: (256, 2, 4, 8)}},
+    cute_forward_fp32={**SM90.cute_forward_fp32,
+                       "rms_norm": {**SM90.cute_forward_fp32["rms_norm"], 16384: (512, 1, 1)}})
 
 #: What picks a device's tables: the Hopper part they were measured on.
 DeviceClass = Literal["h200", "h100"]

@@ -132,10 +132,14 @@ SM90_FP8 = Fp8Settings()
 #: (``cute_forward_fp8_input``) keeps (256, 4, 2) at 8192, its own entry: (512, 2, 2) and
 #: (512, 4, 1) run at 75% and 68% of copy there against its 89% (#88, #95). At 4096 columns
 #: row and MX scaling run at (256, 4, 2), 97% and 96% of copy against (128, 4, 4)'s 90% and
-#: 89%, where block scaling ranks them 88% and 90% and keeps (128, 4, 4) (#95).
+#: 89%, where block scaling ranks them 88% and 90% and keeps (128, 4, 4) (#95). A per-row
+#: scaling's transposed copy at 16384 columns takes the row kernel's column amaxes at its
+#: (512, 4, 1) (15 spill stores on sm_90a with a bf16 weight): 89% of copy on the design's
+#: bytes against cuTile's row kernel's 70% (#103).
 SM90_FP8_H100 = dataclasses.replace(
     SM90_FP8, cute_forward={**SM90_FP8.cute_forward, 8192: (512, 2, 2)},
-    cute_forward_scaling={scaling: {4096: (256, 4, 2)} for scaling in ("row", "mx")})
+    cute_forward_scaling={scaling: {4096: (256, 4, 2)} for scaling in ("row", "mx")},
+    cute_forward_column_amax=(*SM90_FP8.cute_forward_column_amax, 16384))
 _HOPPER = DeviceTables({"h200": SM90_FP8, "h100": SM90_FP8_H100})
 
 

@@ -20,7 +20,7 @@ import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -334,18 +334,31 @@ def aot_keys(all_dtypes: bool = False) -> list[BackwardKey]:
             for has_bias in ((False, True) if op == "layer_norm" else (False,)))
 
 
+def _entries(two_byte: str, four_byte: str, all_dtypes: bool
+             ) -> Iterator[tuple[str, str, int, tuple[int, ...]]]:
+    """(x's dtype, op, width, entry) of every class's table ``two_byte`` (bf16 x, and fp16
+    with ``all_dtypes``) and ``four_byte`` (fp32 x)."""
+    for s in _every_table():
+        for table, dtypes in ((getattr(s, two_byte),
+                               ("bfloat16", "float16") if all_dtypes else ("bfloat16",)),
+                              (getattr(s, four_byte), ("float32",))):
+            for op, widths in table.items():
+                for cols, config in widths.items():
+                    for dtype in dtypes:
+                        yield dtype, op, cols, config
+
+
 def aot_cluster_backward_keys(all_dtypes: bool = False) -> list[ClusterBackwardKey]:
-    """Every variant the settings' cluster backward entries can run in bf16 (and fp16 with
-    ``all_dtypes``): each weight dtype (or none), with and without a residual's gradient
-    added to dx; RMSNorm with and without the Gemma offset (which needs a weight), LayerNorm
-    with and without a bias."""
-    dtypes = ("bfloat16", "float16") if all_dtypes else ("bfloat16",)
+    """Every variant the settings' cluster backward entries can run in bf16 and fp32 (and
+    fp16 with ``all_dtypes``): each weight dtype (or none), with and without a residual's
+    gradient added to dx; RMSNorm with and without the Gemma offset (which needs a weight),
+    LayerNorm with and without a bias."""
     return _unique(ClusterBackwardKey(dtype, weight_dtype, has_offset, has_dres_in, cols,
                                       *config, layer_norm=op == "layer_norm",
                                       has_bias=has_bias)
-            for s in _every_table() for op, widths in s.cute_cluster_backward.items()
-            for cols, config in widths.items()
-            for dtype in dtypes for weight_dtype in (None, dtype, "float32")
+            for dtype, op, cols, config in _entries("cute_cluster_backward",
+                                                    "cute_cluster_backward_fp32", all_dtypes)
+            for weight_dtype in (None, dtype, "float32")
             for has_offset in ((False, True) if op == "rms_norm" and weight_dtype
                                else (False,))
             for has_bias in ((False, True) if op == "layer_norm" else (False,))
@@ -353,18 +366,17 @@ def aot_cluster_backward_keys(all_dtypes: bool = False) -> list[ClusterBackwardK
 
 
 def aot_forward_keys(all_dtypes: bool = False) -> list[ForwardKey]:
-    """Every variant the settings' CuTe DSL forward entries can run in bf16 (and fp16 with
-    ``all_dtypes``): each weight dtype (or none), with and without a residual (at the
-    entry a residual call runs, :func:`tilenorm.planner.residual_entry`); LayerNorm with and
-    without a bias, RMSNorm with and without the Gemma offset (which needs a weight); the
-    cluster forward's entries with theirs."""
-    dtypes = ("bfloat16", "float16") if all_dtypes else ("bfloat16",)
+    """Every variant the settings' CuTe DSL forward entries can run in bf16 and fp32 (and
+    fp16 with ``all_dtypes``): each weight dtype (or none), with and without a residual (at
+    the entry a residual call runs, :func:`tilenorm.planner.residual_entry`); LayerNorm with
+    and without a bias, RMSNorm with and without the Gemma offset (which needs a weight);
+    the cluster forward's entries with theirs."""
     return _unique(ForwardKey(dtype, weight_dtype, has_bias, op == "layer_norm", has_offset,
                               has_residual, cols,
                               *(residual_entry(cols, config) if has_residual else config))
-            for s in _every_table()
-            for op, widths in s.cute_forward.items() for cols, config in widths.items()
-            for dtype in dtypes for weight_dtype in (None, dtype, "float32")
+            for dtype, op, cols, config in _entries("cute_forward", "cute_forward_fp32",
+                                                    all_dtypes)
+            for weight_dtype in (None, dtype, "float32")
             for has_bias in ((False, True) if op == "layer_norm" and weight_dtype
                              else (False,))
             for has_offset in ((False, True) if op == "rms_norm" and weight_dtype
