@@ -275,7 +275,7 @@ def test_covers_takes_the_cluster_kernels_where_torch_does(fake_h100, monkeypatc
     LayerNorm's, on the device's co-resident clusters), so does JAX once its family may run;
     explain names them."""
     _records(monkeypatch, jax_forward=True)
-    rows = kernel_dispatch.CUTE_FORWARD_MIN_BYTES // (2 * cols)  # the torch side's least x
+    rows = -(-kernel_dispatch.CUTE_FORWARD_MIN_BYTES // (2 * cols))  # the torch side's least x
     problem = _problem(rows, cols=cols, allow=True, op=op)
     torch_side = kernel_dispatch.decide(problem)
     decision = kernels.covers(problem)
@@ -303,17 +303,26 @@ def test_covers_takes_the_cluster_kernels_where_torch_does(fake_h100, monkeypatc
     assert "cute/jax: " + kernel_dispatch.CUTE_CLUSTER_FORWARD_NAME in off.reason
 
 
-@pytest.mark.parametrize("cols", CLUSTER_BACKWARD_WIDTHS)
-def test_covers_keeps_cutile_for_fp32_rows_at_the_cluster_widths(fake_h100, monkeypatch,
-                                                                  cols):
-    """The CuTe DSL kernels take 2-byte x: fp32 rows of these widths run cuTile's kernels,
-    as on the torch side."""
+#: (op, width) of every fp32 cluster backward entry.
+FP32_CLUSTER_BACKWARD_ENTRIES = [(op, cols) for op, widths in
+                                 SM90.cute_cluster_backward_fp32.items() for cols in sorted(widths)]
+
+
+@pytest.mark.parametrize(("op", "cols"), FP32_CLUSTER_BACKWARD_ENTRIES)
+def test_covers_takes_the_fp32_tables_kernels_where_torch_does(fake_h100, monkeypatch, op,
+                                                               cols):
+    """fp32 rows run the CuTe DSL kernels of the fp32 tables (``cute_forward_fp32``,
+    ``cute_cluster_backward_fp32``), the plans the torch side makes."""
     _records(monkeypatch, jax_forward=True)
-    decision = kernels.covers(_problem(512, cols=cols, allow=True,
-                                       dtypes=("float32", "float32")))
+    rows = -(-kernel_dispatch.CUTE_FORWARD_MIN_BYTES // (4 * cols))
+    problem = _problem(rows, cols=cols, allow=True, op=op, dtypes=("float32", "float32"))
+    torch_side = kernel_dispatch.decide(problem)
+    decision = kernels.covers(problem)
     assert decision.uses_kernel
-    assert decision.cute_forward is None and decision.cute_backward is None
-    assert not any("CuTe" in name for name in decision.kernels)
+    assert isinstance(decision.cute_backward, CuteClusterBackwardPlan)
+    assert decision.cute_backward == torch_side.cute_backward
+    assert decision.cute_forward is not None
+    assert decision.cute_forward == torch_side.cute_forward
 
 
 def test_covers_leaves_the_row_backward_to_cutile(fake_h100, monkeypatch):
