@@ -17,7 +17,7 @@
 #   suite TAG PATHS...    the GPU tests (-m gpu) of PATHS with $WORKERS xdist workers (default
 #                         3; 5 ran out of an H100's 80 GB: NOTES #65, #99), JAX allocating as
 #                         it goes. JUnit files stay in /tmp/suite for the machine's life, so a
-#                         suite spans calls. On an H100, 3 workers (NOTES #99): test_cute_forward
+#                         suite spans calls, and come back in $OUT/junit. On an H100, 3 workers (NOTES #99): test_cute_forward
 #                         + test_cute_cluster_backward 2 min, the other torch tests 6.2 min,
 #                         test_fp8 6.2 min (4 workers), JAX's two files 1 min (5 workers)
 #   summarize             the validation summary of every JUnit file in /tmp/suite:
@@ -94,6 +94,9 @@ EOF
       -n "${WORKERS:-3}" --dist loadgroup -q -p no:cacheprovider "$@" \
       --junitxml="/tmp/suite/junit-$tag.xml" > "$OUT/pytest-$tag.log" 2>&1
     echo "pytest $tag exit $? in $((SECONDS - start)) s (124: cut at $limit s, no JUnit)"
+    # the JUnit file comes back too: a machine given back loses /tmp/suite, and with it a
+    # suite spanning machines (carry the files back into /tmp/suite to summarize them)
+    mkdir -p "$OUT/junit" && cp -f "/tmp/suite/junit-$tag.xml" "$OUT/junit/" 2>/dev/null
     grep -E "^(FAILED|ERROR)" "$OUT/pytest-$tag.log" | head -30
     tail -2 "$OUT/pytest-$tag.log"
     ls /tmp/suite ;;
