@@ -17,9 +17,10 @@
 #   suite TAG PATHS...    the GPU tests (-m gpu) of PATHS with $WORKERS xdist workers (default
 #                         3; 5 ran out of an H100's 80 GB: NOTES #65, #99), JAX allocating as
 #                         it goes. JUnit files stay in /tmp/suite for the machine's life, so a
-#                         suite spans calls, and come back in $OUT/junit. On an H100, 3 workers (NOTES #99): test_cute_forward
-#                         + test_cute_cluster_backward 2 min, the other torch tests 6.2 min,
-#                         test_fp8 6.2 min (4 workers), JAX's two files 1 min (5 workers)
+#                         suite spans calls, and come back in $OUT/junit. On an H100, 3
+#                         workers (NOTES #99): test_cute_forward + test_cute_cluster_backward
+#                         2 min, the other torch tests 6.2 min, test_fp8 6.2 min (4 workers),
+#                         JAX's two files 1 min (5 workers)
 #   summarize             the validation summary of every JUnit file in /tmp/suite:
 #                         $OUT/gpu-tests.json, for `python -m tilenorm validation record` here
 # LIMIT_S (default 540; given whenever args follow) bounds each tool run; a run cut short
