@@ -83,10 +83,11 @@ def test_plan_gives_every_row_to_one_cta_or_cluster(rows):
 
 def test_cluster_entries_split_a_row_into_equal_slices():
     """The cluster forward covers the widths one CTA cannot hold whole (#75) and those where
-    it measured faster than one CTA (RMSNorm's 16384 and 32768, #95, #98): each CTA of 256
-    threads holds an equal slice of at most 16384 columns, 4 CTAs an SM, one or two rows a
-    cluster."""
-    assert set(CLUSTER_ROUTED) == {("rms_norm", 16384), ("rms_norm", 32768),
+    it measured faster than one CTA (RMSNorm's 16384 and 32768, #95, #98; 12288, #106):
+    each CTA of 256 threads holds an equal slice of at most 16384 columns, 4 CTAs an SM, one
+    or two rows a cluster."""
+    assert set(CLUSTER_ROUTED) == {("rms_norm", 12288), ("layer_norm", 12288),
+                                   ("rms_norm", 16384), ("rms_norm", 32768),
                                    ("rms_norm", 65536), ("rms_norm", 131072),
                                    ("layer_norm", 32768), ("layer_norm", 65536),
                                    ("layer_norm", 131072)}
@@ -242,7 +243,7 @@ def test_plan_only_where_measured():
     assert plan(cols=cols + 8) is None
     assert plan(cols=min(WIDTHS) // 2) is None
     assert plan(itemsize=4).entry == plan(cols=2 * cols).entry, "2-byte x's of twice the width"
-    assert plan(itemsize=4, cols=5120) is None, "a width the fp32 table does not list"
+    assert plan(itemsize=4, cols=3072) is None, "a width the fp32 table does not list"
     assert plan(itemsize=1) is None and plan(itemsize=8) is None
     assert plan(heads=2) is None
     assert plan(rows=0) is None
@@ -406,7 +407,8 @@ def test_every_variant_builds_for_hopper_and_blackwell(tmp_path):
 
     tool = find_cuobjdump()
     keys = cute.aot_forward_keys(all_dtypes=True)
-    assert {k.cols for k in keys} == set(WIDTHS)
+    assert {k.cols for k in keys} == set(WIDTHS) | {
+        cols for t in TABLES_FP32.values() for widths in t.values() for cols in widths}
     for dtypes, tables in ((("bfloat16", "float16"), TABLES), (("float32",), TABLES_FP32)):
         assert {(op, k.cols) for k in keys if k.cluster > 1 and k.dtype in dtypes
                 for op in ["layer_norm" if k.layer_norm else "rms_norm"]} == {

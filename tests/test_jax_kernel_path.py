@@ -737,10 +737,12 @@ def _cute_forward_fn(case):
 
 
 def _routed(case) -> bool:
-    """Whether the settings route the case's width to the CuTe forward (on Hopper)."""
+    """Whether the settings route the case's width to the CuTe forward (on Hopper): the
+    table of x's element size."""
     from tilenorm.settings import SM90
 
-    return case.shape[-1] in SM90.cute_forward["layer_norm" if case.layer_norm else "rms_norm"]
+    table = SM90.cute_forward_fp32 if case.dtype == FP32 else SM90.cute_forward
+    return case.shape[-1] in table["layer_norm" if case.layer_norm else "rms_norm"]
 
 
 def _row_errors(out, ref) -> np.ndarray:
@@ -766,6 +768,9 @@ CUTE_CASES = [  # every width of the table; fp32 parameters unless ``param``
     Case("cute-ln-bf16-32768-cluster", (131, 32768), BF16, layer_norm=True, param=BF16),
     Case("cute-ln-bf16-65536-cluster-prenorm", (67, 65536), BF16, layer_norm=True,
          residual=BF16),
+    # fp32 x: the fp32 tables' entries, one CTA a row and a row across a cluster
+    Case("cute-rms-fp32-5120-prenorm", (301, 5120), FP32, residual=FP32),
+    Case("cute-ln-fp32-12288-cluster", (67, 12288), FP32, layer_norm=True),
 ]
 
 
@@ -902,6 +907,9 @@ CLUSTER_CASES = [  # the cluster backward's widths; prime row counts (37 to 293)
          param=BF16),
     Case("cluster-ln-bf16-65536-fp32-params", (131, 65536), BF16, layer_norm=True),
     Case("cluster-ln-bf16-131072", (37, 131072), BF16, layer_norm=True, param=BF16),
+    # fp32 x: the fp32 table's cluster backward, the forward one CTA a row or a cluster
+    Case("cluster-ln-fp32-8192-prenorm", (131, 8192), FP32, layer_norm=True, residual=FP32),
+    Case("cluster-rms-fp32-131072-gemma", (37, 131072), FP32, offset=1.0),
 ]
 
 

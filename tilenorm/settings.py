@@ -122,11 +122,14 @@ class RowNormSettings:
     #: nothing else. LayerNorm takes RMSNorm's entries, none tuned for it (the one-CTA CuTe
     #: backward covers 4096 only, #38). RMSNorm at 16384 columns runs across 2 CTAs: 92% of
     #: an H100's copy where cuTile's one-pass backward runs at 84% (#95), 93% against 86% on
-    #: an H200 (#98; LayerNorm's there is untimed and keeps cuTile's).
+    #: an H200 (#98). At 12288 columns (RMSNorm, LayerNorm) and LayerNorm's 16384, rows
+    #: past cuTile's one-pass limit, 2 CTAs a row: on an H100 RMSNorm 94% against 89%,
+    #: LayerNorm 91 / 90% against the column split's 60 / 61% (#106, untimed on an H200).
     cute_cluster_backward: dict = field(default_factory=lambda: {
-        "rms_norm": {16384: (2, 256, 2, 2), 32768: (2, 512, 2, 1), 65536: (8, 256, 2, 2),
-                     131072: (8, 256, 2, 1)},
-        "layer_norm": {32768: (2, 512, 2, 1), 65536: (8, 256, 2, 2), 131072: (8, 256, 2, 1)}})
+        "rms_norm": {12288: (2, 256, 2, 2), 16384: (2, 256, 2, 2), 32768: (2, 512, 2, 1),
+                     65536: (8, 256, 2, 2), 131072: (8, 256, 2, 1)},
+        "layer_norm": {12288: (2, 256, 2, 2), 16384: (2, 256, 2, 2), 32768: (2, 512, 2, 1),
+                       65536: (8, 256, 2, 2), 131072: (8, 256, 2, 1)}})
     #: Forwards the CuTe DSL kernel runs instead of cuTile's, per op and row width:
     #: (threads, rows a CTA, CTAs per SM) of its one-shot grid, each CTA loading its rows
     #: whole before reducing them, the hardware handing CTAs to SMs as they free up: 99.5-99.8%
@@ -142,13 +145,17 @@ class RowNormSettings:
     #: columns one row a CTA of 128 threads (H200 98% of copy, cuTile's 92%); at 16384 a row
     #: across 2 CTAs (H200 98%, one CTA 89%), at 32768 too (H200 97%, one CTA 92%);
     #: LayerNorm at 32768 two rows a cluster of 4, reading the parameters once for both
-    #: (H200 79% against 77%). Widths absent here were not measured to gain.
+    #: (H200 79% against 77%). At 12288 columns a row across 2 CTAs: on an H100 RMSNorm
+    #: 100% against cuTile's 92%, LayerNorm 91% against 89% (#106, untimed on an H200); at
+    #: LayerNorm's 7168 the CuTe forward spills or loses (50-96% against cuTile's 96%).
+    #: Widths absent here were not measured to gain.
     cute_forward: dict = field(default_factory=lambda: {
         "rms_norm": {4096: (128, 2, 4), 5120: (128, 1, 4), 7168: (128, 1, 4),
-                     8192: (256, 2, 2), 16384: (256, 1, 4, 2), 32768: _cluster_forward(32768),
+                     8192: (256, 2, 2), 12288: (256, 1, 4, 2), 16384: (256, 1, 4, 2),
+                     32768: _cluster_forward(32768),
                      65536: _cluster_forward(65536), 131072: _cluster_forward(131072)},
         "layer_norm": {4096: (128, 2, 4), 5120: (128, 1, 4), 8192: (256, 2, 2),
-                       16384: (512, 2, 1), 32768: (256, 2, 4, 4),
+                       12288: (256, 1, 4, 2), 16384: (512, 2, 1), 32768: (256, 2, 4, 4),
                        65536: _cluster_forward(65536), 131072: _cluster_forward(131072)}})
     #: ``cute_forward`` and ``cute_cluster_backward`` for 4-byte x (fp32; the tables above
     #: are 2-byte x's, bf16 and fp16). Each entry is the 2-byte entry of twice the width: the
@@ -158,17 +165,26 @@ class RowNormSettings:
     #: cluster entries keep fewer CTAs an SM, (512, 1, 2, 4) at 32768 and (256, 1, 3, 8) at
     #: 65536: at 4 an SM its fp32 weight and bias spill 1-2 stores on sm_90a, and so does a
     #: residual at (512, 1, 2, 4) for 65536. On an H100, fp32 against cuTile's (% of copy,
-    #: forward / backward): bench/NOTES.md #104.
+    #: forward / backward): bench/NOTES.md #104. Widths with no 2-byte entry of twice the
+    #: width (256-2048, 5120, 7168, 12288) from fp32 variants on an H100 (#106): the forward
+    #: 0.6-6% ahead of cuTile's (RMSNorm 5120 104% against 98%), and the backwards of
+    #: LayerNorm at 5120-12288 and 131072 and RMSNorm at 12288 across a cluster, 88-99% of
+    #: copy against the column split's 56-60%.
     cute_forward_fp32: dict = field(default_factory=lambda: {
-        "rms_norm": {4096: (256, 2, 2), 8192: (256, 1, 4, 2), 16384: (256, 1, 4, 2),
+        "rms_norm": {256: (64, 2, 16), 512: (128, 2, 8), 1024: (128, 2, 8), 2048: (256, 1, 4),
+                     4096: (256, 2, 2), 5120: (256, 1, 4), 7168: (128, 1, 4),
+                     8192: (256, 1, 4, 2), 12288: (256, 1, 4, 4), 16384: (256, 1, 4, 2),
                      32768: (256, 1, 4, 4), 65536: (256, 1, 4, 8), 131072: (512, 1, 2, 8)},
-        "layer_norm": {4096: (256, 2, 2), 8192: (512, 2, 1), 16384: (256, 2, 4, 4),
-                       32768: (512, 1, 2, 4), 65536: (256, 1, 3, 8),
+        "layer_norm": {2048: (256, 1, 4), 4096: (256, 2, 2), 5120: (256, 1, 2),
+                       7168: (256, 1, 2), 8192: (512, 2, 1), 12288: (256, 1, 4, 2),
+                       16384: (256, 2, 4, 4), 32768: (512, 1, 2, 4), 65536: (256, 1, 3, 8),
                        131072: (512, 1, 2, 8)}})
     cute_cluster_backward_fp32: dict = field(default_factory=lambda: {
-        "rms_norm": {16384: (2, 512, 2, 1), 32768: (8, 256, 2, 2), 65536: (8, 256, 2, 1),
-                     131072: (8, 512, 1, 1)},
-        "layer_norm": {16384: (2, 512, 2, 1), 32768: (8, 256, 2, 2), 65536: (8, 256, 2, 1)}})
+        "rms_norm": {7168: (2, 128, 2, 2), 12288: (3, 256, 2, 2), 16384: (2, 512, 2, 1),
+                     32768: (8, 256, 2, 2), 65536: (8, 256, 2, 1), 131072: (8, 512, 1, 1)},
+        "layer_norm": {5120: (2, 128, 2, 2), 7168: (2, 128, 2, 2), 8192: (2, 256, 2, 2),
+                       12288: (3, 256, 2, 2), 16384: (2, 512, 2, 1), 32768: (8, 256, 2, 2),
+                       65536: (8, 256, 2, 1), 131072: (8, 512, 1, 1)}})
 
 
 #: Hopper at the H200's memory bandwidth: the settings above as measured, on an H200 where
