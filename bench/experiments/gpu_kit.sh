@@ -10,7 +10,8 @@
 #   ops                   bench_norm_ops.py, every op at 32768x4096 and 4096x65536 (~3 min)
 #   fp8                   bench_fp8.py, its default shapes and scalings (~2.5 min)
 #   jax                   bench_jax.py with profiled kernel time (~2.5 min)
-#   dtype DTYPE           the sweep in float16 or float32 beside Quack, Liger, torch.compile
+#   dtype DTYPE [SHAPES]  the sweep (or SHAPES) in float16 or float32 beside Quack, Liger,
+#                         torch.compile
 #   variants FILE         each case of a variants file (bench/experiments/variants/*.json:
 #                         {"cases": [{"tool", "ops" or "scalings", "shapes", ["dtype"],
 #                         "variants"}]})
@@ -58,7 +59,7 @@ case $phase in
   jax) XLA_PYTHON_CLIENT_PREALLOCATE=false run jax bench/bench_jax.py ;;
   dtype)
     run "sweep-${1:?dtype}" bench/bench_rms_norm.py --dtype "$1" --modes graph \
-      --providers tilenorm,quack,liger,torch.compile ;;
+      --providers tilenorm,quack,liger,torch.compile ${2:+--shapes "$2"} ;;
   variants)
     file=${1:?variants file}
     n=$(python3 -c "import json,sys; print(len(json.load(open(sys.argv[1]))['cases']))" "$file")
