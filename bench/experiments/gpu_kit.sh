@@ -100,6 +100,16 @@ EOF
     # suite spanning machines (carry the files back into /tmp/suite to summarize them)
     mkdir -p "$OUT/junit" && cp -f "/tmp/suite/junit-$tag.xml" "$OUT/junit/" 2>/dev/null
     grep -E "^(FAILED|ERROR)" "$OUT/pytest-$tag.log" | head -30
+    # what the suite so far spent in cuTile's compiler (its cache keeps each compile's time)
+    python3 - <<'EOF'
+import json, sqlite3
+try:
+    rows = sqlite3.connect("/tmp/cutile-cache/cache.db").execute("select metadata from cache")
+    times = [json.loads(m or "{}").get("compilation_time_seconds") or 0 for (m,) in rows]
+    print(f"cuTile compiles so far: {len(times)}, {sum(times):.0f} s of compiler time")
+except sqlite3.Error as e:
+    print(f"cuTile compile cache unreadable: {e}")
+EOF
     tail -2 "$OUT/pytest-$tag.log"
     ls /tmp/suite ;;
   summarize)
