@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import tilenorm
+from tests.kernel_harness import H100, H200
 from tilenorm.launch.driver import LaunchRecipe
+from tilenorm.planner import plan_cute_backward, plan_cute_cluster_backward
 from tilenorm.pytorch import calls, functional, native
 from tilenorm.testing import fresh_generator
 
@@ -98,6 +100,22 @@ CASES = {
     "layer norm residual": dict(op="ln", residual=torch.bfloat16),
     "rms fp16 wide": dict(op="rms", dtype=torch.float16, n=10240),
 }
+
+
+@pytest.mark.parametrize("device", [H100, H200], ids=["h100", "h200"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_case_backward_is_cutiles(case, device):
+    """The GPU cases' premise, checked without one: no CuTe DSL backward (row or cluster)
+    is tabled for their shapes on either device, so a table entry that would move one to
+    the Python path fails here rather than on the GPU (#107)."""
+    spec = CASES[case]
+    rows, heads, cols = (120, 8, 128) if spec.get("per_head") else (291, 1, spec.get("n", 1024))
+    op = {"rms": "rms_norm", "ln": "layer_norm"}[spec["op"]]
+    shape = dict(itemsize=2, arch=device.arch, device_class=device.device_class, op=op,
+                 heads=heads)
+    assert plan_cute_cluster_backward(rows, cols, resident_clusters=lambda *_: 1,
+                                      **shape) is None
+    assert plan_cute_backward(rows, cols, sm_count=device.sm_count, **shape) is None
 
 
 def _run(case, g, grads_of_h: bool):
