@@ -1,7 +1,8 @@
 """Probe (GPU): the CuTe DSL FP8-output RMSNorm forward (tilenorm/kernels/cute_row_norm_fp8.py)
 launched directly, beside the op (``tilenorm.fp8``, the kernels it decides on) on the same
 inputs (issue 19, bench/NOTES.md #56, #57). Records before 988bfe4 name the op's rows
-"cuTile op": then the op ran the cuTile kernels.
+"cuTile op": then the op ran the cuTile kernels; records before #109 time a kernel compiled
+for the shape's row count, and name the other "runtime rows".
 
 For each shape: every launch configuration of ``--configs`` with row scaling, then the best
 one with every other scaling. Each launch is checked first: q against float64 at its own
@@ -124,10 +125,10 @@ def run(key: cute.Fp8ForwardKey, x, w, scale, grid, row_major_blocks: bool = Fal
 
 def measure(m: int, n: int, scaling: str, config, info, record: dict, x, w, scale,
             row_major_blocks: bool = False, variant: str | None = None,
-            runtime_rows: bool = False) -> dict:
+            static_rows: bool = False) -> dict:
     threads, stages, ctas = config
     grid = min(m, info.sm_count * ctas)
-    key = cute.Fp8ForwardKey(None if runtime_rows else m, "bfloat16", "bfloat16",
+    key = cute.Fp8ForwardKey(m if static_rows else None, "bfloat16", "bfloat16",
                              "float8_e4m3fn", scaling, False, n, threads, stages, ctas)
     t0 = time.time()
     key = variant_of(key, variant)
@@ -155,8 +156,8 @@ def measure(m: int, n: int, scaling: str, config, info, record: dict, x, w, scal
         scaling = "block, row-major scales"
     if variant:
         scaling = f"{scaling}, {variant}"
-    if runtime_rows:
-        scaling = f"{scaling}, runtime rows"
+    if static_rows:
+        scaling = f"{scaling}, static rows"
     row = {"M": m, "N": n, "scaling": scaling, "config": list(config), "grid": grid,
            "err": err, "ms": ms, "gbps": one / (ms * 1e-3) / 1e9, "compile_s": compile_s}
     row["pct_copy"] = 100 * row["gbps"] / record["copy_gbps"]
@@ -194,7 +195,7 @@ def compile_only(arch: str, shapes, configs: dict, scalings: list[str],
     for m, n in shapes:
         for config in configs.get(n, []):
             for scaling in scalings:
-                shipped = cute.Fp8ForwardKey(m, "bfloat16", "bfloat16", "float8_e4m3fn",
+                shipped = cute.Fp8ForwardKey(None, "bfloat16", "bfloat16", "float8_e4m3fn",
                                              scaling, False, n, *config)
                 for name in ("shipped", variant) if variant else ("shipped",):
                     key = variant_of(shipped, None if name == "shipped" else name)
@@ -230,8 +231,9 @@ def main() -> None:
     parser.add_argument("--variant-configs", type=json.loads,
                         help='JSON {"cols": [[threads, stages, ctas], ...]}: time --variant '
                              "at these instead of the shipped kernel's best row configuration")
-    parser.add_argument("--runtime-rows", action="store_true",
-                        help="also time each scaling compiled for any row count (NOTES #59)")
+    parser.add_argument("--static-rows", action="store_true",
+                        help="also time each scaling compiled for the shape's row count only "
+                             "(the ops compile one kernel for every row count, NOTES #109)")
     parser.add_argument("--compile-only", metavar="ARCH",
                         help="no GPU: compile for ARCH (e.g. sm_90a) at --configs for "
                              "--scalings and print registers and spills")
@@ -279,9 +281,9 @@ def main() -> None:
                     for config in variant_configs.get(n, [tuple(best["config"])]):
                         measure(m, n, scaling, config, info, record, x, w, scale,
                                 variant=args.variant)
-                if args.runtime_rows:
+                if args.static_rows:
                     measure(m, n, scaling, tuple(best["config"]), info, record, x, w, scale,
-                            runtime_rows=True)
+                            static_rows=True)
                 op_row(m, n, scaling, record, x, w, scale)
             except Exception as e:
                 traceback.print_exc(limit=3)

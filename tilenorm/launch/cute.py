@@ -304,7 +304,8 @@ def compile_cluster_backward(key: ClusterBackwardKey, arch: str | None = None,
 
 #: Architectures the ahead-of-time build targets: Hopper and Blackwell datacenter parts.
 AOT_ARCHS = ("sm_90a", "sm_100a")
-#: Row count of the ahead-of-time builds (kernels are compiled per row count).
+#: Row count of the ahead-of-time builds of the kernel compiled per row count (the row
+#: backward), and of the FP8 transposed copy's plans whose tiles they list.
 AOT_ROWS = 32768
 
 
@@ -419,10 +420,15 @@ def _fp8_dtypes():
 @dataclass(frozen=True)
 class Fp8ForwardKey:
     """What selects a compiled variant of the FP8-output forward
-    (:mod:`tilenorm.kernels.cute_row_norm_fp8`); dtypes by name. The row count is one of
-    them, as in :class:`BackwardKey`; None compiles one kernel for every row count, which
-    costs this kernel no registers (bench/NOTES.md #59) but has not been timed, so the ops
-    do not use it yet."""
+    (:mod:`tilenorm.kernels.cute_row_norm_fp8`); dtypes by name. ``rows`` None, what the ops
+    and the ahead-of-time build compile: one kernel for every row count, so training with
+    varying token counts compiles once a width and feature set, not at each new count
+    (0.6-2.4 s on an H100, bench/NOTES.md #63). Unlike :class:`BackwardKey`'s, a runtime row
+    count leaves this kernel within its launch's register cap (it holds one tensor's ring,
+    the backward two: #59), its spills changed in 16 of 165 variants, more in 4 (#109);
+    block scaling timed within a point of the per-count kernel on an H100 (#63). An int
+    compiles for that row count only (``bench/experiments/cute_fp8_probe.py
+    --static-rows``)."""
 
     rows: int | None
     dtype: str
@@ -535,18 +541,18 @@ def _fp8_keys(settings: Fp8Settings, all_dtypes: bool) -> list[Fp8ForwardKey]:
     keys = []
     for cols in settings.cute_forward:
         config = functools.partial(settings.forward_entry, cols=cols)
-        keys += [Fp8ForwardKey(AOT_ROWS, "bfloat16", weight, "float8_e4m3fn", scaling, False,
+        keys += [Fp8ForwardKey(None, "bfloat16", weight, "float8_e4m3fn", scaling, False,
                                cols, *config(scaling))
                  for scaling in SCALINGS for weight in (None, "bfloat16", "float32")]
-        keys += [Fp8ForwardKey(AOT_ROWS, "bfloat16", "bfloat16", "float8_e5m2", "row", False,
+        keys += [Fp8ForwardKey(None, "bfloat16", "bfloat16", "float8_e5m2", "row", False,
                                cols, *config("row")),
-                 Fp8ForwardKey(AOT_ROWS, "bfloat16", "float32", "float8_e4m3fn", "block", True,
+                 Fp8ForwardKey(None, "bfloat16", "float32", "float8_e4m3fn", "block", True,
                                cols, *config("block"))]
         if all_dtypes:
-            keys.append(Fp8ForwardKey(AOT_ROWS, "float16", "float16", "float8_e4m3fn", "mx",
+            keys.append(Fp8ForwardKey(None, "float16", "float16", "float8_e4m3fn", "mx",
                                       False, cols, *config("mx")))
         if cols in settings.cute_forward_column_amax:  # a per-row scaling's copy
-            keys += [Fp8ForwardKey(AOT_ROWS, x, weight, "float8_e4m3fn", "row", False, cols,
+            keys += [Fp8ForwardKey(None, x, weight, "float8_e4m3fn", "row", False, cols,
                                    *config("row"), column_amax=True)
                      for x, weight in (("bfloat16", None), ("bfloat16", "bfloat16"))
                      + ((("float16", "float16"),) if all_dtypes else ())]
@@ -559,21 +565,21 @@ def _fp8_keys(settings: Fp8Settings, all_dtypes: bool) -> list[Fp8ForwardKey]:
     ] + ([("float16", "float16", "float8_e4m3fn", False)] if all_dtypes else [])
     for scaling, widths in settings.cute_forward_recompute_t.items():
         for cols, config in widths.items():
-            keys += [Fp8ForwardKey(AOT_ROWS, x, weight, fp8, scaling, has_offset, cols, *config,
+            keys += [Fp8ForwardKey(None, x, weight, fp8, scaling, has_offset, cols, *config,
                                    recompute_t=True)
                      for x, weight, fp8, has_offset in recompute_t_features]
     for cols, config in settings.cute_forward_fp8_input.items():
-        keys += [Fp8ForwardKey(AOT_ROWS, "float8_e4m3fn", "bfloat16", "float8_e4m3fn",
+        keys += [Fp8ForwardKey(None, "float8_e4m3fn", "bfloat16", "float8_e4m3fn",
                                scaling, False, cols, *config, group=group)
                  for scaling in SCALINGS for group in FP8_INPUT_GROUPS]
-        keys += [Fp8ForwardKey(AOT_ROWS, "float8_e4m3fn", weight, "float8_e4m3fn", "row",
+        keys += [Fp8ForwardKey(None, "float8_e4m3fn", weight, "float8_e4m3fn", "row",
                                False, cols, *config, group=16) for weight in (None, "float32")]
-        keys += [Fp8ForwardKey(AOT_ROWS, "float8_e5m2", "bfloat16", "float8_e5m2", "row",
+        keys += [Fp8ForwardKey(None, "float8_e5m2", "bfloat16", "float8_e5m2", "row",
                                False, cols, *config, group=16),
-                 Fp8ForwardKey(AOT_ROWS, "float8_e4m3fn", "float32", "float8_e4m3fn", "block",
+                 Fp8ForwardKey(None, "float8_e4m3fn", "float32", "float8_e4m3fn", "block",
                                True, cols, *config, group=128)]
         if all_dtypes:
-            keys.append(Fp8ForwardKey(AOT_ROWS, "float8_e4m3fn", "float16", "float8_e4m3fn",
+            keys.append(Fp8ForwardKey(None, "float8_e4m3fn", "float16", "float8_e4m3fn",
                                       "mx", False, cols, *config, group=16))
     return keys
 

@@ -462,13 +462,14 @@ class _Launcher:
 
 
 class _CuteLauncher:
-    """The CuTe DSL FP8-output row kernel, compiled for one layout, launched like a
-    :class:`_Launcher` (TVM-FFI launches on the current stream)."""
+    """The CuTe DSL FP8-output row kernel, compiled once a width and feature set (any row
+    count), launched for one layout like a :class:`_Launcher` (TVM-FFI launches on the
+    current stream)."""
 
     def __init__(self, plan: CuteFp8ForwardPlan, spec: Fp8Spec, scaling: str, x, weight):
         self.plan, self.scaling, self.group = plan, scaling, spec.group
         self.fn = cute.compiled_fp8_forward(cute.Fp8ForwardKey(
-            plan.rows, DTYPE_NAMES[x.dtype],
+            None, DTYPE_NAMES[x.dtype],
             None if weight is None else DTYPE_NAMES[weight.dtype],
             DTYPE_NAMES[spec.fp8_dtype], self.scaling, spec.has_offset, plan.cols,
             plan.threads, plan.stages, plan.ctas_per_sm, plan.recompute_t, plan.column_amax,
