@@ -8,7 +8,8 @@
 #   sweep SHAPES          bench_rms_norm.py over SHAPES (MxN,...; "narrow" / "wide" name the
 #                         sweep's halves: ~2 / ~3.5 min on an H200) beside every peer
 #   ops                   bench_norm_ops.py, every op at 32768x4096 and 4096x65536 (~3 min)
-#   fp8                   bench_fp8.py, its default shapes and scalings (~2.5 min)
+#   fp8 [SHAPES [CASES]]  bench_fp8.py, its default shapes and scalings (~2.5 min on an H100,
+#                         ~4 on an H200, NOTES #113) or those given
 #   jax                   bench_jax.py with profiled kernel time (~2.5 min)
 #   dtype DTYPE [SHAPES]  the sweep (or SHAPES) in float16 or float32 beside Quack, Liger,
 #                         torch.compile
@@ -55,7 +56,7 @@ case $phase in
     [ "$shapes" = wide ] && shapes=$WIDE
     run "sweep-$(date +%H%M%S)" bench/bench_rms_norm.py --shapes "$shapes" ;;
   ops) run ops bench/bench_norm_ops.py --shapes 32768x4096,4096x65536 ;;
-  fp8) run fp8 bench/bench_fp8.py ;;
+  fp8) run "fp8-$(date +%H%M%S)" bench/bench_fp8.py ${1:+--shapes "$1"} ${2:+--scalings "$2"} ;;
   jax) XLA_PYTHON_CLIENT_PREALLOCATE=false run jax bench/bench_jax.py ;;
   dtype)
     run "sweep-${1:?dtype}" bench/bench_rms_norm.py --dtype "$1" --modes graph \
