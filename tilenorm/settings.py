@@ -36,6 +36,11 @@ def _cluster_forward(cols: int) -> tuple[int, int, int, int]:
     return (256, 1, 4, cols // CLUSTER_SLICE_COLS)
 
 
+#: The CuTe DSL kernels a settings table routes: the forward (a row a CTA, or across a
+#: cluster), the row backward and the cluster backward.
+CuteKernel = Literal["forward", "backward", "cluster_backward"]
+
+
 @dataclass(frozen=True, eq=False)
 class RowNormSettings:
     """One architecture's settings. Compared and hashed by identity: plans are cached per
@@ -186,6 +191,17 @@ class RowNormSettings:
         "layer_norm": {5120: (2, 128, 2, 2), 7168: (2, 128, 2, 2), 8192: (2, 256, 2, 2),
                        12288: (3, 256, 2, 2), 16384: (2, 512, 2, 1), 32768: (8, 256, 2, 2),
                        65536: (8, 256, 2, 1), 131072: (8, 512, 1, 1)}})
+
+    def cute_table(self, kernel: CuteKernel, itemsize: int) -> dict:
+        """The CuTe DSL table of ``kernel`` for ``itemsize``-byte x, ``{op: {cols: entry}}``:
+        2-byte x (bf16, fp16) and 4-byte x (fp32) have their own; the row backward has no
+        4-byte one (no entry measured to gain), and other sizes none (empty)."""
+        two_byte, four_byte = {
+            "forward": (self.cute_forward, self.cute_forward_fp32),
+            "backward": (self.cute_backward, {}),
+            "cluster_backward": (self.cute_cluster_backward, self.cute_cluster_backward_fp32),
+        }[kernel]
+        return {2: two_byte, 4: four_byte}.get(itemsize, {})
 
 
 #: Hopper at the H200's memory bandwidth: the settings above as measured, on an H200 where

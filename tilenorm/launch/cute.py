@@ -30,7 +30,7 @@ from tilenorm.planner import (
     CuteForwardPlan,
     residual_entry,
 )
-from tilenorm.settings import DEVICE_CLASSES, RowNormSettings, settings_for
+from tilenorm.settings import DEVICE_CLASSES, CuteKernel, RowNormSettings, settings_for
 
 if TYPE_CHECKING:
     from tilenorm.settings_fp8 import Fp8Settings
@@ -335,15 +335,14 @@ def aot_keys(all_dtypes: bool = False) -> list[BackwardKey]:
             for has_bias in ((False, True) if op == "layer_norm" else (False,)))
 
 
-def _entries(two_byte: str, four_byte: str, all_dtypes: bool
+def _entries(kernel: CuteKernel, all_dtypes: bool
              ) -> Iterator[tuple[str, str, int, tuple[int, ...]]]:
-    """(x's dtype, op, width, entry) of every class's table ``two_byte`` (bf16 x, and fp16
-    with ``all_dtypes``) and ``four_byte`` (fp32 x)."""
+    """(x's dtype, op, width, entry) of every class's ``kernel`` tables: the 2-byte one (bf16
+    x, and fp16 with ``all_dtypes``) and the 4-byte one (fp32 x)."""
     for s in _every_table():
-        for table, dtypes in ((getattr(s, two_byte),
-                               ("bfloat16", "float16") if all_dtypes else ("bfloat16",)),
-                              (getattr(s, four_byte), ("float32",))):
-            for op, widths in table.items():
+        for itemsize, dtypes in ((2, ("bfloat16", "float16") if all_dtypes else ("bfloat16",)),
+                                 (4, ("float32",))):
+            for op, widths in s.cute_table(kernel, itemsize).items():
                 for cols, config in widths.items():
                     for dtype in dtypes:
                         yield dtype, op, cols, config
@@ -357,8 +356,7 @@ def aot_cluster_backward_keys(all_dtypes: bool = False) -> list[ClusterBackwardK
     return _unique(ClusterBackwardKey(dtype, weight_dtype, has_offset, has_dres_in, cols,
                                       *config, layer_norm=op == "layer_norm",
                                       has_bias=has_bias)
-            for dtype, op, cols, config in _entries("cute_cluster_backward",
-                                                    "cute_cluster_backward_fp32", all_dtypes)
+            for dtype, op, cols, config in _entries("cluster_backward", all_dtypes)
             for weight_dtype in (None, dtype, "float32")
             for has_offset in ((False, True) if op == "rms_norm" and weight_dtype
                                else (False,))
@@ -375,8 +373,7 @@ def aot_forward_keys(all_dtypes: bool = False) -> list[ForwardKey]:
     return _unique(ForwardKey(dtype, weight_dtype, has_bias, op == "layer_norm", has_offset,
                               has_residual, cols,
                               *(residual_entry(cols, config) if has_residual else config))
-            for dtype, op, cols, config in _entries("cute_forward", "cute_forward_fp32",
-                                                    all_dtypes)
+            for dtype, op, cols, config in _entries("forward", all_dtypes)
             for weight_dtype in (None, dtype, "float32")
             for has_bias in ((False, True) if op == "layer_norm" and weight_dtype
                              else (False,))
