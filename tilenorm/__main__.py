@@ -9,8 +9,9 @@ build of the kernels for sm_90 and sm_100 (without one).
 Compiled kernels are cached on disk: cuTile's in $CUDA_TILE_CACHE_DIR (default
 $XDG_CACHE_HOME/cutile-python, that is ~/.cache/cutile-python; at most
 $CUDA_TILE_CACHE_SIZE bytes, 2 GB by default, oldest entries dropped first; "off" disables
-it); the C++ host path (tilenorm.pytorch.native, built here if it is not yet) in
-$TILENORM_CACHE_DIR (default ~/.cache/tilenorm).
+it); the C++ host path (tilenorm.pytorch.native, built here if it is not yet) and the CuTe
+DSL kernels (tilenorm.launch.cute_cache: compiled here for sm_90a and sm_100a without a GPU,
+linked and loaded where they run) in $TILENORM_CACHE_DIR (default ~/.cache/tilenorm).
 """
 
 from __future__ import annotations
@@ -238,7 +239,11 @@ def build_ahead_of_time(all_dtypes: bool) -> bool:
 
 
 def build_cute_ahead_of_time(all_dtypes: bool) -> bool:
-    from tilenorm.launch import cute
+    """Every CuTe DSL variant the tables route, compiled for each ahead-of-time architecture
+    into the disk cache (:mod:`tilenorm.launch.cute_cache`): a GPU host with the same DSL
+    and TVM-FFI links and loads them instead of compiling."""
+    from tilenorm.launch import build as launch_build
+    from tilenorm.launch import cute, cute_cache
 
     if not cute.available():
         print("  CuTe DSL kernels: not built (nvidia-cutlass-dsl-libs-cu13 or apache-tvm-ffi "
@@ -252,14 +257,14 @@ def build_cute_ahead_of_time(all_dtypes: bool) -> bool:
               + [(key, cute.compile_fp8_transpose)
                  for key in cute.aot_fp8_transpose_keys(all_dtypes)])
     print(f"  {len(builds) * len(cute.AOT_ARCHS)} CuTe DSL kernel builds for "
-          f"{', '.join(cute.AOT_ARCHS)}", flush=True)
+          f"{', '.join(cute.AOT_ARCHS)} into {launch_build.cache_root()}", flush=True)
     ok, start = True, time.perf_counter()
     progress = _Progress(len(builds) * len(cute.AOT_ARCHS))
     for key, compile_kernel in builds:
         for arch in cute.AOT_ARCHS:
             try:
-                compile_kernel(key, arch)
-            except Exception as e:
+                cute_cache.build_object(key, arch, compile_kernel)
+            except RuntimeError as e:
                 ok = False
                 print(f"  FAILED {key} {arch}: {type(e).__name__}: {e}", flush=True)
             progress.step()

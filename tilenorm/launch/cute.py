@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+from tilenorm.launch import cute_cache
 from tilenorm.planner import (
     CuteBackwardPlan,
     CuteClusterBackwardPlan,
@@ -382,29 +383,29 @@ def aot_forward_keys(all_dtypes: bool = False) -> list[ForwardKey]:
             for has_residual in (False, True))
 
 
-#: Compiled variants kept per process: a new row count compiles in ~2 s.
+#: Compiled variants kept loaded per process (each is a library of the disk cache, or a
+#: JIT-compiled function where none can be built: :mod:`tilenorm.launch.cute_cache`).
 MAX_COMPILED = 256
 
 
 @functools.lru_cache(maxsize=MAX_COMPILED)
-def compiled_forward(key: ForwardKey, arch: tuple[int, int] | None = None):
-    """``key``'s kernel for the current GPU, compiled once per ``arch`` (its compute
-    capability: a process whose GPUs differ compiles for each)."""
-    return compile_forward(key)
+def compiled_forward(key: ForwardKey, arch: tuple[int, int]):
+    """``key``'s kernel for ``arch``, the current GPU's compute capability (a process whose
+    GPUs differ loads one for each): loaded from the disk cache, compiled into it first where
+    absent (:func:`tilenorm.launch.cute_cache.load`)."""
+    return cute_cache.load(key, arch, compile_forward)
 
 
 @functools.lru_cache(maxsize=MAX_COMPILED)
-def compiled_backward(key: BackwardKey, arch: tuple[int, int] | None = None):
-    """``key``'s kernel for the current GPU, compiled once per ``arch`` (as
-    :func:`compiled_forward`)."""
-    return compile_backward(key)
+def compiled_backward(key: BackwardKey, arch: tuple[int, int]):
+    """``key``'s kernel for ``arch`` (as :func:`compiled_forward`)."""
+    return cute_cache.load(key, arch, compile_backward)
 
 
 @functools.lru_cache(maxsize=MAX_COMPILED)
-def compiled_cluster_backward(key: ClusterBackwardKey, arch: tuple[int, int] | None = None):
-    """``key``'s kernel for the current GPU, compiled once per ``arch`` (as
-    :func:`compiled_forward`)."""
-    return compile_cluster_backward(key)
+def compiled_cluster_backward(key: ClusterBackwardKey, arch: tuple[int, int]):
+    """``key``'s kernel for ``arch`` (as :func:`compiled_forward`)."""
+    return cute_cache.load(key, arch, compile_cluster_backward)
 
 
 def _fp8_dtypes():
@@ -582,9 +583,9 @@ def _fp8_keys(settings: Fp8Settings, all_dtypes: bool) -> list[Fp8ForwardKey]:
 
 
 @functools.lru_cache(maxsize=MAX_COMPILED)
-def compiled_fp8_forward(key: Fp8ForwardKey):
-    """``key``'s kernel for this process's GPU, compiled once."""
-    return compile_fp8_forward(key)
+def compiled_fp8_forward(key: Fp8ForwardKey, arch: tuple[int, int]):
+    """``key``'s kernel for ``arch`` (as :func:`compiled_forward`)."""
+    return cute_cache.load(key, arch, compile_fp8_forward)
 
 
 @dataclass(frozen=True)
@@ -683,6 +684,6 @@ def aot_fp8_transpose_keys(all_dtypes: bool = False) -> list[Fp8TransposeKey]:
 
 
 @functools.lru_cache(maxsize=MAX_COMPILED)
-def compiled_fp8_transpose(key: Fp8TransposeKey):
-    """``key``'s kernel for this process's GPU, compiled once."""
-    return compile_fp8_transpose(key)
+def compiled_fp8_transpose(key: Fp8TransposeKey, arch: tuple[int, int]):
+    """``key``'s kernel for ``arch`` (as :func:`compiled_forward`)."""
+    return cute_cache.load(key, arch, compile_fp8_transpose)
