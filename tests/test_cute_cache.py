@@ -72,7 +72,7 @@ def test_a_variant_compiles_once_into_the_cache_and_loads_from_it(cache):
     assert compiles.calls == ["sm_90a"]
     folder = cute_cache.variant_dir(key, "sm_90a")
     assert folder.parent == cache
-    assert {cute_cache.OBJECT, cute_cache.LIBRARY} <= {p.name for p in folder.iterdir()}
+    assert {cute_cache.OBJECT, cute_cache.library_name()} <= {p.name for p in folder.iterdir()}
     with pytest.raises(TypeError, match="Expects 11 parameters"):
         fn()
     cute_cache._modules.clear()
@@ -86,13 +86,13 @@ def test_objects_built_without_a_gpu_are_linked_where_they_load(cache):
     compiled again."""
     key = _key()
     cute_cache.build_object(key, "sm_90a", cute.compile_forward)
-    assert not (cute_cache.variant_dir(key, "sm_90a") / cute_cache.LIBRARY).exists()
+    assert not (cute_cache.variant_dir(key, "sm_90a") / cute_cache.library_name()).exists()
 
     def refuse(*args):
         raise AssertionError("compiled again")
 
     assert callable(cute_cache.load(key, ARCH, refuse))
-    assert (cute_cache.variant_dir(key, "sm_90a") / cute_cache.LIBRARY).exists()
+    assert (cute_cache.variant_dir(key, "sm_90a") / cute_cache.library_name()).exists()
 
 
 def test_without_a_library_the_kernel_is_compiled_in_the_process(cache, monkeypatch):
@@ -141,5 +141,26 @@ def test_processes_starting_together_build_once_and_both_load(cache):
         assert p.returncode == 0, err[-2000:]
         assert out.strip() == "Function" and "kernel cache failed" not in err
     folder = cute_cache.variant_dir(_key(), "sm_90a")
-    assert sorted(p.name for p in folder.iterdir() if p.suffix in (".o", ".so")) == [
-        cute_cache.OBJECT, cute_cache.LIBRARY]
+    built = [p.name for p in folder.iterdir() if p.suffix in (".o", ".so")]
+    assert sorted(built) == sorted([cute_cache.OBJECT, cute_cache.library_name()])
+
+
+@needs_cute
+def test_a_library_that_does_not_load_warns_and_compiles_in_the_process(cache):
+    key = _key()
+    folder = cute_cache.variant_dir(key, "sm_90a")
+    folder.mkdir(parents=True)
+    (folder / cute_cache.library_name()).write_bytes(b"not a shared library")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cute_cache.load(key, ARCH, lambda key, arch=None: ("jit", arch)) == ("jit", None)
+    assert any("kernel cache failed" in str(w.message) for w in caught)
+
+
+@needs_cute
+def test_an_environment_elsewhere_links_its_own_library(monkeypatch):
+    """The library is named by the files it links: a moved or another environment does not
+    load one whose run paths name files it lacks."""
+    name = cute_cache.library_name()
+    monkeypatch.setattr(cute_cache, "link_inputs", lambda: ("/elsewhere/libtvm_ffi.so",))
+    assert cute_cache.library_name() != name

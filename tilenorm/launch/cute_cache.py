@@ -8,8 +8,9 @@ calls the JIT-compiled function: the same arguments, the caller's current stream
 A variant's files live in ``cute-<key>/`` under :func:`tilenorm.launch.build.cache_root`,
 keyed by the variant, the architecture, the kernels' sources and the DSL's and TVM-FFI's
 versions. The object file depends on nothing else of the host, so objects built on a machine
-without a GPU serve any host with those versions; the library is linked from it on the host
-that loads it. Framework-neutral; nothing here needs a GPU. Where no library can be built
+without a GPU serve any host with those versions; the library is linked from it where it
+loads, named by the files it links (an environment moved or installed elsewhere links its
+own). Framework-neutral; nothing here needs a GPU. Where no library can be built
 (:func:`unavailable`: ``TILENORM_NATIVE=0``, no C++ compiler) the JIT-compiled function runs.
 """
 
@@ -36,7 +37,7 @@ SOURCES = (*sorted((_PACKAGE / "kernels").glob("cute_*.py")),
            Path(__file__).with_name("cute.py"))
 #: The distributions whose versions a compiled variant depends on.
 VERSIONED = ("nvidia-cutlass-dsl-libs-base", "apache-tvm-ffi")
-OBJECT, LIBRARY = "kernel.o", "kernel.so"
+OBJECT = "kernel.o"
 
 
 def arch_name(arch: tuple[int, int]) -> str:
@@ -106,6 +107,12 @@ def link_inputs() -> tuple[str, ...]:
             f"-Wl,-rpath,{tvm_lib.parent}")
 
 
+def library_name() -> str:
+    """A variant's library in this environment: named by the files it links and finds at
+    load time (:func:`link_inputs`)."""
+    return f"kernel-{hashlib.sha256(' '.join(link_inputs()).encode()).hexdigest()[:12]}.so"
+
+
 def unavailable() -> str | None:
     """Why no library can be built in this process (None: one can): the DSL and TVM-FFI, the
     DSL's runtime library, a C++ compiler. ``TILENORM_NATIVE=0`` turns it off, as it does the
@@ -159,7 +166,7 @@ def build(key: Any, arch: str, compile_kernel: Callable) -> Path:
     reason = unavailable()
     if reason is not None:
         raise RuntimeError(reason)
-    target = variant_dir(key, arch) / LIBRARY
+    target = variant_dir(key, arch) / library_name()
     if target.exists():
         return target
     obj = build_object(key, arch, compile_kernel)
@@ -185,7 +192,8 @@ def load(key: Any, arch: tuple[int, int], compile_kernel: Callable) -> Callable:
 
                 _modules[path] = tvm_ffi.load_module(str(path))
             return getattr(_modules[path], entry_name(key, name))
-        except (RuntimeError, OSError, AttributeError) as error:
-            warnings.warn(f"tilenorm: the CuTe DSL kernel cache failed ({error}); compiling "
-                          f"in this process instead", RuntimeWarning, stacklevel=2)
+        except Exception as error:  # a build's RuntimeError, or whatever loading raises
+            warnings.warn(f"tilenorm: the CuTe DSL kernel cache failed ({type(error).__name__}:"
+                          f" {error}); compiling in this process instead", RuntimeWarning,
+                          stacklevel=2)
     return compile_kernel(key)
