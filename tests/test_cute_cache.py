@@ -11,10 +11,15 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
+from tests.kernel_harness import OUT_TOL, fresh_generator, poisoned, rel
 from tilenorm.launch import cute, cute_cache
+from tilenorm.planner import plan_cute_forward
+from tilenorm.testing import float64_norm
 
 needs_cute = pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+gpu = pytest.mark.gpu
 ARCH = (9, 0)
 
 
@@ -164,3 +169,33 @@ def test_an_environment_elsewhere_links_its_own_library(monkeypatch):
     name = cute_cache.library_name()
     monkeypatch.setattr(cute_cache, "link_inputs", lambda: ("/elsewhere/libtvm_ffi.so",))
     assert cute_cache.library_name() != name
+
+
+@gpu
+@needs_cute
+def test_the_loaded_kernel_gives_the_jit_compiled_ones_bits(cache):
+    """The library the cache loads and the DSL's JIT compile of the same variant, on the same
+    inputs and poisoned outputs: the same bits, within float64's tolerance (RMSNorm with a
+    weight and a residual at 4096 columns)."""
+    import tvm_ffi
+
+    g, seed = fresh_generator("cuda")
+    m, n, dtype = 1031, 4096, torch.bfloat16
+    x, r = (torch.randn(m, n, generator=g, device="cuda").to(dtype) for _ in range(2))
+    w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(dtype)
+    arch = torch.cuda.get_device_capability()
+    plan = plan_cute_forward(m, n, itemsize=2, arch=arch, op="rms_norm").with_residual()
+    key = cute.ForwardKey.of(plan, "bfloat16", "bfloat16", False, False, False, True)
+    loaded = cute_cache.load(key, arch, cute.compile_forward)
+    assert isinstance(loaded, tvm_ffi.Function), type(loaded)
+    outputs = []
+    for fn in (loaded, cute.compile_forward(key)):
+        y, h, rstd = poisoned((m, n), dtype), poisoned((m, n), dtype), poisoned((m,),
+                                                                                torch.float32)
+        fn(x, r, w, None, y, h, None, rstd, 1e-6, 0.0, plan.grid)
+        torch.cuda.synchronize()
+        outputs.append((y, h, rstd))
+    for a, b in zip(*outputs, strict=True):
+        assert torch.equal(a, b), seed
+    ref = float64_norm(x, w, None, 1e-6, residual=r)
+    assert rel(outputs[0][0], ref.y) <= OUT_TOL[dtype], seed
