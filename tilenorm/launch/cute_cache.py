@@ -181,7 +181,7 @@ _modules: dict[Path, Any] = {}
 def load(key: Any, arch: tuple[int, int], compile_kernel: Callable) -> Callable:
     """``key``'s kernel for ``arch`` (a compute capability) from the cache, built there first
     where absent (``compile_kernel(key, arch_name)``, the DSL's compile of it); where no
-    library can be built, or building or loading one fails (said once, as a warning), the
+    library can be built, or building or loading one fails (with a warning), the
     JIT-compiled ``compile_kernel(key)`` for the current GPU."""
     if unavailable() is None:
         name = arch_name(arch)
