@@ -278,9 +278,15 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         vectors) into ``scale_slot`` (reps,)."""
         cute.autovec_copy(self._thread_view(mX[row, None], tidx), x_slot)
         if const_expr(self.group):
+            per_group = self.group // self.vec
             for r in cutlass.range_constexpr(self.reps):
-                vector = tidx + r * self.threads
-                scale_slot[r] = mXScale[row, vector // (self.group // self.vec)]
+                if const_expr(self.threads % per_group == 0):
+                    # (tidx + r * threads) // per_group, with the rep a constant term: the
+                    # reps' loads share one address, at immediate offsets.
+                    group = tidx // per_group + r * (self.threads // per_group)
+                else:
+                    group = (tidx + r * self.threads) // per_group
+                scale_slot[r] = mXScale[row, group]
 
     @cute.jit
     def _values(self, x_slot: cute.Tensor, scale_slot: cute.Tensor | None,
