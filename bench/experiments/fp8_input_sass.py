@@ -271,15 +271,83 @@ def emulate() -> None:
     x32 = as_f16.astype(np.float32)  # the kernel's widening: e4m3 -> f16 -> f32
     rng = np.random.default_rng(0)
     s = multipliers(rng, 20000)
-    prod = x32[:, None] * s[None, :]
+    with np.errstate(over="ignore", invalid="ignore"):
+        prod = x32[:, None] * s[None, :]
     # The exact product in float64 (4 + 24 significant bits fit 53) rounded once to fp32.
     with np.errstate(over="ignore", invalid="ignore"):
         ref = (x32.astype(np.float64)[:, None] * s.astype(np.float64)[None, :]).astype(
             np.float32)
     same = (prod.view(np.uint32) == ref.view(np.uint32)) | (np.isnan(prod) & np.isnan(ref))
     assert same.all(), "fp32(x) * s is not the once-rounded exact product"
+    cases = emulate_folds(rng)
+    print(f"folds from warp 0 / |t[0]|: {cases} rows, the same sum, scale and amax bits")
     print(f"bit-identical: {prod.size} products ({v.size} E4M3 bytes x {s.size} "
           f"multipliers), fp32 multiply = exact product rounded once")
+
+
+def fold_outputs(t: np.ndarray, rstd: np.float32, seeded: bool) -> tuple:
+    """(sum of squares, scale, fmax(0, amax)) of one row of t ((warps, 32, per_thread)
+    fp32, x = t here) as the row kernel folds them: ``seeded`` the folds from 0 (before), else
+    the thread's max from |t[0]| and the cross-warp folds from warp 0's partials."""
+    f32 = np.float32
+    sq = np.full(t.shape[:2], f32(0), f32)
+    for i in range(t.shape[2]):
+        sq = (sq + t[:, :, i] * t[:, :, i]).astype(f32)  # the FFMA chain from +0
+    m = np.zeros(t.shape[:2], f32) if seeded else np.abs(t[:, :, 0])
+    for i in range(0 if seeded else 1, t.shape[2]):
+        m = np.fmax(m, np.abs(t[:, :, i]))
+    for off in (16, 8, 4, 2, 1):  # the warps' butterflies
+        lane = np.arange(32) ^ off
+        sq = (sq + sq[:, lane]).astype(f32)
+        m = np.fmax(m, m[:, lane])
+    ws, wm = sq[:, 0], m[:, 0]
+    total, tmax = (f32(0), f32(0)) if seeded else (ws[0], wm[0])
+    for w in range(0 if seeded else 1, len(ws)):
+        total, tmax = f32(total + ws[w]), np.fmax(tmax, wm[w])
+    amax = f32(tmax * rstd)
+    scale = f32(1)
+    if amax > 0 and amax <= f32(FLOAT32_MAX):
+        scale = min(f32(f32(448) / amax), f32(FLOAT32_MAX))
+    return total, scale, np.fmax(f32(0), amax)
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def emulate_folds(rng: np.random.Generator) -> int:
+    """The row folds before and after ff2c767 and its follow-up: the same sum of squares,
+    scale and program amax bits, rows with zeros, -0, NaN (whole threads, warps, rows of
+    it), infinities, subnormals."""
+    cases = 0
+    for _ in range(3000):
+        warps, per = int(rng.choice([1, 2, 4, 8])), int(rng.choice([8, 16, 32]))
+        kind = rng.integers(5)
+        t = rng.standard_normal((warps, 32, per)).astype(np.float32)
+        if kind == 1:
+            t[rng.random(t.shape) < 0.3] = np.nan
+        elif kind == 2:  # whole threads / warps / the row NaN
+            pick = rng.integers(3)
+            if pick == 0:
+                t[rng.integers(warps), rng.integers(32)] = np.nan
+            elif pick == 1:
+                t[rng.integers(warps)] = np.nan
+            else:
+                t[:] = np.nan
+        elif kind == 3:
+            t = rng.choice(np.array([0.0, -0.0, 1e-45, -1e-45, np.inf, -np.inf, 448.0],
+                                    np.float32), t.shape)
+        elif kind == 4:
+            t = (t * np.float32(1e-40)).astype(np.float32)
+        rstd = np.float32(rng.choice([1.0, 0.5, 1e30, np.inf]))
+        with np.errstate(all="ignore"):
+            a = fold_outputs(t, rstd, True)
+            b = fold_outputs(t, rstd, False)
+        for u, v in zip(a, b):
+            u, v = np.float32(u), np.float32(v)
+            if not (u.view(np.uint32) == v.view(np.uint32) or (np.isnan(u) and np.isnan(v))):
+                raise SystemExit(f"folds differ: {a} {b}")
+        cases += 1
+    return cases
 
 
 def main() -> None:

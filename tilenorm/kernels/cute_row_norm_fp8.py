@@ -397,8 +397,13 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                         if const_expr(self.recompute_t):
                             self._recompute_t(xs[s], mW, w_in, t, tidx, offset, zeros[0],
                                               False)
-                        m = Float32(0.0)
-                        for i in cutlass.range_constexpr(per_thread):
+                        # From |t[0]|, not from 0: m differs only where every |t| of the
+                        # thread is NaN (NaN, not 0); fmax drops that NaN in the warp's and
+                        # the warps' folds, and only a row all NaN ends with a NaN amax,
+                        # which gives scale 1 (and leaves delayed's fmax(acc, .) at acc) as
+                        # 0 does: the same outputs, one FMNMX fewer.
+                        m = cute.math.absf(t[0])
+                        for i in cutlass.range_constexpr(1, per_thread):
                             m = cute.arch.fmax(m, cute.math.absf(t[i]))
                         part_max = cute.arch.warp_reduction(m, cute.arch.fmax)
                     parity = s % 2
