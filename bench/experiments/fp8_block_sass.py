@@ -64,17 +64,16 @@ def main_loop(ins: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
     best = None
     for addr, op, text in ins:
         m = re.search(r"0x([0-9a-f]+)\s*$", text)
-        if op.startswith("BRA") and m and int(m[1], 16) < addr:
-            if best is None or addr - int(m[1], 16) > best[1] - best[0]:
-                best = (int(m[1], 16), addr)
+        target = int(m[1], 16) if op.startswith("BRA") and m else addr
+        if target < addr and (best is None or addr - target > best[1] - best[0]):
+            best = (target, addr)
     return [i for i in ins if best[0] <= i[0] <= best[1]]
 
 
 def kinds(ins) -> collections.Counter:
     counts = collections.Counter()
     for _, op, _ in ins:
-        kind = next((k for k in KINDS if op == k or op.startswith(k + ".")
-                     or (k in ("SHFL.BFLY", "SHFL.IDX") and op == k)), "other")
+        kind = next((k for k in KINDS if op == k or op.startswith(k + ".")), "other")
         if kind == "FMNMX" and op.startswith("FMNMX.NAN"):
             kind = "other"
         counts[kind] += 1

@@ -132,14 +132,11 @@ def categories(loop: list[tuple[int, str, str]]) -> list[str]:
                 cat, tag = "quantize", "y1"
             elif base == "FMUL" and "y1" in st:
                 cat, tag = "quantize", "y"
-            elif base == "FFMA" and len(srcs) >= 2 and srcs[0] == srcs[1] and (
-                    st[0] in ("x", "xd")):
+            elif base == "FFMA" and ("sq" in st or (len(srcs) >= 2 and srcs[0] == srcs[1]
+                                                    and st[0] in ("x", "xd"))):
                 cat, tag = "sum sq", "sq"
-            elif base == "FFMA" and "sq" in st:
-                cat, tag = "sum sq", "sq"
-            elif base == "FMNMX" and op == "FMNMX" and "t" in st and "|" in text:
-                cat, tag = "amax t", "amax"
-            elif base == "FMNMX" and op == "FMNMX" and "amax" in st and "|" in text:
+            elif base == "FMNMX" and op == "FMNMX" and ("t" in st or "amax" in st) and (
+                    "|" in text):
                 cat, tag = "amax t", "amax"
             elif base in ("SHFL", "STS", "LDS", "BAR") or (
                     base in ("FADD", "FMNMX") and op in ("FADD", "FMNMX")):
@@ -342,7 +339,7 @@ def emulate_folds(rng: np.random.Generator) -> int:
         with np.errstate(all="ignore"):
             a = fold_outputs(t, rstd, True)
             b = fold_outputs(t, rstd, False)
-        for u, v in zip(a, b):
+        for u, v in zip(a, b, strict=True):
             u, v = np.float32(u), np.float32(v)
             if not (u.view(np.uint32) == v.view(np.uint32) or (np.isnan(u) and np.isnan(v))):
                 raise SystemExit(f"folds differ: {a} {b}")
