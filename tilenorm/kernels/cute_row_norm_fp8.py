@@ -412,9 +412,11 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                         sums[warp, 1, parity] = part_max
                     cute.arch.barrier()
                     # Folded from warp 0's partials, not from 0: a sum of squares from +0 is
-                    # never -0, so 0 + it is it (a NaN stays the canonical NaN), and a
-                    # maximum of |t| from 0 skipping NaN is >= +0 and a number, so
-                    # fmax(0, it) is it: the same bits with two instructions fewer a row.
+                    # never -0, so 0 + it is it (a NaN stays the canonical NaN); a warp's
+                    # maximum of |t| is a number >= +0, fmax(0, it) being it, or NaN where
+                    # its threads saw only NaN, which the fmax fold drops as fmax(0, NaN)
+                    # does unless every warp's is NaN (the row all NaN, as above): the same
+                    # outputs with two instructions fewer a row.
                     total = sums[0, 0, parity]
                     tmax = Float32(0.0)
                     if const_expr(row_amax):
