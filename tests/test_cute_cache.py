@@ -44,7 +44,6 @@ class Compiles:
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TILENORM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cute_cache, "_modules", {})
     return tmp_path
 
 
@@ -80,7 +79,6 @@ def test_a_variant_compiles_once_into_the_cache_and_loads_from_it(cache):
     assert {cute_cache.OBJECT, cute_cache.library_name()} <= {p.name for p in folder.iterdir()}
     with pytest.raises(TypeError, match="Expects 11 parameters"):
         fn()
-    cute_cache._modules.clear()
     again = Compiles()
     assert callable(cute_cache.load(key, ARCH, again)) and again.calls == []
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.metadata
 import os
 import tempfile
 from dataclasses import astuple
@@ -50,19 +49,12 @@ Key: TypeAlias = cute.ForwardKey | cute.ClusterBackwardKey
 TARGET_PREFIX = "tilenorm_cute_forward_"
 BACKWARD_TARGET_PREFIX = "tilenorm_cute_cluster_backward_"
 #: The distributions whose versions a built library depends on.
-_VERSIONED = ("nvidia-cutlass-dsl-libs-base", "apache-tvm-ffi", "jaxlib")
-
-
-def _version(distribution: str) -> str:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return "none"
+_VERSIONED = (*cute_cache.VERSIONED, "jaxlib")
 
 
 def build_key(key: Key, arch: str) -> str:
     """A short hash of the variant, the architecture, the sources and the toolchain."""
-    versions = " ".join(f"{d} {_version(d)}" for d in _VERSIONED)
+    versions = " ".join(f"{d} {cute_cache.version(d)}" for d in _VERSIONED)
     return launch_build.source_key(
         BUILD_SOURCES, f"{type(key).__name__} {astuple(key)} {arch} {versions}")
 

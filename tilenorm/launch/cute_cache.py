@@ -47,7 +47,8 @@ def arch_name(arch: tuple[int, int]) -> str:
     return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
 
 
-def _version(distribution: str) -> str:
+def version(distribution: str) -> str:
+    """An installed distribution's version ("none" where it is not installed)."""
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -59,7 +60,7 @@ def _sources_and_toolchain() -> bytes:
     h = hashlib.sha256()
     for source in SOURCES:
         h.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
-    h.update(" ".join(f"{d} {_version(d)}" for d in VERSIONED).encode())
+    h.update(" ".join(f"{d} {version(d)}" for d in VERSIONED).encode())
     return h.digest()
 
 
@@ -174,10 +175,6 @@ def build(key: Any, arch: str, compile_kernel: Callable) -> Path:
                                       f"the CuTe DSL kernel {key}")
 
 
-#: The loaded libraries, by path: a module stays loaded while the process may call into it.
-_modules: dict[Path, Any] = {}
-
-
 def load(key: Any, arch: tuple[int, int], compile_kernel: Callable) -> Callable:
     """``key``'s kernel for ``arch`` (a compute capability) from the cache, built there first
     where absent (``compile_kernel(key, arch_name)``, the DSL's compile of it); where no
@@ -186,12 +183,11 @@ def load(key: Any, arch: tuple[int, int], compile_kernel: Callable) -> Callable:
     if unavailable() is None:
         name = arch_name(arch)
         try:
-            path = build(key, name, compile_kernel)
-            if path not in _modules:
-                import tvm_ffi
+            import tvm_ffi
 
-                _modules[path] = tvm_ffi.load_module(str(path))
-            return getattr(_modules[path], entry_name(key, name))
+            # load_module keeps the library loaded for the process's life.
+            module = tvm_ffi.load_module(str(build(key, name, compile_kernel)))
+            return getattr(module, entry_name(key, name))
         except Exception as error:  # a build's RuntimeError, or whatever loading raises
             warnings.warn(f"tilenorm: the CuTe DSL kernel cache failed ({type(error).__name__}:"
                           f" {error}); compiling in this process instead", RuntimeWarning,
