@@ -22,6 +22,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -238,6 +239,19 @@ def build_ahead_of_time(all_dtypes: bool) -> bool:
     return ok & build_cute_ahead_of_time(all_dtypes)
 
 
+def cute_builds(all_dtypes: bool) -> list[tuple[tuple, Callable]]:
+    """(key, compile function) of every CuTe DSL variant the tables route."""
+    from tilenorm.launch import cute
+
+    return ([(key, cute.compile_forward) for key in cute.aot_forward_keys(all_dtypes)]
+            + [(key, cute.compile_backward) for key in cute.aot_keys(all_dtypes)]
+            + [(key, cute.compile_cluster_backward)
+               for key in cute.aot_cluster_backward_keys(all_dtypes)]
+            + [(key, cute.compile_fp8_forward) for key in cute.aot_fp8_keys(all_dtypes)]
+            + [(key, cute.compile_fp8_transpose)
+               for key in cute.aot_fp8_transpose_keys(all_dtypes)])
+
+
 def build_cute_ahead_of_time(all_dtypes: bool) -> bool:
     """Every CuTe DSL variant the tables route, compiled for each ahead-of-time architecture
     into the disk cache (:mod:`tilenorm.launch.cute_cache`): a GPU host with the same DSL
@@ -249,13 +263,7 @@ def build_cute_ahead_of_time(all_dtypes: bool) -> bool:
         print("  CuTe DSL kernels: not built (nvidia-cutlass-dsl-libs-cu13 or apache-tvm-ffi "
               "missing)")
         return True
-    builds = ([(key, cute.compile_forward) for key in cute.aot_forward_keys(all_dtypes)]
-              + [(key, cute.compile_backward) for key in cute.aot_keys(all_dtypes)]
-              + [(key, cute.compile_cluster_backward)
-                 for key in cute.aot_cluster_backward_keys(all_dtypes)]
-              + [(key, cute.compile_fp8_forward) for key in cute.aot_fp8_keys(all_dtypes)]
-              + [(key, cute.compile_fp8_transpose)
-                 for key in cute.aot_fp8_transpose_keys(all_dtypes)])
+    builds = cute_builds(all_dtypes)
     print(f"  {len(builds) * len(cute.AOT_ARCHS)} CuTe DSL kernel builds for "
           f"{', '.join(cute.AOT_ARCHS)} into {launch_build.cache_root()}", flush=True)
     ok, start = True, time.perf_counter()

@@ -23,15 +23,12 @@ def main() -> None:
     parser.add_argument("folder", type=Path)
     args = parser.parse_args()
     os.environ["TILENORM_CACHE_DIR"] = str(args.folder.resolve())
+    from tilenorm.__main__ import cute_builds
     from tilenorm.launch import cute, cute_cache
 
     if not cute.available():
         sys.exit("the CuTe DSL is not installed")
-    builds = ([(k, cute.compile_forward) for k in cute.aot_forward_keys(True)]
-              + [(k, cute.compile_backward) for k in cute.aot_keys(True)]
-              + [(k, cute.compile_cluster_backward) for k in cute.aot_cluster_backward_keys(True)]
-              + [(k, cute.compile_fp8_forward) for k in cute.aot_fp8_keys(True)]
-              + [(k, cute.compile_fp8_transpose) for k in cute.aot_fp8_transpose_keys(True)])
+    builds = cute_builds(all_dtypes=True)
     start, failed = time.perf_counter(), 0
     for i, (key, compile_kernel) in enumerate(builds, 1):
         try:
