@@ -422,7 +422,7 @@ def check_cluster_backward(m, n, op="rms_norm", dtype=torch.bfloat16, w_dtype=to
     key = cute.ClusterBackwardKey.of(plan, NAMES[dtype],
                                      None if w is None else NAMES[w.dtype], offset != 0,
                                      residual, layer_norm, bias)
-    fn = cute.compiled_cluster_backward(key)
+    fn = cute.compiled_cluster_backward(key, torch.cuda.get_device_capability())
     outputs = []
     for _ in range(reruns):
         dx = poisoned((m, n), dtype)

@@ -494,7 +494,7 @@ def check_forward(m, n, op="rms_norm", dtype=torch.bfloat16, w_dtype=torch.bfloa
         plan = plan.with_residual()  # the plan a residual call runs (dispatch.forward_kernel)
     fn = cute.compiled_forward(cute.ForwardKey.of(
         plan, NAMES[dtype], None if w is None else NAMES[w.dtype], has_bias, layer_norm,
-        offset != 0, has_residual))
+        offset != 0, has_residual), torch.cuda.get_device_capability())
     runs = []
     for _ in range(2):
         y = poisoned((m, n), dtype)

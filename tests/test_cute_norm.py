@@ -141,7 +141,8 @@ def check_backward(m, n, dtype=torch.bfloat16, w_dtype=torch.float32, has_weight
     plan = _plan(m, n)
     names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
     fn = cute.compiled_backward(cute.BackwardKey.of(
-        plan, names[dtype], None if w is None else names[w.dtype], has_bias, True))
+        plan, names[dtype], None if w is None else names[w.dtype], has_bias, True),
+        torch.cuda.get_device_capability())
     groups = int(has_weight) + int(has_bias)
     outputs = []
     for _ in range(2):

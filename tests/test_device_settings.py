@@ -151,6 +151,20 @@ def test_the_h100_tables_differ_exactly_where_the_h100_measured_otherwise():
                                                     "cute_forward_fp32"}
 
 
+@pytest.mark.parametrize("settings", [SM90, SM90_H100])
+def test_a_cute_table_is_chosen_by_kernel_and_element_size(settings):
+    """2-byte x (bf16, fp16) and fp32 x take their own tables; the row backward has no fp32
+    table, and no other element size has any."""
+    assert settings.cute_table("forward", 2) is settings.cute_forward
+    assert settings.cute_table("forward", 4) is settings.cute_forward_fp32
+    assert settings.cute_table("backward", 2) is settings.cute_backward
+    assert settings.cute_table("cluster_backward", 2) is settings.cute_cluster_backward
+    assert settings.cute_table("cluster_backward", 4) is settings.cute_cluster_backward_fp32
+    assert settings.cute_table("backward", 4) == {}
+    assert all(settings.cute_table(kernel, itemsize) == {}
+               for kernel in ("forward", "backward", "cluster_backward") for itemsize in (1, 8))
+
+
 def test_an_fp8_scaling_entry_replaces_the_width_entry_of_that_scaling_only():
     """Row and MX scaling at 4096 columns run (256, 4, 2) on an H100, block and the per-tensor
     scalings the width's (128, 4, 4); a per-row scaling's column amaxes take row's; a width

@@ -1565,8 +1565,9 @@ def _cute_fp8_launch(key, x, w, offset: float, grid: int, pattern: int) -> dict:
     for t in out.values():
         _poison(t, pattern)
     scale = torch.tensor([20.0], device=dev) if key.scaling == "delayed" else None
-    cute.compiled_fp8_forward(key)(x, None, w, scale, out.get("q"), out.get("q_scale"),
-                                   out["rstd"], out.get("amax"), 1e-6, offset, grid)
+    fn = cute.compiled_fp8_forward(key, torch.cuda.get_device_capability())
+    fn(x, None, w, scale, out.get("q"), out.get("q_scale"), out["rstd"], out.get("amax"), 1e-6,
+       offset, grid)
     return out
 
 

@@ -32,7 +32,7 @@ from tilenorm import validation  # noqa: E402
 from tilenorm.device import DeviceInfo  # noqa: E402
 from tilenorm.jax import checks, cute_ffi, kernels, native  # noqa: E402
 from tilenorm.jax import dispatch as jax_dispatch  # noqa: E402
-from tilenorm.launch import cute  # noqa: E402
+from tilenorm.launch import cute, cute_cache  # noqa: E402
 from tilenorm.planner import (  # noqa: E402
     CuteClusterBackwardPlan,
     plan_cute_cluster_backward,
@@ -89,9 +89,9 @@ def _backward_key(cols=None, weight="bfloat16", offset=False, dres_in=False, row
 
 
 def test_arch_names_are_the_architecture_specific_targets():
-    assert cute_ffi.arch_name((9, 0)) == "sm_90a"
-    assert cute_ffi.arch_name((10, 0)) == "sm_100a"
-    assert cute_ffi.arch_name((8, 0)) == "sm_80"
+    assert cute_cache.arch_name((9, 0)) == "sm_90a"
+    assert cute_cache.arch_name((10, 0)) == "sm_100a"
+    assert cute_cache.arch_name((8, 0)) == "sm_80"
 
 
 def test_build_key_names_the_variant_and_architecture():

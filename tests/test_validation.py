@@ -95,14 +95,15 @@ def test_a_family_whose_modules_are_missing_is_not_runnable():
 
 
 #: Host code in a family's digest: the C++ of a call path that only a GPU runs end to end
-#: (the XLA FFI handler of JAX's CuTe DSL calls), validated with the kernels it calls.
-GPU_ONLY_HOST_CODE = {"jax/cute_ffi_calls.cc"}
+#: (the XLA FFI handler of JAX's CuTe DSL calls), and the CuTe DSL launch layer (operand
+#: layouts, compile options, the loaded library), validated with the kernels they serve.
+GPU_ONLY_HOST_CODE = {"jax/cute_ffi_calls.cc", "launch/cute.py", "launch/cute_cache.py"}
 
 
 def test_digest_covers_the_kernels_folder_and_the_measured_settings():
     """Host code outside tilenorm/kernels, the settings files (settings.py, settings_fp8.py)
-    and the GPU-only call paths named above can change without a GPU re-run; every kernel
-    file is in some family."""
+    and the GPU-only host code named above can change without a GPU re-run; every kernel
+    file is in some family, and the CuTe DSL launch layer in every CuTe DSL family."""
     kernel_files = {f"kernels/{p.name}" for p in (validation.PACKAGE_DIR / "kernels").glob(
         "*.py") if p.name != "__init__.py"}
     sources = {s for family in validation.FAMILIES for s in family.sources}
@@ -110,6 +111,9 @@ def test_digest_covers_the_kernels_folder_and_the_measured_settings():
     assert sources == kernel_files | {"settings.py", "settings_fp8.py"} | GPU_ONLY_HOST_CODE
     for source in GPU_ONLY_HOST_CODE:
         assert (validation.PACKAGE_DIR / source).is_file(), source
+    for family in validation.FAMILIES:
+        assert (set(validation.CUTE_LAUNCH) <= set(family.sources)) == (
+            family.language == "CuTe DSL"), family.name
 
 
 def test_jax_cute_calls_are_a_family_of_their_own():
@@ -122,7 +126,7 @@ def test_jax_cute_calls_are_a_family_of_their_own():
         "jax/cute_ffi_calls.cc", "kernels/cute_row_norm_forward.py",
         "kernels/cute_cluster_norm_forward.py", "kernels/cute_cluster_norm_backward.py",
         "kernels/cute_rows.py", "kernels/cute_cluster_rows.py", "kernels/cutile_column_sums.py",
-        "settings.py"}
+        "settings.py", "launch/cute.py", "launch/cute_cache.py"}
     assert family.digest() != validation.CUTE_NORM.digest()
 
 
@@ -144,7 +148,7 @@ def test_a_family_holds_the_kernel_modules_its_kernels_import():
 
     for family in validation.FAMILIES:
         for source in family.sources:
-            if not source.endswith(".py"):  # host C++: it imports no kernel module
+            if not source.startswith("kernels/"):  # host code: it serves every kernel
                 continue
             tree = ast.parse((validation.PACKAGE_DIR / source).read_text())
             imported = {node.module for node in ast.walk(tree)

@@ -9,8 +9,9 @@ build of the kernels for sm_90 and sm_100 (without one).
 Compiled kernels are cached on disk: cuTile's in $CUDA_TILE_CACHE_DIR (default
 $XDG_CACHE_HOME/cutile-python, that is ~/.cache/cutile-python; at most
 $CUDA_TILE_CACHE_SIZE bytes, 2 GB by default, oldest entries dropped first; "off" disables
-it); the C++ host path (tilenorm.pytorch.native, built here if it is not yet) in
-$TILENORM_CACHE_DIR (default ~/.cache/tilenorm).
+it); the C++ host path (tilenorm.pytorch.native, built here if it is not yet) and the CuTe
+DSL kernels (tilenorm.launch.cute_cache: compiled here for sm_90a and sm_100a without a GPU,
+linked and loaded where they run) in $TILENORM_CACHE_DIR (default ~/.cache/tilenorm).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -237,29 +239,40 @@ def build_ahead_of_time(all_dtypes: bool) -> bool:
     return ok & build_cute_ahead_of_time(all_dtypes)
 
 
-def build_cute_ahead_of_time(all_dtypes: bool) -> bool:
+def cute_builds(all_dtypes: bool) -> list[tuple[tuple, Callable]]:
+    """(key, compile function) of every CuTe DSL variant the tables route."""
     from tilenorm.launch import cute
+
+    return ([(key, cute.compile_forward) for key in cute.aot_forward_keys(all_dtypes)]
+            + [(key, cute.compile_backward) for key in cute.aot_keys(all_dtypes)]
+            + [(key, cute.compile_cluster_backward)
+               for key in cute.aot_cluster_backward_keys(all_dtypes)]
+            + [(key, cute.compile_fp8_forward) for key in cute.aot_fp8_keys(all_dtypes)]
+            + [(key, cute.compile_fp8_transpose)
+               for key in cute.aot_fp8_transpose_keys(all_dtypes)])
+
+
+def build_cute_ahead_of_time(all_dtypes: bool) -> bool:
+    """Every CuTe DSL variant the tables route, compiled for each ahead-of-time architecture
+    into the disk cache (:mod:`tilenorm.launch.cute_cache`): a GPU host with the same DSL
+    and TVM-FFI links and loads them instead of compiling."""
+    from tilenorm.launch import build as launch_build
+    from tilenorm.launch import cute, cute_cache
 
     if not cute.available():
         print("  CuTe DSL kernels: not built (nvidia-cutlass-dsl-libs-cu13 or apache-tvm-ffi "
               "missing)")
         return True
-    builds = ([(key, cute.compile_forward) for key in cute.aot_forward_keys(all_dtypes)]
-              + [(key, cute.compile_backward) for key in cute.aot_keys(all_dtypes)]
-              + [(key, cute.compile_cluster_backward)
-                 for key in cute.aot_cluster_backward_keys(all_dtypes)]
-              + [(key, cute.compile_fp8_forward) for key in cute.aot_fp8_keys(all_dtypes)]
-              + [(key, cute.compile_fp8_transpose)
-                 for key in cute.aot_fp8_transpose_keys(all_dtypes)])
+    builds = cute_builds(all_dtypes)
     print(f"  {len(builds) * len(cute.AOT_ARCHS)} CuTe DSL kernel builds for "
-          f"{', '.join(cute.AOT_ARCHS)}", flush=True)
+          f"{', '.join(cute.AOT_ARCHS)} into {launch_build.cache_root()}", flush=True)
     ok, start = True, time.perf_counter()
     progress = _Progress(len(builds) * len(cute.AOT_ARCHS))
     for key, compile_kernel in builds:
         for arch in cute.AOT_ARCHS:
             try:
-                compile_kernel(key, arch)
-            except Exception as e:
+                cute_cache.build_object(key, arch, compile_kernel)
+            except RuntimeError as e:
                 ok = False
                 print(f"  FAILED {key} {arch}: {type(e).__name__}: {e}", flush=True)
             progress.step()

@@ -335,8 +335,7 @@ def plan_cute_backward(rows: int, cols: int, *, itemsize: int, sm_count: int,
     several heads, and offsets past 32 bits (the kernel indexes with 32; ``max_offset`` as
     for :func:`plan_row_norm`; ``settings`` as there)."""
     s = settings or settings_for(arch, device_class)
-    table = s.cute_backward if itemsize == 2 else {}  # 4-byte x: no entry measured to gain
-    entry = _cute_entry(table, op, rows, cols, heads, max_offset)
+    entry = _cute_entry(s.cute_table("backward", itemsize), op, rows, cols, heads, max_offset)
     return None if entry is None else CuteBackwardPlan.of(rows, cols, entry, sm_count)
 
 
@@ -401,8 +400,8 @@ def plan_cute_cluster_backward(rows: int, cols: int, *, itemsize: int, arch: tup
     only where an entry applies; none (a device whose GPCs cannot hold the cluster) leaves
     the row to another backward."""
     s = settings or settings_for(arch, device_class)
-    table = {2: s.cute_cluster_backward, 4: s.cute_cluster_backward_fp32}.get(itemsize, {})
-    entry = _cute_entry(table, op, rows, cols, heads, max_offset)
+    entry = _cute_entry(s.cute_table("cluster_backward", itemsize), op, rows, cols, heads,
+                        max_offset)
     if entry is None:
         return None
     cluster, threads, _, ctas_per_sm = entry
@@ -542,8 +541,7 @@ def plan_cute_forward(rows: int, cols: int, *, itemsize: int, arch: tuple[int, i
     grid, asked only for one; a device whose GPCs cannot hold the cluster leaves the row to
     another forward."""
     s = settings or settings_for(arch, device_class)
-    table = {2: s.cute_forward, 4: s.cute_forward_fp32}.get(itemsize, {})
-    entry = _cute_entry(table, op, rows, cols, heads, max_offset)
+    entry = _cute_entry(s.cute_table("forward", itemsize), op, rows, cols, heads, max_offset)
     if entry is None:
         return None
     resident = None

@@ -36,6 +36,11 @@ def _cluster_forward(cols: int) -> tuple[int, int, int, int]:
     return (256, 1, 4, cols // CLUSTER_SLICE_COLS)
 
 
+#: The CuTe DSL kernels a settings table routes: the forward (a row a CTA, or across a
+#: cluster), the row backward and the cluster backward.
+CuteKernel = Literal["forward", "backward", "cluster_backward"]
+
+
 @dataclass(frozen=True, eq=False)
 class RowNormSettings:
     """One architecture's settings. Compared and hashed by identity: plans are cached per
@@ -169,7 +174,8 @@ class RowNormSettings:
     #: width (256-2048, 5120, 7168, 12288) from fp32 variants on an H100 (#106): the forward
     #: 0.6-6% ahead of cuTile's (RMSNorm 5120 104% against 98%), and the backwards of
     #: LayerNorm at 5120-12288 and 131072 and RMSNorm at 12288 across a cluster, 88-99% of
-    #: copy against the column split's 56-60%.
+    #: copy against the column split's 56-60%. RMSNorm's at 12288 a row across 2 CTAs of 512
+    #: threads, one an SM: 100% of copy against 98% across 3 of 256 (#112).
     cute_forward_fp32: dict = field(default_factory=lambda: {
         "rms_norm": {256: (64, 2, 16), 512: (128, 2, 8), 1024: (128, 2, 8), 2048: (256, 1, 4),
                      4096: (256, 2, 2), 5120: (256, 1, 4), 7168: (128, 1, 4),
@@ -180,11 +186,22 @@ class RowNormSettings:
                        16384: (256, 2, 4, 4), 32768: (512, 1, 2, 4), 65536: (256, 1, 3, 8),
                        131072: (512, 1, 2, 8)}})
     cute_cluster_backward_fp32: dict = field(default_factory=lambda: {
-        "rms_norm": {7168: (2, 128, 2, 2), 12288: (3, 256, 2, 2), 16384: (2, 512, 2, 1),
+        "rms_norm": {7168: (2, 128, 2, 2), 12288: (2, 512, 2, 1), 16384: (2, 512, 2, 1),
                      32768: (8, 256, 2, 2), 65536: (8, 256, 2, 1), 131072: (8, 512, 1, 1)},
         "layer_norm": {5120: (2, 128, 2, 2), 7168: (2, 128, 2, 2), 8192: (2, 256, 2, 2),
                        12288: (3, 256, 2, 2), 16384: (2, 512, 2, 1), 32768: (8, 256, 2, 2),
                        65536: (8, 256, 2, 1), 131072: (8, 512, 1, 1)}})
+
+    def cute_table(self, kernel: CuteKernel, itemsize: int) -> dict:
+        """The CuTe DSL table of ``kernel`` for ``itemsize``-byte x, ``{op: {cols: entry}}``:
+        2-byte x (bf16, fp16) and 4-byte x (fp32) have their own; the row backward has no
+        4-byte one (no entry measured to gain), and other sizes none (empty)."""
+        two_byte, four_byte = {
+            "forward": (self.cute_forward, self.cute_forward_fp32),
+            "backward": (self.cute_backward, {}),
+            "cluster_backward": (self.cute_cluster_backward, self.cute_cluster_backward_fp32),
+        }[kernel]
+        return {2: two_byte, 4: four_byte}.get(itemsize, {})
 
 
 #: Hopper at the H200's memory bandwidth: the settings above as measured, on an H200 where

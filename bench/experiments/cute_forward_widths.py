@@ -19,6 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import torch  # noqa: E402
+
 from bench.experiments import forward_probe_cases  # noqa: E402
 from bench.experiments.forward_probe_cases import EPS  # noqa: E402
 from tilenorm.launch import cute  # noqa: E402
@@ -41,7 +43,8 @@ def candidates(n: int) -> list[forward_probe_cases.Candidate]:
         def make(x, w, y, rstd):
             plan = CuteForwardPlan.of(x.shape[0], n, config)
             fn = cute.compiled_forward(cute.ForwardKey.of(
-                plan, "bfloat16", "bfloat16", False, False, False, False))
+                plan, "bfloat16", "bfloat16", False, False, False, False),
+                torch.cuda.get_device_capability(x.device))
             return lambda: fn(x, None, w, None, y, None, None, rstd, EPS, 0.0, plan.grid)
         return make
 

@@ -114,7 +114,8 @@ def check(out: dict, x: torch.Tensor, w: torch.Tensor, scaling: str, scale: torc
 
 def run(key: cute.Fp8ForwardKey, x, w, scale, grid, row_major_blocks: bool = False):
     fn = (cute.compile_fp8_forward(key, row_major_block_scales=row_major_blocks)
-          if row_major_blocks else cute.compiled_fp8_forward(key))
+          if row_major_blocks
+          else cute.compiled_fp8_forward(key, torch.cuda.get_device_capability()))
     out = outputs(*x.shape, key.scaling, grid, row_major_blocks)
 
     def launch():

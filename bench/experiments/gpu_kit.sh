@@ -38,6 +38,12 @@ source /tmp/gpu-kit/env.sh
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 CUDA_TILE_CACHE_DIR=/tmp/cutile-cache \
   TILENORM_CACHE_DIR=/tmp/tilenorm-cache TILENORM_COMMIT=$commit
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
+# CuTe DSL objects built without a GPU (bench/experiments/cute_cache_objects.py, carried as
+# .gpu-cache/cute): linked here instead of compiled (NOTES #115).
+if [ -d .gpu-cache/cute ]; then
+  mkdir -p "$TILENORM_CACHE_DIR" && cp -rn .gpu-cache/cute/. "$TILENORM_CACHE_DIR"/
+  echo "cute objects seeded: $(ls .gpu-cache/cute | wc -l)"
+fi
 NARROW=1048576x128,524288x256,262144x512,131072x1024,65536x2048,32768x128,4096x4096
 WIDE=32768x4096,26214x5120,18724x7168,16384x8192,8192x16384,4096x32768,2048x65536,1024x131072
 

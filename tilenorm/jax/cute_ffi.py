@@ -9,25 +9,24 @@ library of its own.
 A library is built on first use into :func:`tilenorm.launch.build.cache_root` (beside the
 FFI module of :mod:`tilenorm.jax.native`), once per variant, architecture, sources and
 toolchain (the DSL, TVM-FFI and jaxlib versions, Python, the compiler); building one
-compiles the kernel (~4 s) and the handler. Each is loaded with ctypes and registered as a
-custom-call target of its own, :func:`target`. Nothing here needs a GPU: the CPU tests build
-and call the libraries (:data:`HOST_HANDLER`).
+compiles the handler, and the kernel (~4 s) where the torch side has not already put its
+object file in the cache (:mod:`tilenorm.launch.cute_cache`). Each is loaded with ctypes and
+registered as a custom-call target of its own, :func:`target`. Nothing here needs a GPU: the
+CPU tests build and call the libraries (:data:`HOST_HANDLER`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.metadata
 import os
-import shutil
 import tempfile
 from dataclasses import astuple
 from pathlib import Path
 from typing import TypeAlias
 
 from tilenorm.launch import build as launch_build
-from tilenorm.launch import cute
+from tilenorm.launch import cute, cute_cache
 
 SOURCE = Path(__file__).with_name("cute_ffi_calls.cc")
 #: Files whose text goes into what a library holds beyond its key: the handler, the kernel
@@ -50,26 +49,12 @@ Key: TypeAlias = cute.ForwardKey | cute.ClusterBackwardKey
 TARGET_PREFIX = "tilenorm_cute_forward_"
 BACKWARD_TARGET_PREFIX = "tilenorm_cute_cluster_backward_"
 #: The distributions whose versions a built library depends on.
-_VERSIONED = ("nvidia-cutlass-dsl-libs-base", "apache-tvm-ffi", "jaxlib")
-
-
-def arch_name(arch: tuple[int, int]) -> str:
-    """The DSL's ``--gpu-arch`` for a compute capability: the architecture-specific target
-    (``sm_90a``) from Hopper on, as the ahead-of-time builds use (``cute.AOT_ARCHS``)."""
-    major, minor = arch
-    return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
-
-
-def _version(distribution: str) -> str:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return "none"
+_VERSIONED = (*cute_cache.VERSIONED, "jaxlib")
 
 
 def build_key(key: Key, arch: str) -> str:
     """A short hash of the variant, the architecture, the sources and the toolchain."""
-    versions = " ".join(f"{d} {_version(d)}" for d in _VERSIONED)
+    versions = " ".join(f"{d} {cute_cache.version(d)}" for d in _VERSIONED)
     return launch_build.source_key(
         BUILD_SOURCES, f"{type(key).__name__} {astuple(key)} {arch} {versions}")
 
@@ -91,44 +76,26 @@ def library_path(key: Key, arch: str) -> Path:
 # --- the toolchain ---------------------------------------------------------------------------
 
 
-def _runtime_library() -> Path:
-    """The DSL's runtime (``libcute_dsl_runtime.so``), the one its own JIT loads."""
-    from cutlass.base_dsl.env_manager import get_prefix_dsl_libs
-
-    for path in (get_prefix_dsl_libs("CUTE_DSL") or "").split(os.pathsep):
-        if Path(path).name == "libcute_dsl_runtime.so" and Path(path).is_file():
-            return Path(path)
-    raise RuntimeError("the CuTe DSL's runtime library (libcute_dsl_runtime.so) was not found")
-
-
 @functools.cache
 def _link_inputs() -> tuple[str, ...]:
-    """The include and link flags of TVM-FFI and the DSL runtime. The library is linked
-    against the very files the DSL and ``tvm_ffi`` load, so that the process holds one copy of
-    each: TVM-FFI's stream (``TVMFFIEnvSetStream``) is per copy."""
+    """The include flags of XLA's FFI and TVM-FFI, and the DSL runtime and TVM-FFI to link
+    (:func:`tilenorm.launch.cute_cache.link_inputs`)."""
     import jax
     from tvm_ffi import libinfo
 
-    tvm_lib = Path(libinfo.find_libtvm_ffi())
-    runtime = _runtime_library()
     includes = dict.fromkeys([jax.ffi.include_dir(), libinfo.find_include_path(),
                               libinfo.find_dlpack_include_path()])
-    return (*(f"-isystem{path}" for path in includes),
-            str(runtime), str(tvm_lib),
-            f"-Wl,-rpath,{runtime.parent}", f"-Wl,-rpath,{tvm_lib.parent}")
+    return (*(f"-isystem{path}" for path in includes), *cute_cache.link_inputs())
 
 
 @functools.cache
 def unavailable() -> str | None:
-    """Why no library can be built in this process (None: one can): the DSL and TVM-FFI, the
-    DSL's runtime library, a C++ compiler. ``TILENORM_NATIVE=0`` turns it off, as it does the
-    FFI module."""
-    if os.environ.get("TILENORM_NATIVE", "1") == "0":
-        return "TILENORM_NATIVE=0"
-    if not cute.available():
-        return "the CuTe DSL (nvidia-cutlass-dsl-libs-cu13, apache-tvm-ffi) is not installed"
-    if shutil.which(launch_build.compiler()) is None:
-        return f"no C++ compiler ({launch_build.compiler()!r} not found; set CXX)"
+    """Why no library can be built in this process (None: one can): those of
+    :func:`tilenorm.launch.cute_cache.unavailable` (``TILENORM_NATIVE=0`` among them), and
+    XLA's FFI headers."""
+    reason = cute_cache.unavailable()
+    if reason is not None:
+        return reason
     try:
         _link_inputs()
     except (RuntimeError, OSError, ImportError) as error:
@@ -173,21 +140,11 @@ def _defines(key: Key, entry: str) -> list[str]:
 _EXPORTS = "{ global: " + HANDLER + "; " + HOST_HANDLER + "; " + CALLS + "; local: *; };\n"
 
 
-def _export_object(key: Key, arch: str, path: Path, name: str) -> None:
-    """Compile the variant for ``arch`` (no GPU needed) and export it to the object ``path``,
-    its entry ``__tvm_ffi_<name>``; written beside and moved into place complete."""
-    compiled = (cute.compile_forward(key, arch) if _is_forward(key)
-                else cute.compile_cluster_backward(key, arch))
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        out = Path(tmp) / path.name
-        compiled.export_to_c(str(out), function_name=name)
-        os.replace(out, path)
-
-
 def build(key: Key, arch: str, verbose: bool = False) -> Path:
-    """Build the variant's library into the cache (once): export the kernel, then compile
-    the handler and link the two. ``RuntimeError`` where a step fails (the DSL's own errors
-    are wrapped)."""
+    """Build the variant's library into the cache (once): the kernel's object file (the one
+    the torch side loads, :func:`tilenorm.launch.cute_cache.build_object`), then compile the
+    handler and link the two. ``RuntimeError`` where a step fails (the DSL's own errors are
+    wrapped)."""
     reason = unavailable()
     if reason is not None:
         raise RuntimeError(reason)
@@ -195,16 +152,9 @@ def build(key: Key, arch: str, verbose: bool = False) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    # The entry's name is unique to the build, so that a symbol of one library never stands
-    # in for another's, whatever the loader does.
-    name = f"tilenorm_cute_{build_key(key, arch)}"
-    obj = target.with_name("kernel.o")
-    if not obj.exists():
-        try:
-            _export_object(key, arch, obj, name)
-        except Exception as error:  # the DSL's compile errors are its own classes
-            raise RuntimeError(f"compiling the CuTe DSL kernel {key} for {arch} failed: "
-                               f"{type(error).__name__}: {error}") from error
+    obj = cute_cache.build_object(
+        key, arch, cute.compile_forward if _is_forward(key) else cute.compile_cluster_backward)
+    name = cute_cache.entry_name(key, arch)
     exports = target.with_name("exports.map")
     if not exports.exists():
         with tempfile.NamedTemporaryFile("w", dir=target.parent, delete=False) as f:

@@ -327,9 +327,10 @@ def _cute_target(key: ForwardKey | ClusterBackwardKey, arch: tuple[int, int], di
     "backward") runs instead. A failure is cached too, so that a trace does not compile the
     kernel again to fail."""
     from tilenorm.jax import cute_ffi
+    from tilenorm.launch import cute_cache
 
     try:
-        return cute_ffi.target(key, cute_ffi.arch_name(arch))
+        return cute_ffi.target(key, cute_cache.arch_name(arch))
     except (RuntimeError, OSError, AttributeError) as error:
         warnings.warn(f"tilenorm: the CuTe DSL {direction}'s XLA FFI call for {key} is "
                       f"unavailable ({error}); cuTile's {direction} runs", RuntimeWarning,

@@ -84,6 +84,10 @@ BLOCK_COLS = {"block": 128, "mx": 32}
 FLOAT32_MAX = 3.4028234663852886e38
 
 
+def _power_of_two(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
+
+
 @dsl_user_op
 def _widen_half(word: Int32, zero: Int32, high: bool, bf16: bool, *, loc=None,
                 ip=None) -> Float32:
@@ -154,6 +158,14 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
     ``column_amax``, FP8 x's ``group``: 0 for x that is not FP8); ``__call__`` launches it
     on ``grid`` programs (``mXScale`` None but for FP8 x)."""
 
+    #: Block and MX amaxes by a reduce-scatter over the block's lanes
+    #: (:meth:`_scattered_block_amax`) where it applies, rather than a butterfly a rep: False
+    #: compiles the kernel as before it (bench/experiments/fp8_block_sass.py compares them).
+    SCATTER_BLOCK_AMAX = True
+    #: Scales handed on by shuffles within the block's lane segment, an immediate source
+    #: lane (:meth:`_group_shuffle`), rather than from a computed lane index.
+    SEGMENT_SHUFFLES = True
+
     def __init__(self, dtype, weight_dtype, fp8_dtype, fp8_max: float, cols: int,
                  threads: int, stages: int, ctas_per_sm: int, scaling: str,
                  has_offset: bool, recompute_t: bool = False, column_amax: bool = False,
@@ -196,6 +208,11 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         self.column_amax = column_amax
         self.group = group
         self.warps = threads // cute.arch.WARP_SIZE
+        # The reduce-scatter of a block's amaxes (_scattered_block_amax): where the reps and
+        # the block's lanes are powers of two, no more reps than lanes.
+        self.scatter = (self.SCATTER_BLOCK_AMAX and scaling in BLOCK_COLS
+                        and _power_of_two(self.reps) and _power_of_two(self.block_lanes)
+                        and self.reps <= self.block_lanes)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mXScale: cute.Tensor | None, mW: cute.Tensor | None,
@@ -261,9 +278,15 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         vectors) into ``scale_slot`` (reps,)."""
         cute.autovec_copy(self._thread_view(mX[row, None], tidx), x_slot)
         if const_expr(self.group):
+            per_group = self.group // self.vec
             for r in cutlass.range_constexpr(self.reps):
-                vector = tidx + r * self.threads
-                scale_slot[r] = mXScale[row, vector // (self.group // self.vec)]
+                if const_expr(self.threads % per_group == 0):
+                    # (tidx + r * threads) // per_group, with the rep a constant term: the
+                    # reps' loads share one address, at immediate offsets.
+                    group = tidx // per_group + r * (self.threads // per_group)
+                else:
+                    group = (tidx + r * self.threads) // per_group
+                scale_slot[r] = mXScale[row, group]
 
     @cute.jit
     def _values(self, x_slot: cute.Tensor, scale_slot: cute.Tensor | None,
@@ -374,8 +397,13 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                         if const_expr(self.recompute_t):
                             self._recompute_t(xs[s], mW, w_in, t, tidx, offset, zeros[0],
                                               False)
-                        m = Float32(0.0)
-                        for i in cutlass.range_constexpr(per_thread):
+                        # From |t[0]|, not from 0: m differs only where every |t| of the
+                        # thread is NaN (NaN, not 0); fmax drops that NaN in the warp's and
+                        # the warps' folds, and only a row all NaN ends with a NaN amax,
+                        # which gives scale 1 (and leaves delayed's fmax(acc, .) at acc) as
+                        # 0 does: the same outputs, one FMNMX fewer.
+                        m = cute.math.absf(t[0])
+                        for i in cutlass.range_constexpr(1, per_thread):
                             m = cute.arch.fmax(m, cute.math.absf(t[i]))
                         part_max = cute.arch.warp_reduction(m, cute.arch.fmax)
                     parity = s % 2
@@ -383,9 +411,17 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                         sums[warp, 0, parity] = part_sq
                         sums[warp, 1, parity] = part_max
                     cute.arch.barrier()
-                    total = Float32(0.0)
+                    # Folded from warp 0's partials, not from 0: a sum of squares from +0 is
+                    # never -0, so 0 + it is it (a NaN stays the canonical NaN); a warp's
+                    # maximum of |t| is a number >= +0, fmax(0, it) being it, or NaN where
+                    # its threads saw only NaN, which the fmax fold drops as fmax(0, NaN)
+                    # does unless every warp's is NaN (the row all NaN, as above): the same
+                    # outputs with two instructions fewer a row.
+                    total = sums[0, 0, parity]
                     tmax = Float32(0.0)
-                    for i in cutlass.range_constexpr(self.warps):
+                    if const_expr(row_amax):
+                        tmax = sums[0, 1, parity]
+                    for i in cutlass.range_constexpr(1, self.warps):
                         total = total + sums[i, 0, parity]
                         if const_expr(row_amax):
                             tmax = cute.arch.fmax(tmax, sums[i, 1, parity])
@@ -454,7 +490,26 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         of ``2 * reps``."""
         q_row = self._thread_view(mQ[row, None], tidx)
         g = lane % self.block_lanes
-        if const_expr(self.scaling == "block" and self.reps <= self.block_lanes):
+        if const_expr(self.scatter):
+            # Lanes [r * spread, (r + 1) * spread) of a group hold rep r's amax; lane g takes
+            # the scale of rep g // spread, the first of those lanes stores it.
+            spread = self.block_lanes // self.reps
+            mine = self._scattered_block_amax(t, lane) * rstd
+            if const_expr(self.scaling == "mx"):
+                k = self._mx_exponent(mine, bits)
+                scale_mine = self._power_of_two(-k, bits)
+            else:
+                scale_mine = self._scale_of(mine)
+            if g % spread == 0:
+                block = (tidx - g + (g // spread) * self.threads) // self.block_lanes
+                if const_expr(self.scaling == "mx"):
+                    mQScale[row, block] = cutlass.Uint8(k + 127)
+                else:
+                    mQScale[row, block] = Float32(1.0) / scale_mine
+            for r in cutlass.range_constexpr(self.reps):
+                self._quantize_rep(t, y, q_row, rstd, self._group_shuffle(scale_mine, r * spread),
+                                   r)
+        elif const_expr(self.scaling == "block" and self.reps <= self.block_lanes):
             mine = Float32(0.0)
             for r in cutlass.range_constexpr(self.reps):
                 m = self._block_amax(t, r)
@@ -485,6 +540,61 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         if const_expr(not self.recompute_t):
             q.store(y.load().to(self.fp8_dtype))
             cute.autovec_copy(q_bytes, q_row)
+
+    @cute.jit
+    def _scattered_block_amax(self, t: cute.Tensor, lane: Int32) -> Float32:
+        """The largest |t| of rep ``g // (block_lanes // reps)``'s block, lane ``g`` of the
+        block's lanes: a reduce-scatter. At the butterfly's first ``log2(reps)`` levels a
+        lane holds ``k`` reps' maxima and sends half of them: the lane with the level's bit
+        set keeps the upper half and sends the lower, its partner the reverse, and each
+        takes the max of what it kept and what it got; then a butterfly of one value over
+        the lanes left. Per lane ``reps - 1 + log2(block_lanes / reps)`` shuffles and as
+        many maxima, and two selects a value sent, against ``reps * log2(block_lanes)``
+        shuffles and maxima of a butterfly a rep (:meth:`_block_amax`). The same value bit
+        for bit: every operand is a max of absolute values started at 0 (``fmax`` skips a
+        NaN), so no NaN and no -0 reach the shuffles, and the max of such a set is exact in
+        any order."""
+        vals = []
+        for r in cutlass.range_constexpr(self.reps):
+            vals.append(self._thread_amax(t, r))
+        levels = self.block_lanes.bit_length() - 1
+        for level in cutlass.range_constexpr(levels):
+            offset = self.block_lanes >> (level + 1)
+            half = self.reps >> (level + 1)
+            if const_expr(half > 0):
+                upper = (lane & offset) != 0
+                kept = []
+                for i in cutlass.range_constexpr(half):
+                    send = Float32(cutlass.select_(upper, vals[i], vals[i + half]))
+                    keep = Float32(cutlass.select_(upper, vals[i + half], vals[i]))
+                    kept.append(cute.arch.fmax(keep,
+                                               cute.arch.shuffle_sync_bfly(send, offset)))
+                vals = kept
+            else:
+                vals = [cute.arch.fmax(vals[0], cute.arch.shuffle_sync_bfly(vals[0], offset))]
+        return vals[0]
+
+    @cute.jit
+    def _group_shuffle(self, value: Float32, g: int) -> Float32:
+        """``value`` of lane ``g`` of this lane's block group: ``shfl.sync.idx`` with the
+        group as its segment (``c``'s segment mask ``32 - block_lanes``, as CUDA's
+        ``__shfl_sync`` with ``width``), so the source lane is ``(lane & ~(block_lanes - 1))
+        | g`` with ``g`` an immediate and no index computed; where ``SEGMENT_SHUFFLES`` is
+        False, from the lane index ``lane - lane % block_lanes + g`` (a full-warp shuffle,
+        the same source lane)."""
+        if const_expr(self.SEGMENT_SHUFFLES):
+            return cute.arch.shuffle_sync(
+                value, g, mask_and_clamp=((32 - self.block_lanes) << 8) | 0x1F)
+        lane = cute.arch.lane_idx()
+        return cute.arch.shuffle_sync(value, lane - lane % self.block_lanes + g)
+
+    @cute.jit
+    def _thread_amax(self, t: cute.Tensor, r: int) -> Float32:
+        """The largest |t| of this thread's vector of rep ``r`` (0 if none is above 0)."""
+        m = Float32(0.0)
+        for e in cutlass.range_constexpr(self.vec):
+            m = cute.arch.fmax(m, cute.math.absf(t[e, r]))
+        return m
 
     @cute.jit
     def _block_amax(self, t: cute.Tensor, r: int) -> Float32:

@@ -24,13 +24,14 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+from tilenorm.launch import cute_cache
 from tilenorm.planner import (
     CuteBackwardPlan,
     CuteClusterBackwardPlan,
     CuteForwardPlan,
     residual_entry,
 )
-from tilenorm.settings import DEVICE_CLASSES, RowNormSettings, settings_for
+from tilenorm.settings import DEVICE_CLASSES, CuteKernel, RowNormSettings, settings_for
 
 if TYPE_CHECKING:
     from tilenorm.settings_fp8 import Fp8Settings
@@ -335,15 +336,14 @@ def aot_keys(all_dtypes: bool = False) -> list[BackwardKey]:
             for has_bias in ((False, True) if op == "layer_norm" else (False,)))
 
 
-def _entries(two_byte: str, four_byte: str, all_dtypes: bool
+def _entries(kernel: CuteKernel, all_dtypes: bool
              ) -> Iterator[tuple[str, str, int, tuple[int, ...]]]:
-    """(x's dtype, op, width, entry) of every class's table ``two_byte`` (bf16 x, and fp16
-    with ``all_dtypes``) and ``four_byte`` (fp32 x)."""
+    """(x's dtype, op, width, entry) of every class's ``kernel`` tables: the 2-byte one (bf16
+    x, and fp16 with ``all_dtypes``) and the 4-byte one (fp32 x)."""
     for s in _every_table():
-        for table, dtypes in ((getattr(s, two_byte),
-                               ("bfloat16", "float16") if all_dtypes else ("bfloat16",)),
-                              (getattr(s, four_byte), ("float32",))):
-            for op, widths in table.items():
+        for itemsize, dtypes in ((2, ("bfloat16", "float16") if all_dtypes else ("bfloat16",)),
+                                 (4, ("float32",))):
+            for op, widths in s.cute_table(kernel, itemsize).items():
                 for cols, config in widths.items():
                     for dtype in dtypes:
                         yield dtype, op, cols, config
@@ -357,8 +357,7 @@ def aot_cluster_backward_keys(all_dtypes: bool = False) -> list[ClusterBackwardK
     return _unique(ClusterBackwardKey(dtype, weight_dtype, has_offset, has_dres_in, cols,
                                       *config, layer_norm=op == "layer_norm",
                                       has_bias=has_bias)
-            for dtype, op, cols, config in _entries("cute_cluster_backward",
-                                                    "cute_cluster_backward_fp32", all_dtypes)
+            for dtype, op, cols, config in _entries("cluster_backward", all_dtypes)
             for weight_dtype in (None, dtype, "float32")
             for has_offset in ((False, True) if op == "rms_norm" and weight_dtype
                                else (False,))
@@ -375,8 +374,7 @@ def aot_forward_keys(all_dtypes: bool = False) -> list[ForwardKey]:
     return _unique(ForwardKey(dtype, weight_dtype, has_bias, op == "layer_norm", has_offset,
                               has_residual, cols,
                               *(residual_entry(cols, config) if has_residual else config))
-            for dtype, op, cols, config in _entries("cute_forward", "cute_forward_fp32",
-                                                    all_dtypes)
+            for dtype, op, cols, config in _entries("forward", all_dtypes)
             for weight_dtype in (None, dtype, "float32")
             for has_bias in ((False, True) if op == "layer_norm" and weight_dtype
                              else (False,))
@@ -385,29 +383,29 @@ def aot_forward_keys(all_dtypes: bool = False) -> list[ForwardKey]:
             for has_residual in (False, True))
 
 
-#: Compiled variants kept per process: a new row count compiles in ~2 s.
+#: Compiled variants kept loaded per process (each is a library of the disk cache, or a
+#: JIT-compiled function where none can be built: :mod:`tilenorm.launch.cute_cache`).
 MAX_COMPILED = 256
 
 
 @functools.lru_cache(maxsize=MAX_COMPILED)
-def compiled_forward(key: ForwardKey, arch: tuple[int, int] | None = None):
-    """``key``'s kernel for the current GPU, compiled once per ``arch`` (its compute
-    capability: a process whose GPUs differ compiles for each)."""
-    return compile_forward(key)
+def compiled_forward(key: ForwardKey, arch: tuple[int, int]):
+    """``key``'s kernel for ``arch``, the current GPU's compute capability (a process whose
+    GPUs differ loads one for each): loaded from the disk cache, compiled into it first where
+    absent (:func:`tilenorm.launch.cute_cache.load`)."""
+    return cute_cache.load(key, arch, compile_forward)
 
 
 @functools.lru_cache(maxsize=MAX_COMPILED)
-def compiled_backward(key: BackwardKey, arch: tuple[int, int] | None = None):
-    """``key``'s kernel for the current GPU, compiled once per ``arch`` (as
-    :func:`compiled_forward`)."""
-    return compile_backward(key)
+def compiled_backward(key: BackwardKey, arch: tuple[int, int]):
+    """``key``'s kernel for ``arch`` (as :func:`compiled_forward`)."""
+    return cute_cache.load(key, arch, compile_backward)
 
 
 @functools.lru_cache(maxsize=MAX_COMPILED)
-def compiled_cluster_backward(key: ClusterBackwardKey, arch: tuple[int, int] | None = None):
-    """``key``'s kernel for the current GPU, compiled once per ``arch`` (as
-    :func:`compiled_forward`)."""
-    return compile_cluster_backward(key)
+def compiled_cluster_backward(key: ClusterBackwardKey, arch: tuple[int, int]):
+    """``key``'s kernel for ``arch`` (as :func:`compiled_forward`)."""
+    return cute_cache.load(key, arch, compile_cluster_backward)
 
 
 def _fp8_dtypes():
@@ -585,9 +583,9 @@ def _fp8_keys(settings: Fp8Settings, all_dtypes: bool) -> list[Fp8ForwardKey]:
 
 
 @functools.lru_cache(maxsize=MAX_COMPILED)
-def compiled_fp8_forward(key: Fp8ForwardKey):
-    """``key``'s kernel for this process's GPU, compiled once."""
-    return compile_fp8_forward(key)
+def compiled_fp8_forward(key: Fp8ForwardKey, arch: tuple[int, int]):
+    """``key``'s kernel for ``arch`` (as :func:`compiled_forward`)."""
+    return cute_cache.load(key, arch, compile_fp8_forward)
 
 
 @dataclass(frozen=True)
@@ -686,6 +684,6 @@ def aot_fp8_transpose_keys(all_dtypes: bool = False) -> list[Fp8TransposeKey]:
 
 
 @functools.lru_cache(maxsize=MAX_COMPILED)
-def compiled_fp8_transpose(key: Fp8TransposeKey):
-    """``key``'s kernel for this process's GPU, compiled once."""
-    return compile_fp8_transpose(key)
+def compiled_fp8_transpose(key: Fp8TransposeKey, arch: tuple[int, int]):
+    """``key``'s kernel for ``arch`` (as :func:`compiled_forward`)."""
+    return cute_cache.load(key, arch, compile_fp8_transpose)

@@ -466,14 +466,15 @@ class _CuteLauncher:
     count), launched for one layout like a :class:`_Launcher` (TVM-FFI launches on the
     current stream)."""
 
-    def __init__(self, plan: CuteFp8ForwardPlan, spec: Fp8Spec, scaling: str, x, weight):
+    def __init__(self, plan: CuteFp8ForwardPlan, spec: Fp8Spec, scaling: str, x, weight,
+                 arch: tuple[int, int]):
         self.plan, self.scaling, self.group = plan, scaling, spec.group
         self.fn = cute.compiled_fp8_forward(cute.Fp8ForwardKey(
             None, DTYPE_NAMES[x.dtype],
             None if weight is None else DTYPE_NAMES[weight.dtype],
             DTYPE_NAMES[spec.fp8_dtype], self.scaling, spec.has_offset, plan.cols,
             plan.threads, plan.stages, plan.ctas_per_sm, plan.recompute_t, plan.column_amax,
-            spec.group))
+            spec.group), arch)
         # The program's amax, or with column_amax its column amaxes.
         self.amax = "column_amax_partial" if plan.column_amax else "amax_partial"
 
@@ -496,12 +497,13 @@ class _CuteTransposeLauncher:
     """The CuTe DSL transposed copy (scales along M), compiled for one width, launched like
     a :class:`_Launcher` (TVM-FFI launches on the current stream)."""
 
-    def __init__(self, plan: CuteFp8TransposePlan, spec: Fp8Spec, x, weight):
+    def __init__(self, plan: CuteFp8TransposePlan, spec: Fp8Spec, x, weight,
+                 arch: tuple[int, int]):
         self.plan = plan
         self.fn = cute.compiled_fp8_transpose(cute.Fp8TransposeKey(
             DTYPE_NAMES[x.dtype], None if weight is None else DTYPE_NAMES[weight.dtype],
             DTYPE_NAMES[spec.fp8_dtype], spec.scaling, spec.has_offset, plan.cols,
-            plan.tile_cols, plan.ctas_per_sm, plan.weight_first))
+            plan.tile_cols, plan.ctas_per_sm, plan.weight_first), arch)
 
     def __call__(self, stream: int, tensors: dict[str, torch.Tensor],
                  scalars: dict[str, float]):
@@ -763,13 +765,14 @@ def build_forward(spec: Fp8Spec, x, weight, bias, residual, residual_dtype,
     elif spec.scaling == "delayed":
         kernels.append((cutile_fp8.bind_fp8_amax_finish(call.partials,
                                                         plan.dependent_launch), layouts))
-    call.launchers = ([_CuteLauncher(cute_plan, spec, row_scaling, x, weight)] if cute_plan
+    call.launchers = ([_CuteLauncher(cute_plan, spec, row_scaling, x, weight, arch)] if cute_plan
                       else [])
     call.launchers += [_Launcher(b, {k: v for k, v in kernel_layouts.items() if k in b.arrays},
                                  x.device, arch) for b, kernel_layouts in kernels]
     # The CuTe DSL transposed copy where the decision has it, after the column amaxes.
     if decision.cute_transpose is not None:
-        call.launchers.append(_CuteTransposeLauncher(decision.cute_transpose, spec, x, weight))
+        call.launchers.append(_CuteTransposeLauncher(decision.cute_transpose, spec, x, weight,
+                                                     arch))
     # The swizzle re-lays the row-major scales the kernels above wrote: q's, then q_t's.
     for swizzle, scales in ((decision.swizzle, "q_scale"), (decision.swizzle_t, "q_t_scale")):
         if swizzle is not None:

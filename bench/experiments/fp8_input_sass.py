@@ -1,0 +1,366 @@
+"""No GPU: the CuTe FP8 row kernel's main loop with FP8 x (E4M3 bytes and one fp32 multiplier
+a group) against 2-byte x, read off its sm_90a SASS: registers, spills, the static
+instruction count of the main loop (the persistent row loop, ``stages`` rows unrolled:
+``fp8_block_sass.main_loop``) and that loop's instructions attributed to what they do, by a
+register data-flow walk of the loop (twice round, so values loaded in one trip and used in
+the next are traced). Row scaling, a bf16 weight, E4M3 q, a runtime row count, the tables'
+(threads, stages, CTAs per SM): ``cute_forward_fp8_input`` for FP8 x, ``forward_entry`` for
+bf16 x.
+
+    python bench/experiments/fp8_input_sass.py [--widths 4096,8192] [--x fp8,bf16]
+        [--group 128] [--sass-dir DIR]
+    python bench/experiments/fp8_input_sass.py --emulate   # the CPU bit-identity checks
+
+Categories: ``convert`` (FP8 -> f16x2 -> fp32: F2FP.F16.E4M3.UNPACK_B, HADD2.F32),
+``widen x`` / ``widen w`` (bf16 -> fp32 by shift / permute), ``dequant`` (fp32(x) times
+its multiplier), ``x*w``, ``sum sq`` (the FFMA chain), ``amax t`` (max |t|), ``quantize``
+(t * rstd * scale and the saturating conversion with its byte packing), ``reduce`` (warp
+shuffles, shared memory, the barrier, the cross-warp sums), ``rstd, scale`` (rsqrt, the
+IEEE divisions with their checks and slow-path calls), the loads and stores, and the
+integer work that forms each load's and store's address (``addr: x``, ``addr: mult``, ...;
+``addr: row`` where a value feeds several), ``control`` (branches, predicates, the rest).
+
+``--emulate`` checks in NumPy that the exactness arguments of the kernel's FP8-x arithmetic
+hold for every E4M3 byte (see :func:`emulate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.experiments.fp8_block_sass import main_loop, parse_sass  # noqa: E402
+
+CATEGORIES = ("convert", "widen x", "widen w", "dequant", "x*w", "sum sq", "amax t",
+              "quantize", "reduce", "rstd, scale", "load x", "load mult", "store q",
+              "store rstd/scale", "addr: x", "addr: mult", "addr: q", "addr: rstd/scale",
+              "addr: row", "control")
+_REG = re.compile(r"\b(U?R\d+|U?RZ)\b")
+
+
+def _regs(operand: str, width: int = 1) -> list[str]:
+    m = _REG.search(operand)
+    if not m or m[1] in ("RZ", "URZ"):
+        return []
+    kind = "UR" if m[1].startswith("UR") else "R"
+    n = int(m[1][len(kind):])
+    return [f"{kind}{n + i}" for i in range(width)]
+
+
+def _width(op: str) -> int:
+    for suffix, w in ((".128", 4), (".64", 2), (".WIDE", 2)):
+        if suffix in op:
+            return w
+    return 1
+
+
+def split(text: str) -> tuple[str, list[str], list[str]]:
+    """(opcode, destination registers, source registers) of one instruction."""
+    op, _, rest = text.partition(" ")
+    operands = [o.strip() for o in rest.split(",")] if rest else []
+    base = op.split(".")[0]
+    if base in ("STG", "STS", "ST", "BRA", "CALL", "BAR", "BSSY", "BSYNC", "EXIT", "RET",
+                "WARPSYNC", "NOP", "FCHK", "ISETP", "FSETP", "UISETP", "PLOP3") or not operands:
+        dests, srcs = [], operands
+    elif base == "SHFL":
+        dests, srcs = _regs(operands[1]), operands[2:]
+    else:
+        dests, srcs = _regs(operands[0], _width(op) if base in ("LDG", "LDS", "LDC", "IMAD")
+                            else 1), operands[1:]
+    src_regs = []
+    for o in srcs:
+        # a memory operand's address register is 64-bit ([R8.64]) for global accesses
+        src_regs += _regs(o, 2 if ".64]" in o else 1)
+    if base in ("STG", "STS"):
+        src_regs += _regs(operands[-1], _width(op))
+    return op, dests, src_regs
+
+
+def attribute(loop: list[tuple[int, str, str]]) -> collections.Counter:
+    """The count of each category (:func:`categories`) in ``loop``."""
+    return collections.Counter(categories(loop))
+
+
+def categories(loop: list[tuple[int, str, str]]) -> list[str]:
+    """Each loop instruction's category, from what its operands carry (register tags set by
+    the instructions that wrote them; the loop walked twice so a value loaded for a later
+    trip is tagged when used), and the address slices of the loads and stores."""
+    parsed = [split(text) for _, _, text in loop]
+    defined = {d for _, ds, _ in parsed for d in ds}
+    tags: dict[str, str] = {}
+    cats: list[str] = [""] * len(parsed)
+    for _ in range(2):
+        for i, (op, dests, srcs) in enumerate(parsed):
+            base = op.split(".")[0]
+            st = [tags.get(s, "live-in" if s not in defined else "") for s in srcs]
+            text = loop[i][2]
+            if base in ("PRMT", "SHF", "IMAD", "LOP3") and st:
+                st = st[:1]  # a permute's merge operand carries none of the value
+            cat, tag = "", ""
+            if base == "LDG":
+                cat, tag = ("load x", "xraw") if ".128" in op else ("load mult", "mult")
+            elif base == "F2FP" and "UNPACK" in op:
+                cat, tag = "convert", "f16"
+            elif base == "HADD2" and ".F32" in op and "f16" in st:
+                cat, tag = "convert", "x"
+            elif base == "F2FP":
+                cat, tag = "quantize", "q"
+            elif base in ("SHF", "IMAD", "PRMT", "LOP3") and "xraw" in st and (
+                    "0x10000" in text or "0x7632" in text or "0x10," in text
+                    or "0xffff0000" in text):
+                cat, tag = "widen x", ("xraw" if "0x7632" in text else "x")
+            elif base in ("SHF", "IMAD", "PRMT", "LOP3") and ("live-in" in st or "wraw" in st) \
+                    and ("0x10000" in text or "0x7632" in text or "0x10," in text
+                         or "0xffff0000" in text):
+                cat, tag = "widen w", ("wraw" if "0x7632" in text else "w")
+            elif base == "PRMT" and "q" in st:
+                cat, tag = "quantize", "q"
+            elif base == "FMUL" and "mult" in st and "x" in st:
+                cat, tag = "dequant", "xd"
+            elif base == "FMUL" and ("x" in st or "xd" in st) and (
+                    "w" in st or "live-in" in st):
+                cat, tag = "x*w", "t"
+            elif base == "FMUL" and "t" in st:
+                cat, tag = "quantize", "y1"
+            elif base == "FMUL" and "y1" in st:
+                cat, tag = "quantize", "y"
+            elif base == "FFMA" and ("sq" in st or (len(srcs) >= 2 and srcs[0] == srcs[1]
+                                                    and st[0] in ("x", "xd"))):
+                cat, tag = "sum sq", "sq"
+            elif base == "FMNMX" and op == "FMNMX" and ("t" in st or "amax" in st) and (
+                    "|" in text):
+                cat, tag = "amax t", "amax"
+            elif base in ("SHFL", "STS", "LDS", "BAR") or (
+                    base in ("FADD", "FMNMX") and op in ("FADD", "FMNMX")):
+                cat, tag = "reduce", "red"
+            elif base in ("MUFU", "FCHK", "FSETP", "FSEL", "FFMA", "FMUL", "CALL", "BSSY",
+                          "BSYNC", "FADD") or op.startswith("FMNMX.NAN"):
+                cat, tag = "rstd, scale", "scale"
+            elif base == "STG":
+                cat = "store q" if ".128" in op or ".64" in op else "store rstd/scale"
+            for d in dests:
+                tags[d] = tag
+            cats[i] = cat
+    # Address slices: the integer instructions each load's or store's address depends on.
+    users: dict[int, set[str]] = collections.defaultdict(set)
+    last_def: dict[str, int] = {}
+    defs_before: list[dict[str, int]] = []
+    for i, (_, dests, _) in enumerate(parsed * 2):
+        defs_before.append(dict(last_def))
+        for d in dests:
+            last_def[d] = i
+    n = len(parsed)
+    for i in range(n, 2 * n):
+        op, _, _ = parsed[i - n]
+        c = cats[i - n]
+        if c not in ("load x", "load mult", "store q", "store rstd/scale"):
+            continue
+        kind = {"load x": "addr: x", "load mult": "addr: mult", "store q": "addr: q",
+                "store rstd/scale": "addr: rstd/scale"}[c]
+        text = loop[i - n][2]
+        addr = re.findall(r"\[([^\]]*)\]", text)
+        stack = [(r, i) for r in (_regs(addr[-1], 2 if ".64" in addr[-1] else 1)
+                                   if addr else [])]
+        seen = set()
+        while stack:
+            r, at = stack.pop()
+            j = defs_before[at].get(r)
+            if j is None or j in seen:
+                continue
+            seen.add(j)
+            k = j % n
+            if cats[k]:
+                continue
+            users[k].add(kind)
+            stack += [(s, j) for s in parsed[k][2]]
+    for i, c in enumerate(cats):
+        if not c:
+            u = users.get(i)
+            cats[i] = (next(iter(u)) if len(u) == 1 else "addr: row") if u else "control"
+    return cats
+
+
+def compile_sass(x: str, cols: int, group: int) -> tuple[dict, str]:
+    from bench.kernel_resources import cubin_resources, cuobjdump, keeping_cubins
+    from tilenorm.launch import cute
+    from tilenorm.settings_fp8 import SM90_FP8
+
+    cute.available()
+    if x == "fp8":
+        key = cute.Fp8ForwardKey(None, "float8_e4m3fn", "bfloat16", "float8_e4m3fn", "row",
+                                 False, cols, *SM90_FP8.cute_forward_fp8_input[cols],
+                                 group=group)
+    else:
+        key = cute.Fp8ForwardKey(None, "bfloat16", "bfloat16", "float8_e4m3fn", "row", False,
+                                 cols, *SM90_FP8.forward_entry("row", cols))
+    with tempfile.TemporaryDirectory() as tmp:
+        with keeping_cubins(tmp):
+            cute.compile_fp8_forward(key, "sm_90a")
+        return cubin_resources(sorted(Path(tmp).rglob("*.cubin"))[0], cuobjdump())
+
+
+def report(widths, xs, group: int, sass_dir: str | None) -> None:
+    rows = []
+    for cols in widths:
+        for x in xs:
+            r, sass = compile_sass(x, cols, group)
+            if sass_dir:
+                Path(sass_dir).mkdir(parents=True, exist_ok=True)
+                (Path(sass_dir) / f"{x}-{cols}.sass").write_text(sass)
+            loop = main_loop(parse_sass(sass))
+            rows.append((f"{x} {cols}", r, len(loop), attribute(loop)))
+    print(f"{'':18}" + "".join(f"{name:>11}" for name, *_ in rows))
+    for label, get in (("registers", lambda r, n, c: r["registers"]),
+                       ("spills (st/ld)", lambda r, n, c: f"{r['spill_stores']}/"
+                                                          f"{r['spill_loads']}"),
+                       ("loop", lambda r, n, c: n)):
+        print(f"{label:18}" + "".join(f"{get(r, n, c)!s:>11}" for _, r, n, c in rows))
+    for cat in CATEGORIES:
+        print(f"  {cat:16}" + "".join(f"{c[cat]:>11}" for *_, c in rows))
+
+
+# --- CPU emulation of the dequantization --------------------------------------------------
+
+#: Every E4M3 (fn) byte's value: 1 sign, 4 exponent bits (bias 7), 3 mantissa bits, no
+#: infinities, S.1111.111 NaN.
+def e4m3_values() -> np.ndarray:
+    b = np.arange(256)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    e = (b >> 3) & 0xF
+    m = b & 7
+    v = np.where(e == 0, m / 8.0 * 2.0 ** -6, (1 + m / 8.0) * 2.0 ** (e - 7.0)) * sign
+    v[(b & 0x7F) == 0x7F] = np.nan
+    return v
+
+
+def multipliers(rng: np.random.Generator, n: int) -> np.ndarray:
+    """fp32 multipliers: random bit patterns over every exponent (subnormals, the largest
+    finite, infinities, NaN), typical scale_inv values, powers of two, and the edges."""
+    edges = np.array([0.0, -0.0, 1.0, -1.0, 1e-45, -1e-45, 1.1754942e-38, 1.1754944e-38,
+                      3.4028235e38, -3.4028235e38, np.inf, -np.inf, np.nan, 2.0 ** -126,
+                      2.0 ** -149, 2.0 ** 127, 1 / 448, 448.0, 3.0, 0.1], np.float32)
+    bits = rng.integers(0, 2 ** 32, n, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    typical = (np.abs(rng.standard_normal(n)) * 2.0 ** rng.integers(-30, 30, n)).astype(
+        np.float32) / np.float32(448)
+    pow2 = np.ldexp(np.float32(1), rng.integers(-149, 128, n)).astype(np.float32)
+    return np.concatenate([edges, bits, typical, pow2]).astype(np.float32)
+
+
+def emulate() -> None:
+    """Over every E4M3 byte times many fp32 multipliers: (1) every E4M3 value is an f16 and
+    an fp32 exactly (so cvt.rn.f16x2.e4m3x2 then f16 -> fp32 is the exact widening), and
+    the product fp32(x) * s rounded once to fp32 (NumPy float32 multiply: IEEE
+    round-to-nearest-even, subnormals kept, as PTX mul.rn.f32 without .ftz) is the same
+    bits however the multiplier reaches the multiply."""
+    v = e4m3_values()
+    finite = ~np.isnan(v)
+    as_f16 = v.astype(np.float16)
+    assert np.array_equal(as_f16[finite].astype(np.float64), v[finite]), "E4M3 -> f16"
+    assert np.array_equal(v.astype(np.float32)[finite].astype(np.float64), v[finite])
+    x32 = as_f16.astype(np.float32)  # the kernel's widening: e4m3 -> f16 -> f32
+    rng = np.random.default_rng(0)
+    s = multipliers(rng, 20000)
+    with np.errstate(over="ignore", invalid="ignore"):
+        prod = x32[:, None] * s[None, :]
+    # The exact product in float64 (4 + 24 significant bits fit 53) rounded once to fp32.
+    with np.errstate(over="ignore", invalid="ignore"):
+        ref = (x32.astype(np.float64)[:, None] * s.astype(np.float64)[None, :]).astype(
+            np.float32)
+    same = (prod.view(np.uint32) == ref.view(np.uint32)) | (np.isnan(prod) & np.isnan(ref))
+    assert same.all(), "fp32(x) * s is not the once-rounded exact product"
+    cases = emulate_folds(rng)
+    print(f"folds from warp 0 / |t[0]|: {cases} rows, the same sum, scale and amax bits")
+    print(f"bit-identical: {prod.size} products ({v.size} E4M3 bytes x {s.size} "
+          f"multipliers), fp32 multiply = exact product rounded once")
+
+
+def fold_outputs(t: np.ndarray, rstd: np.float32, seeded: bool) -> tuple:
+    """(sum of squares, scale, fmax(0, amax)) of one row of t ((warps, 32, per_thread)
+    fp32, x = t here) as the row kernel folds them: ``seeded`` the folds from 0 (before), else
+    the thread's max from |t[0]| and the cross-warp folds from warp 0's partials."""
+    f32 = np.float32
+    sq = np.full(t.shape[:2], f32(0), f32)
+    for i in range(t.shape[2]):
+        sq = (sq + t[:, :, i] * t[:, :, i]).astype(f32)  # the FFMA chain from +0
+    m = np.zeros(t.shape[:2], f32) if seeded else np.abs(t[:, :, 0])
+    for i in range(0 if seeded else 1, t.shape[2]):
+        m = np.fmax(m, np.abs(t[:, :, i]))
+    for off in (16, 8, 4, 2, 1):  # the warps' butterflies
+        lane = np.arange(32) ^ off
+        sq = (sq + sq[:, lane]).astype(f32)
+        m = np.fmax(m, m[:, lane])
+    ws, wm = sq[:, 0], m[:, 0]
+    total, tmax = (f32(0), f32(0)) if seeded else (ws[0], wm[0])
+    for w in range(0 if seeded else 1, len(ws)):
+        total, tmax = f32(total + ws[w]), np.fmax(tmax, wm[w])
+    amax = f32(tmax * rstd)
+    scale = f32(1)
+    if amax > 0 and amax <= f32(FLOAT32_MAX):
+        scale = min(f32(f32(448) / amax), f32(FLOAT32_MAX))
+    return total, scale, np.fmax(f32(0), amax)
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def emulate_folds(rng: np.random.Generator) -> int:
+    """The row folds before and after ff2c767 and its follow-up: the same sum of squares,
+    scale and program amax bits, rows with zeros, -0, NaN (whole threads, warps, rows of
+    it), infinities, subnormals."""
+    cases = 0
+    for _ in range(3000):
+        warps, per = int(rng.choice([1, 2, 4, 8])), int(rng.choice([8, 16, 32]))
+        kind = rng.integers(5)
+        t = rng.standard_normal((warps, 32, per)).astype(np.float32)
+        if kind == 1:
+            t[rng.random(t.shape) < 0.3] = np.nan
+        elif kind == 2:  # whole threads / warps / the row NaN
+            pick = rng.integers(3)
+            if pick == 0:
+                t[rng.integers(warps), rng.integers(32)] = np.nan
+            elif pick == 1:
+                t[rng.integers(warps)] = np.nan
+            else:
+                t[:] = np.nan
+        elif kind == 3:
+            t = rng.choice(np.array([0.0, -0.0, 1e-45, -1e-45, np.inf, -np.inf, 448.0],
+                                    np.float32), t.shape)
+        elif kind == 4:
+            t = (t * np.float32(1e-40)).astype(np.float32)
+        rstd = np.float32(rng.choice([1.0, 0.5, 1e30, np.inf]))
+        with np.errstate(all="ignore"):
+            a = fold_outputs(t, rstd, True)
+            b = fold_outputs(t, rstd, False)
+        for u, v in zip(a, b, strict=True):
+            u, v = np.float32(u), np.float32(v)
+            if not (u.view(np.uint32) == v.view(np.uint32) or (np.isnan(u) and np.isnan(v))):
+                raise SystemExit(f"folds differ: {a} {b}")
+        cases += 1
+    return cases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--widths", default="4096,8192")
+    parser.add_argument("--x", default="fp8,bf16")
+    parser.add_argument("--group", type=int, default=128)
+    parser.add_argument("--sass-dir")
+    parser.add_argument("--emulate", action="store_true")
+    args = parser.parse_args()
+    if args.emulate:
+        emulate()
+        return
+    report([int(w) for w in args.widths.split(",")], args.x.split(","), args.group,
+           args.sass_dir)
+
+
+if __name__ == "__main__":
+    main()
