@@ -15,7 +15,8 @@ debug info names each source file by its absolute path: the kernel files and cud
 the GPU host compiles them: from the checkout at /work/main (the device tool puts the checkout
 it sends at the same path there) by Python 3.12 with the GPU kit installed at /tmp/gpu-kit,
 here as there (``bash .gpu-kit/N/install.sh`` for N = 1, 2, 3). What the folder already holds
-is kept; only what is missing is built (the CuTe objects ~20 min, cuTile ~1 s a variant).
+is kept and only what is missing is built (the CuTe objects ~20 min, cuTile 1-4 s a variant
+a core); what the sources no longer build is dropped.
 
     python bench/experiments/gpu_suite_caches.py --python ~/.pyenv/versions/3.12.1/bin/python
 """
@@ -57,6 +58,9 @@ def build_cute(folder: Path) -> int:
     if not cute.available():
         sys.exit("the CuTe DSL is not installed")
     builds = cute_builds(all_dtypes=True)
+    keep = {cute_cache.variant_dir(key, CUTE_ARCH).name for key, _ in builds}
+    for stale in [p for p in folder.glob("cute-*") if p.name not in keep]:
+        shutil.rmtree(stale)
     start, failed = time.perf_counter(), 0
     for i, (key, compile_kernel) in enumerate(builds, 1):
         try:
@@ -73,8 +77,8 @@ def build_cute(folder: Path) -> int:
 
 
 def build_cutile(folder: Path, python: str, workers: int) -> int:
-    """cuTile's cache in ``folder``, compiled by the kit's ``python`` (:func:`cutile_child`);
-    returns its exit status."""
+    """cuTile's cache in ``folder``, compiled by the kit's ``python`` (:func:`cutile_child`),
+    less the entries this build did not look up; returns the child's exit status."""
     if not (KIT / "env.sh").exists():
         sys.exit(f"the GPU kit is not installed at {KIT}: bash .gpu-kit/N/install.sh for N = 1, "
                  "2, 3")
@@ -85,8 +89,16 @@ def build_cutile(folder: Path, python: str, workers: int) -> int:
         env = {**os.environ, "CUDA_TILE_CACHE_DIR": str(folder),
                "PYTHONPATH": f"{KIT / 'site'}:{extra}",
                "PATH": f"{KIT / 'toolchain/bin'}:{os.environ['PATH']}"}
-        return subprocess.run([python, __file__, "--cutile-child", str(workers)], env=env,
-                              check=False).returncode
+        start = time.time()
+        status = subprocess.run([python, __file__, "--cutile-child", str(workers)], env=env,
+                                check=False).returncode
+    if status == 0:  # a lookup or a store stamps an entry's atime
+        db = sqlite3.connect(folder / "cache.db")
+        dropped = db.execute("delete from cache where atime < ?", (start,)).rowcount
+        db.commit()
+        db.close()
+        print(f"cuTile: {dropped} entries of older sources dropped", flush=True)
+    return status
 
 
 _JOBS: list = []
