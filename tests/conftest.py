@@ -1,5 +1,31 @@
+import os
+
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    """Where $TILENORM_CUTILE_RECORD names a file, each cuTile variant the tests compile for
+    the lean launch is appended to it (tilenorm.launch.aot.variant_record; xdist workers
+    share the file, a line at a time): the GPU suite's record, which a machine without a GPU
+    builds into cuTile's cache for the next run (bench/experiments/gpu_suite_caches.py,
+    bench/NOTES.md #118)."""
+    path = os.environ.get("TILENORM_CUTILE_RECORD")
+    if not path:
+        return
+    from tilenorm.launch import aot, driver
+
+    compiled_cubin, seen = driver.compiled_cubin, set()
+
+    def recording(bound, layouts, arch):
+        line = aot.variant_record(bound, layouts, arch)
+        if line is not None and line not in seen:
+            seen.add(line)
+            with open(path, "a") as f:
+                f.write(line + "\n")
+        return compiled_cubin(bound, layouts, arch)
+
+    driver.compiled_cubin = recording
 
 
 def pytest_collection_modifyitems(config, items):

@@ -45,3 +45,25 @@ def test_builds_with_the_compiler_beside_it_when_cuda_home_names_an_older_cuda(t
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert int(result.stdout.split()[-1]) > 0
+
+
+def test_recorded_variants_rebuild_the_same_exports(monkeypatch):
+    """A variant recorded where it ran (what the GPU suite records for the CPU to build into
+    cuTile's cache, bench/NOTES.md #118) rebuilds the export it was: the same kernel and
+    signature, for every kind of kernel the jobs bind (64-bit indexing, column_sums, FP8)."""
+    from tilenorm.launch import aot
+
+    bound_layouts = []
+    real = aot.signature
+    monkeypatch.setattr(aot, "signature", lambda bound, arrays: bound_layouts.append(
+        (bound, arrays)) or real(bound, arrays))
+    built = list(jobs())
+    monkeypatch.undo()
+    assert len(bound_layouts) == len(built)
+    for (bound, arrays), job in zip(bound_layouts, built, strict=True):
+        line = aot.variant_record(bound, arrays, (9, 0))
+        assert line is not None, job.label
+        rebuilt, gpu_code = aot.recorded_job(line)
+        assert gpu_code == "sm_90"
+        assert rebuilt.kernel is job.kernel, job.label
+        assert rebuilt.signature.symbol == job.signature.symbol, job.label

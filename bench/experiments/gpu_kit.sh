@@ -2,7 +2,8 @@
 # Device calls through the GPU kit (../shared/gpu-kit: cuTile, its CUDA 13.4 compiler, the
 # CuTe DSL and the peers), from the repository root on the GPU host. A fresh machine first
 # takes the kit's three parts, one call each (carry ".gpu-kit/N", `bash .gpu-kit/N/install.sh`;
-# the third part can share a call with this script). Then, per call:
+# the third part can share a call with this script). Then, per call (carry
+# ".gpu-cache/suite-caches.tar.xz" where it was built: bench/experiments/gpu_suite_caches.py):
 #   bash bench/experiments/gpu_kit.sh COMMIT PHASE [LIMIT_S [args...]]
 # PHASE, each writing its JSON and log to $OUT:
 #   sweep SHAPES          bench_rms_norm.py over SHAPES (MxN,...; "narrow" / "wide" name the
@@ -19,7 +20,9 @@
 #   suite TAG PATHS...    the GPU tests (-m gpu) of PATHS with $WORKERS xdist workers (default
 #                         3; 5 ran out of an H100's 80 GB: NOTES #65, #99), JAX allocating as
 #                         it goes. JUnit files stay in /tmp/suite for the machine's life, so a
-#                         suite spans calls, and come back in $OUT/junit. On an H100, 3
+#                         suite spans calls, and come back in $OUT/junit; the cuTile variants
+#                         the tests compiled in $OUT/cutile-variants-TAG.jsonl (sort -u a whole
+#                         suite's into bench/experiments/gpu_suite_variants.jsonl). On an H100, 3
 #                         workers (NOTES #99): test_cute_forward + test_cute_cluster_backward
 #                         2 min, the other torch tests 6.2 min, test_fp8 6.2 min (4 workers),
 #                         JAX's two files 1 min (5 workers)
@@ -38,11 +41,34 @@ source /tmp/gpu-kit/env.sh
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 CUDA_TILE_CACHE_DIR=/tmp/cutile-cache \
   TILENORM_CACHE_DIR=/tmp/tilenorm-cache TILENORM_COMMIT=$commit
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
-# CuTe DSL objects built without a GPU (bench/experiments/cute_cache_objects.py, carried as
-# .gpu-cache/cute): linked here instead of compiled (NOTES #115).
-if [ -d .gpu-cache/cute ]; then
-  mkdir -p "$TILENORM_CACHE_DIR" && cp -rn .gpu-cache/cute/. "$TILENORM_CACHE_DIR"/
-  echo "cute objects seeded: $(ls .gpu-cache/cute | wc -l)"
+# The caches built without a GPU (bench/experiments/gpu_suite_caches.py, carried as
+# .gpu-cache/suite-caches.tar.xz), seeded once a machine and archive: the CuTe DSL objects,
+# linked here instead of compiled (NOTES #115), and cuTile's compiles, found in its cache
+# (NOTES #118; the first seeding's time, seeded-at, tells them from this machine's compiles).
+if [ -f .gpu-cache/suite-caches.tar.xz ]; then
+  sum=$(sha256sum .gpu-cache/suite-caches.tar.xz | cut -c1-16)
+  if [ "$(cat /tmp/suite-caches/sum 2>/dev/null)" != "$sum" ]; then
+    rm -rf /tmp/suite-caches && mkdir -p /tmp/suite-caches "$TILENORM_CACHE_DIR"
+    tar -C /tmp/suite-caches -xJf .gpu-cache/suite-caches.tar.xz
+    cp -rn /tmp/suite-caches/cute/. "$TILENORM_CACHE_DIR"/
+    python3 - <<'EOF'
+import os, shutil, sqlite3
+seed, db = "/tmp/suite-caches/cutile/cache.db", "/tmp/cutile-cache/cache.db"
+if os.path.exists(db):
+    con = sqlite3.connect(db)
+    con.execute("attach ? as seed", (seed,))
+    con.execute("insert or ignore into cache (key, blob, blob_size, atime, metadata) "
+                "select key, blob, blob_size, atime, metadata from seed.cache")
+    con.commit()
+else:
+    os.makedirs(os.path.dirname(db), exist_ok=True)
+    shutil.copy(seed, db)
+n = sqlite3.connect(seed).execute("select count(*) from cache").fetchone()[0]
+print(f"seeded: {len(os.listdir('/tmp/suite-caches/cute'))} CuTe objects, {n} cuTile entries")
+EOF
+    rm -f /tmp/suite-caches/cutile/cache.db && echo "$sum" > /tmp/suite-caches/sum
+    [ -e /tmp/cutile-cache/seeded-at ] || touch /tmp/cutile-cache/seeded-at
+  fi
 fi
 NARROW=1048576x128,524288x256,262144x512,131072x1024,65536x2048,32768x128,4096x4096
 WIDE=32768x4096,26214x5120,18724x7168,16384x8192,8192x16384,4096x32768,2048x65536,1024x131072
@@ -96,7 +122,8 @@ EOF
   suite)
     tag=${1:?tag}
     shift
-    export TILENORM_EXPERIMENTAL=1
+    # the cuTile variants the tests compile, for the CPU's next build of the caches (NOTES #118)
+    export TILENORM_EXPERIMENTAL=1 TILENORM_CUTILE_RECORD=/tmp/suite/cutile-variants-$tag.jsonl
     mkdir -p /tmp/suite
     start=$SECONDS
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$limit" python3 -m pytest -m gpu \
@@ -107,15 +134,26 @@ EOF
     # suite spanning machines (carry the files back into /tmp/suite to summarize them)
     mkdir -p "$OUT/junit" && cp -f "/tmp/suite/junit-$tag.xml" "$OUT/junit/" 2>/dev/null
     grep -E "^(FAILED|ERROR)" "$OUT/pytest-$tag.log" | head -30
-    # what the suite so far spent in cuTile's compiler (its cache keeps each compile's time)
+    sort -u "$TILENORM_CUTILE_RECORD" -o "$OUT/cutile-variants-$tag.jsonl" 2>/dev/null &&
+      echo "cuTile variants recorded: $(wc -l < "$OUT/cutile-variants-$tag.jsonl")"
+    # what the suite so far spent in cuTile's compiler (its cache keeps each compile's time),
+    # and how many of the seeded entries it found
     python3 - <<'EOF'
-import json, sqlite3
+import json, os, sqlite3
+mark = "/tmp/cutile-cache/seeded-at"
+seeded = os.path.getmtime(mark) if os.path.exists(mark) else 0.0
 try:
-    rows = sqlite3.connect("/tmp/cutile-cache/cache.db").execute("select metadata from cache")
-    times = [json.loads(m or "{}").get("compilation_time_seconds") or 0 for (m,) in rows]
-    print(f"cuTile compiles so far: {len(times)}, {sum(times):.0f} s of compiler time")
+    rows = sqlite3.connect("/tmp/cutile-cache/cache.db").execute(
+        "select atime, metadata from cache").fetchall()
 except sqlite3.Error as e:
+    rows = []
     print(f"cuTile compile cache unreadable: {e}")
+made = [(atime, meta.get("compilation_timestamp") or 0, meta.get("compilation_time_seconds") or 0)
+        for atime, meta in ((atime, json.loads(m or "{}")) for atime, m in rows)]
+here = [seconds for _, when, seconds in made if when > seeded]
+found = sum(atime > seeded for atime, when, _ in made if when <= seeded)
+print(f"cuTile compiles so far: {len(here)}, {sum(here):.0f} s of compiler time; seeded "
+      f"entries found: {found} of {len(made) - len(here)}")
 EOF
     tail -2 "$OUT/pytest-$tag.log"
     ls /tmp/suite ;;

@@ -18,10 +18,13 @@ column-amax reduction, the MX scale swizzle and the FP8-input backward.
 
 from __future__ import annotations
 
+import importlib
 import io
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+import cuda.tile as ct
 from cuda.tile.compilation import KernelSignature, export_kernel
 
 from tilenorm.launch import cutile, cutile_fp8
@@ -240,6 +243,56 @@ def export(job: ExportJob, gpu_code: str) -> bytes:
     out = io.BytesIO()
     export_kernel(job.kernel, [job.signature], out, gpu_code=gpu_code, output_format="cubin")
     return out.getvalue()
+
+
+# --- variants recorded where they ran --------------------------------------------------------
+
+
+def variant_record(bound: BoundKernel, layouts: tuple[ArrayLayout, ...],
+                   arch: tuple[int, int]) -> str | None:
+    """What :func:`tilenorm.launch.driver.compiled_cubin` compiles (``bound`` for arrays of
+    ``layouts`` on compute capability ``arch``) as one line of JSON (keys sorted, so equal
+    variants give equal lines) from which :func:`recorded_job` rebuilds the same export;
+    None where it would not (a recording never fails the launch). The GPU suite records the
+    variants its tests compile so that a machine without a GPU can build them into cuTile's
+    cache before the next run (bench/experiments/gpu_suite_caches.py; bench/NOTES.md #118)."""
+    fn = bound.source
+    try:
+        options = bound.kernel._compiler_options
+        line = json.dumps({"kernel": f"{fn.__module__}:{fn.__name__}",
+                           "occupancy": options.occupancy,
+                           "worker_warps": options.num_worker_warps,
+                           "index_bits": bound.index_bits, "constants": bound.constants,
+                           "layouts": [[a.dtype, a.shape, a.strides] for a in layouts],
+                           "arch": arch}, sort_keys=True, separators=(",", ":"))
+        job, _ = recorded_job(line)
+    except (TypeError, ValueError, AttributeError, ImportError, KeyError):
+        return None
+    same = (job.kernel is bound.kernel
+            and job.signature.symbol == signature(bound, layouts).symbol)
+    return line if same else None
+
+
+def recorded_job(line: str) -> tuple[ExportJob, str]:
+    """(the export, its GPU code) of a :func:`variant_record` line. A kernel function of
+    :mod:`tilenorm.kernels` is compiled by :func:`tilenorm.launch.cutile.compiled`, or is a
+    kernel itself (``column_sums``). ``AttributeError``, ``ImportError`` or ``KeyError``
+    where the record names a kernel these sources no longer have."""
+    record = json.loads(line)
+    module, name = record["kernel"].split(":")
+    found = getattr(importlib.import_module(module), name)
+    if isinstance(found, ct.kernel):
+        kernel, fn = found, found._pyfunc
+    else:
+        kernel, fn = cutile.compiled(found, record["occupancy"], record["index_bits"],
+                                     record["worker_warps"]), found
+    bound = BoundKernel(kernel, fn, cutile.ARRAYS[fn], (1, 1, 1), tuple(record["constants"]),
+                        False, record["index_bits"])
+    layouts = tuple(ArrayLayout(dtype, tuple(shape), tuple(strides))
+                    for dtype, shape, strides in record["layouts"])
+    sig = signature(bound, layouts)
+    major, minor = record["arch"]
+    return ExportJob(f"recorded {sig.symbol}", kernel, sig), f"sm_{major}{minor}"
 
 
 # --- FP8 output ----------------------------------------------------------------------------
