@@ -963,6 +963,31 @@ def test_cute_fp8_recompute_t_entries_fit_their_registers_on_hopper(tmp_path):
         assert (r["stack"], r["spill_stores"], r["spill_loads"]) == (0, 0, 0), (key, r)
 
 
+@pytest.mark.aot
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+def test_cute_fp8_column_amax_entries_spill_little_on_hopper(tmp_path):
+    """The row kernel keeping a per-row copy's column amaxes, at each class's entries, bf16
+    x with a bf16 weight or none: the column maxima folded as each product is made
+    (``_quantize_keeping_column_maxima``) leave it spill-free at 2048 and 4096 and without
+    a weight, and at most 6 spill stores a trip at 8192 and 16384 (folding them after the
+    row's quantization spilled 4 at 4096 and 16 at 16384, bench/NOTES.md #120)."""
+    from bench.kernel_resources import cubin_resources, find_cuobjdump, keeping_cubins
+
+    tool = find_cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not installed")
+    keys = [key for key in cute.aot_fp8_keys() if key.column_amax and key.dtype == "bfloat16"]
+    assert {key.cols for key in keys} == {2048, 4096, 8192, 16384}
+    for n, key in enumerate(keys):
+        folder = tmp_path / str(n)
+        folder.mkdir()
+        with keeping_cubins(str(folder)):
+            cute.compile_fp8_forward(key, "sm_90a")
+        r, _ = cubin_resources(next(folder.rglob("*.cubin")), tool)
+        most = 0 if key.weight_dtype is None or key.cols <= 4096 else 6
+        assert r["spill_stores"] <= most, (key, r)
+
+
 def test_cute_fp8_builds_are_of_every_row_count():
     """The ahead-of-time builds compile what the ops launch: one kernel a width and feature
     set for every row count (``Fp8ForwardKey.rows`` None)."""

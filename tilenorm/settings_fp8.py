@@ -92,11 +92,12 @@ class Fp8Settings:
     #: width left out runs cuTile's row kernel for the whole copy, as 16384 did on the H200
     #: until #120 (cuTile's program holds a 16384-column row and its column maxima: row+t at
     #: 54% of the H200's copy on the design's bytes, 70% of the H100's; the CuTe route 89%
-    #: on the H100, #103). On sm_90a, with a bf16 weight or none, it spills 0 / 4 / 5 / 16
-    #: stores at 2048 / 4096 / 8192 / 16384 columns (the cuTile kernel 8 and 4 stores at
-    #: 4096 and 8192, #60); an fp32 weight spills 10-12 stores and 96 loads (without column
-    #: amaxes 0 and 8 stores at 2048 and 4096), so it keeps cuTile's row kernel
-    #: (``dispatch``). The H200's numbers: bench/NOTES.md #120.
+    #: on the H100, #103). On sm_90a, with a bf16 weight, it spills 0 / 0 / 4 / 6 stores
+    #: and 0 / 0 / 24 / 6 loads at 2048 / 4096 / 8192 / 16384 columns, none without a
+    #: weight (the cuTile kernel 8 and 4 stores at 4096 and 8192, #60); an fp32 weight
+    #: spills 10-12 stores and 96 loads (without column amaxes 0 and 8 stores at 2048 and
+    #: 4096), so it keeps cuTile's row kernel (``dispatch``). The H200's numbers:
+    #: bench/NOTES.md #120.
     cute_forward_column_amax: tuple = (2048, 4096, 8192, 16384)
     #: The same kernel reading FP8 x and its group multipliers (groups of 16 elements or
     #: more: one multiplier a 16-byte vector), per row width: (threads, stages, CTAs per
