@@ -434,14 +434,16 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                         amax = tmax * rstd  # exactly the largest |y| of the row
                         if const_expr(self.scaling == "row"):
                             scale = self._scale_of(amax)
-                            for i in cutlass.range_constexpr(per_thread):
-                                self._quantize(t, y, rstd, scale, i)
+                            if const_expr(self.column_amax):
+                                self._quantize_keeping_column_maxima(t, y, columns, rstd,
+                                                                     scale)
+                            else:
+                                for i in cutlass.range_constexpr(per_thread):
+                                    self._quantize(t, y, rstd, scale, i)
                             q.store(y.load().to(self.fp8_dtype))
                             cute.autovec_copy(q_bytes, self._thread_view(mQ[row, None], tidx))
                             if tidx == 0:
                                 mQScale[row, 0] = Float32(1.0) / scale
-                            if const_expr(self.column_amax):
-                                self._column_maxima(columns, t, rstd)
                         else:
                             acc[0] = cute.arch.fmax(acc[0], amax)
                             if const_expr(self.scaling == "delayed"):
@@ -463,14 +465,21 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
             cute.autovec_copy(out, self._thread_view(mAmax[program, None], tidx))
 
     @cute.jit
-    def _column_maxima(self, columns: cute.Tensor, t: cute.Tensor, rstd: Float32):
-        """This thread's column maxima (shared memory) with the row's ``|t * rstd|``: y as
-        the row's q scales it. A vector at a time: registers hold the ring."""
+    def _quantize_keeping_column_maxima(self, t: cute.Tensor, y: cute.Tensor,
+                                        columns: cute.Tensor, rstd: Float32, scale: Float32):
+        """``_quantize``'s values into ``y`` and this thread's column maxima (shared memory)
+        with the row's ``|t * rstd|`` (y as q scales it), a vector at a time: each product
+        is used where it is made, where folding the maxima after the row's quantization
+        kept the products live across it (sm_90a, 4-row trip: 16 spill stores and 16 loads
+        at 16384 columns, (512, 4, 1), against 6 and 6; 4 and 4 at 4096 against none;
+        bench/NOTES.md #120). The same products, so the same bits."""
         for r in cutlass.range_constexpr(self.reps):
             m = cute.make_rmem_tensor((self.vec,), Float32)
             cute.autovec_copy(columns[None, r], m)
             for e in cutlass.range_constexpr(self.vec):
-                m[e] = cute.arch.fmax(m[e], cute.math.absf(t[e, r] * rstd))
+                normed = t[e, r] * rstd
+                m[e] = cute.arch.fmax(m[e], cute.math.absf(normed))
+                y[e, r] = normed * scale
             cute.autovec_copy(m, columns[None, r])
 
     @cute.jit
