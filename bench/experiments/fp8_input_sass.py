@@ -19,11 +19,12 @@ bench/NOTES.md #117).
 Categories: ``convert`` (FP8 -> f16x2 -> fp32: F2FP.F16.E4M3.UNPACK_B, HADD2.F32),
 ``widen x`` / ``widen w`` (bf16 -> fp32 by shift / permute), ``dequant`` (fp32(x) times
 its multiplier), ``x*w``, ``sum sq`` (the FFMA chain), ``amax t`` (max |t|), ``quantize``
-(t * rstd * scale and the saturating conversion with its byte packing), ``reduce`` (warp
-shuffles, shared memory, the barrier, the cross-warp sums), ``rstd, scale`` (rsqrt, the
-IEEE divisions with their checks and slow-path calls), the loads and stores, and the
-integer work that forms each load's and store's address (``addr: x``, ``addr: mult``, ...;
-``addr: row`` where a value feeds several), ``control`` (branches, predicates, the rest).
+(t * rstd * scale, the clamp older trees had, the saturating conversion and its byte
+packing), ``reduce`` (warp shuffles, shared memory, the barrier, the cross-warp sums),
+``rstd, scale`` (rsqrt, the IEEE divisions with their checks and slow-path calls), the
+loads and stores, and the integer work that forms each load's and store's address
+(``addr: x``, ``addr: mult``, ...; ``addr: row`` where a value feeds several), ``control``
+(branches, predicates, the rest).
 
 ``--emulate`` checks in NumPy that the exactness arguments of the kernel's FP8-x arithmetic
 hold for every E4M3 byte (see :func:`emulate`).
@@ -144,6 +145,8 @@ def categories(loop: list[tuple[int, str, str]]) -> list[str]:
                 cat, tag = "quantize", "y1"
             elif base == "FMUL" and "y1" in st:
                 cat, tag = "quantize", "y"
+            elif op.startswith("FMNMX.NAN") and "y" in st:
+                cat, tag = "quantize", "y"  # the clamp to +-fp8_max 7d44bfc dropped
             elif base == "FFMA" and ("sq" in st or (len(srcs) >= 2 and srcs[0] == srcs[1]
                                                     and st[0] in ("x", "xd"))):
                 cat, tag = "sum sq", "sq"
