@@ -28,12 +28,13 @@ Per row, per CTA:
   ``sum(g * xhat)`` (and LayerNorm's ``sum(g)``) in vector order, and ``dweight += dy *
   xhat`` (``dbias += dy``) into fp32 registers (the CTA's slices of dweight and dbias live
   in its threads' registers across all its rows);
-- the row sums cross the cluster by push (:meth:`ClusterRowKernel._push_sums`,
+- the row sums cross the cluster by push (:meth:`ClusterRowKernel._push_sums_lanes`,
   cute_cluster_rows.py): warp ``w`` of CTA ``r`` ``st.async``-es its warp sums into slot
   ``r * warps + w`` of every CTA (lane ``l`` to CTA ``l``), counted by that CTA's mbarrier
   (armed for ``sums * warps * C * 4`` bytes: LayerNorm's two sums are pushed together);
-  every thread then adds the slots in rank order, warps in order, so every CTA of the
-  cluster (and every rerun) has the same bits of ``c`` (and ``b``);
+  each warp then adds the slots across its lanes in a fixed tree (a lane a run of adjacent
+  slots, then a butterfly), so every CTA of the cluster (and every rerun) has the same bits
+  of ``c`` (and ``b``);
 - pass 2 (shared memory again): dx, stored from registers (16-byte stores), with the
   gradient that reached h through a fused residual add (``dres_in``) added in fp32.
 
@@ -249,9 +250,9 @@ class ClusterRowNormBackward(ClusterRowKernel):
                     if tidx == 0:
                         cute.arch.mbarrier_arrive_and_expect_tx(
                             mbar_s, self.sums * slots * PARTIAL_BYTES)
-                    totals = self._push_sums([part_a, part_b][:self.sums],
-                                             parts[None, None, s], mbar_s, phase, rank, lane,
-                                             warp)
+                    totals = self._push_sums_lanes([part_a, part_b][:self.sums],
+                                                   parts[None, None, s], mbar_s, phase, rank,
+                                                   lane, warp)
                     # The slots' reads before any later st.async into them (async proxy);
                     # the warp's sync orders every lane's reads before the lanes below
                     # cluster push the next row (a shuffle alone orders no memory).
