@@ -136,6 +136,21 @@ class ClusterRowNormBackward(ClusterRowKernel):
         cute.arch.cp_async_commit_group()
 
     @cute.jit
+    def _widen(self, v: cute.Tensor):
+        """This thread's vector ``v`` (x's dtype, in registers) in fp32. bf16 by integer ops
+        on its 32-bit words, a shift and a mask a pair of elements (an fp32 is a bf16 and 16
+        zero bits below): the DSL's conversion spends three a pair, two of them moving the
+        high half down and back (bench/NOTES.md #119). Exact either way."""
+        if const_expr(self.dtype is not cutlass.BFloat16):
+            return v.load().to(Float32)
+        words = cute.recast_tensor(v, Int32)
+        bits = cute.make_rmem_tensor((self.vec,), Int32)
+        for k in cutlass.range_constexpr(self.vec // 2):
+            bits[2 * k] = words[k] << 16
+            bits[2 * k + 1] = words[k] & Int32(-65536)
+        return cute.recast_tensor(bits, Float32).load()
+
+    @cute.jit
     def _scale(self, dy, w: cute.Tensor | None, k: int, offset: Float32):
         """``dy * (w + offset)`` of this thread's vector ``k`` (the weight held in
         registers); ``dy`` without a weight."""
@@ -233,9 +248,9 @@ class ClusterRowNormBackward(ClusterRowKernel):
                     for k in cutlass.range_constexpr(self.reps):
                         cute.autovec_copy(t_x[None, k], x_v)
                         cute.autovec_copy(t_dy[None, k], dy_v)
-                        x = x_v.load().to(Float32)
+                        x = self._widen(x_v)
                         x_hat = (x - mean) * rstd if const_expr(self.layer_norm) else x * rstd
-                        dy = dy_v.load().to(Float32)
+                        dy = self._widen(dy_v)
                         g = self._scale(dy, w, k, offset)
                         part_a = part_a + (g * x_hat).reduce(cute.ReductionOp.ADD,
                                                              Float32(0.0), 0)
@@ -268,16 +283,16 @@ class ClusterRowNormBackward(ClusterRowKernel):
                     for k in cutlass.range_constexpr(self.reps):
                         cute.autovec_copy(t_x[None, k], x_v)
                         cute.autovec_copy(t_dy[None, k], dy_v)
-                        x = x_v.load().to(Float32)
+                        x = self._widen(x_v)
                         x_hat = (x - mean) * rstd if const_expr(self.layer_norm) else x * rstd
-                        g = self._scale(dy_v.load().to(Float32), w, k, offset)
+                        g = self._scale(self._widen(dy_v), w, k, offset)
                         if const_expr(self.layer_norm):
                             grad = (g - (x_hat * c + b)) * rstd
                         else:
                             grad = (g - x_hat * c) * rstd
                         if const_expr(self.has_dres_in):
                             cute.autovec_copy(t_dres[None, k], dres_v)
-                            grad = grad + dres_v.load().to(Float32)
+                            grad = grad + self._widen(dres_v)
                         dx_v.store(grad.to(self.dtype))
                         cute.autovec_copy(dx_v, t_dx[None, k])
                 if const_expr(stages == 1):
