@@ -7,8 +7,8 @@ NOTES.md #79, #81).
 Math (fp32), the mean and rstd as the forward saved them: ``xhat = (x - mean) * rstd``
 (RMSNorm: ``x * rstd``), ``g = dy * (w + offset)``, ``c = sum_row(g * xhat) / N``,
 ``b = sum_row(g) / N`` (LayerNorm only), ``dx = rstd * (g - (xhat * c + b)) (+ dres_in)``
-(RMSNorm: ``rstd * (g - xhat * c)``); ``dweight = sum_rows(dy * xhat)``,
-``dbias = sum_rows(dy)``.
+(RMSNorm: ``rstd * (g - xhat * c)``), computed as ``g * rstd - ((x - mean) * (c * rstd *
+rstd) + b * rstd)``; ``dweight = sum_rows(dy * xhat)``, ``dbias = sum_rows(dy)``.
 
 Layout (:class:`ClusterRowNormBackward`): a cluster of ``cluster`` CTAs holds a row, CTA
 ``r`` columns ``[r * N / C, (r + 1) * N / C)``, each thread ``reps`` 16-byte vectors
@@ -273,8 +273,11 @@ class ClusterRowNormBackward(ClusterRowKernel):
                     # cluster push the next row (a shuffle alone orders no memory).
                     cute.arch.fence_view_async_shared()
                     cute.arch.sync_warp()
-                    c = totals[0] * inv_n
-                    b = totals[1] * inv_n if const_expr(self.layer_norm) else Float32(0.0)
+                    # dx = rstd * (g - (xhat * c + b)) with rstd taken into the row's
+                    # constants: rstd * g - ((x - mean) * c rstd^2 + b rstd), a multiply an
+                    # element fewer (bench/NOTES.md #119).
+                    c = totals[0] * inv_n * rstd * rstd
+                    b = totals[1] * inv_n * rstd if const_expr(self.layer_norm) else Float32(0.0)
                     # Pass 2: dx from shared memory again.
                     t_dx = self._slice_view(mdX[row, None], rank, tidx)
                     t_dres = None
@@ -284,12 +287,11 @@ class ClusterRowNormBackward(ClusterRowKernel):
                         cute.autovec_copy(t_x[None, k], x_v)
                         cute.autovec_copy(t_dy[None, k], dy_v)
                         x = self._widen(x_v)
-                        x_hat = (x - mean) * rstd if const_expr(self.layer_norm) else x * rstd
                         g = self._scale(self._widen(dy_v), w, k, offset)
                         if const_expr(self.layer_norm):
-                            grad = (g - (x_hat * c + b)) * rstd
+                            grad = g * rstd - ((x - mean) * c + b)
                         else:
-                            grad = (g - x_hat * c) * rstd
+                            grad = g * rstd - x * c
                         if const_expr(self.has_dres_in):
                             cute.autovec_copy(t_dres[None, k], dres_v)
                             grad = grad + self._widen(dres_v)
