@@ -252,10 +252,10 @@ def cute_builds(all_dtypes: bool) -> list[tuple[tuple, Callable]]:
                for key in cute.aot_fp8_transpose_keys(all_dtypes)])
 
 
-def build_cute_ahead_of_time(all_dtypes: bool) -> bool:
-    """Every CuTe DSL variant the tables route, compiled for each ahead-of-time architecture
-    into the disk cache (:mod:`tilenorm.launch.cute_cache`): a GPU host with the same DSL
-    and TVM-FFI links and loads them instead of compiling."""
+def build_cute_ahead_of_time(all_dtypes: bool, archs: tuple[str, ...] | None = None) -> bool:
+    """Every CuTe DSL variant the tables route, compiled for each of ``archs`` (default: the
+    ahead-of-time architectures) into the disk cache (:mod:`tilenorm.launch.cute_cache`): a
+    GPU host with the same DSL and TVM-FFI links and loads them instead of compiling."""
     from tilenorm.launch import build as launch_build
     from tilenorm.launch import cute, cute_cache
 
@@ -263,13 +263,13 @@ def build_cute_ahead_of_time(all_dtypes: bool) -> bool:
         print("  CuTe DSL kernels: not built (nvidia-cutlass-dsl-libs-cu13 or apache-tvm-ffi "
               "missing)")
         return True
-    builds = cute_builds(all_dtypes)
-    print(f"  {len(builds) * len(cute.AOT_ARCHS)} CuTe DSL kernel builds for "
-          f"{', '.join(cute.AOT_ARCHS)} into {launch_build.cache_root()}", flush=True)
+    builds, archs = cute_builds(all_dtypes), archs or cute.AOT_ARCHS
+    print(f"  {len(builds) * len(archs)} CuTe DSL kernel builds for "
+          f"{', '.join(archs)} into {launch_build.cache_root()}", flush=True)
     ok, start = True, time.perf_counter()
-    progress = _Progress(len(builds) * len(cute.AOT_ARCHS))
+    progress = _Progress(len(builds) * len(archs))
     for key, compile_kernel in builds:
-        for arch in cute.AOT_ARCHS:
+        for arch in archs:
             try:
                 cute_cache.build_object(key, arch, compile_kernel)
             except RuntimeError as e:
