@@ -26,6 +26,11 @@ Cases ``row+t``, ``block+t`` and ``mx+t`` write the copy with scales along M; ``
 reads x in E4M3 with one fp32 multiplier per 128 elements of a row (dequantized in the
 kernel) and writes row-scaled FP8: its unfused path dequantizes x with torch first.
 
+``--kernel-times`` also runs each fused call 20 more times under ``torch.profiler`` and keeps
+the GPU microseconds a call of each kernel it launches (``kernel_us`` of its rows, in launch
+order, printed under the summary): which step of a case of several kernels takes the time,
+e.g. ``--scalings row+t,mx+t --kernel-times`` (bench/NOTES.md #120).
+
 ``--variants`` compares launch settings instead of providers: a JSON list of objects, each
 of :class:`tilenorm.settings_fp8.Fp8Settings` fields and, for the row kernels,
 :class:`tilenorm.settings.RowNormSettings` fields (added to ``row_overrides``), e.g.
@@ -74,6 +79,8 @@ TARGET_ONE_PASS = 0.90
 TARGET_TENSOR_OWN = 0.85
 TARGET_TRANSPOSED = 0.80
 TARGET_SPEEDUP = 1.3
+#: Eager calls of a fused case under torch.profiler (``--kernel-times``).
+KERNEL_TIME_CALLS = 20
 
 
 def bytes_moved(m: int, n: int, itemsize: int, scaling: str, transpose: bool,
@@ -177,8 +184,27 @@ def forget_plans() -> None:
     calls.clear()
 
 
+def kernel_times(fn, calls: int = KERNEL_TIME_CALLS) -> dict[str, float]:
+    """GPU microseconds a call of ``fn`` spends in each kernel it launches, over ``calls``
+    calls under torch.profiler (CUPTI sees cuTile's and the CuTe DSL's launches alike), by
+    kernel name in the order of their first launch."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals = {e.key: e.self_device_time_total for e in prof.key_averages()
+              if e.device_type == DeviceType.CUDA}
+    order = dict.fromkeys(e.name for e in prof.events() if e.name in totals)
+    return {name: totals[name] / calls for name in order}
+
+
 def run_case(m: int, n: int, case: str, modes: list[str], record: dict,
-             variants: list[dict] | None = None) -> None:
+             variants: list[dict] | None = None, kernel_profile: bool = False) -> None:
     scaling, transpose, group = CASES[case]
     g = torch.Generator(device="cuda").manual_seed(m * 7 + n)
     x = torch.randn(m, n, generator=g, device="cuda").to(torch.bfloat16)
@@ -223,7 +249,7 @@ def run_case(m: int, n: int, case: str, modes: list[str], record: dict,
                       f"{', '.join(decision.kernels)}", flush=True)
                 measure(f"tilenorm fused v{i}", fused, fused(), decision,
                         {**row, "variant": variant, "plan": str(decision)}, modes, record,
-                        args)
+                        args, kernel_profile)
             forget_plans()
         return
     fused_out = fused()
@@ -231,7 +257,7 @@ def run_case(m: int, n: int, case: str, modes: list[str], record: dict,
     providers = {"tilenorm fused": fused, "tilenorm + torch": unfused,
                  "torch.compile": compiled_call}
     for name, fn in providers.items():
-        measure(name, fn, fused_out, decision, row, modes, record, args)
+        measure(name, fn, fused_out, decision, row, modes, record, args, kernel_profile)
     record["rows"].append({**row, "provider": "fused FP8 peer", "mode": "graph",
                            "fwd_gbps": None, "bwd_gbps": None, "fwd_ms": None,
                            "bwd_ms": None, "fwd_err": None, "bwd_err": None,
@@ -240,10 +266,11 @@ def run_case(m: int, n: int, case: str, modes: list[str], record: dict,
 
 
 def measure(name: str, fn, fused_out, decision, row: dict, modes: list[str], record: dict,
-            args: tuple) -> None:
+            args: tuple, kernel_profile: bool = False) -> None:
     """Checks ``fn``'s output (provider ``name``; "tilenorm fused..." against float64, the
     others against ``fused_out``) and times it into ``record``; a failure is recorded.
-    ``args``: (x, w, scaling, x_scale_inv, group) of the case."""
+    ``args``: (x, w, scaling, x_scale_inv, group) of the case; ``kernel_profile``: the fused
+    rows keep :func:`kernel_times` as ``kernel_us``."""
     one, design = row["bytes"], row["design_bytes"]
     try:
         out = fn()
@@ -261,8 +288,10 @@ def measure(name: str, fn, fused_out, decision, row: dict, modes: list[str], rec
                 raise AssertionError(f"dequantized output off tilenorm's by {err:.3f}")
         # The fused rows name the kernels that ran (the CuTe DSL ones need --experimental
         # until their family is validated).
-        ran = ({"kernels": ", ".join(decision.kernels)} if name.startswith("tilenorm fused")
-               else {})
+        fused = name.startswith("tilenorm fused")
+        ran = {"kernels": ", ".join(decision.kernels)} if fused else {}
+        if fused and kernel_profile:
+            ran["kernel_us"] = kernel_times(fn)
         rows = common.timed_rows(common.Prepared(fn, None, lambda: ()), one, 0, modes,
                                  {**row, **ran, "provider": name, "fwd_err": err,
                                   "bwd_err": None})
@@ -329,6 +358,10 @@ def print_summary(record: dict) -> None:
         print(f"{t['case']:>10} {t['M']:>6}x{t['N']:<6} {100 * t['share']:5.1f}% "
               f"(bar {100 * t['bar']:.0f}% {t['what']}; one pass "
               f"{100 * t['one_pass_share']:.0f}%) {'ok' if t['met'] else 'MISSED'}  {speed}")
+    for r in record["rows"]:
+        if r.get("mode") == "graph" and r.get("kernel_us"):
+            steps = ", ".join(f"{k[:48]} {us:.1f}" for k, us in r["kernel_us"].items())
+            print(f"{r['case']:>10} {r['M']:>6}x{r['N']:<6} {r['provider']}: us a call: {steps}")
     for f in record["failures"]:
         print(f"FAILED {f}")
 
@@ -374,6 +407,8 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"comma-separated cases of {', '.join(CASES)}")
     parser.add_argument("--variants", type=json.loads,
                         help="JSON list of settings variants to compare (fused kernels only)")
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="GPU us a call of each kernel of the fused cases (torch.profiler)")
     parser.add_argument("--report", type=Path,
                         help="judge the targets of a record and plot it again (no GPU)")
     common.add_run_args(parser)
@@ -400,7 +435,7 @@ def main(argv: list[str] | None = None) -> None:
     for m, n in common.parse_shapes(args.shapes):
         for case in args.scalings.split(","):
             print(f"{case} {m}x{n}", flush=True)
-            run_case(m, n, case, modes, record, args.variants)
+            run_case(m, n, case, modes, record, args.variants, args.kernel_times)
             torch.cuda.empty_cache()  # the next shape's inputs take the memory back
             common.write_record(record, path)  # a cut run keeps its rows
     if args.variants is None:

@@ -47,6 +47,19 @@ def compiled_as_custom_ops(monkeypatch):
 
 
 @pytest.fixture
+def cluster_launches(monkeypatch) -> list:
+    """The cluster backward's launches from the torch call path: a call that fell back to
+    cuTile (also accurate and deterministic) would pass every value check."""
+    from tilenorm.pytorch.calls import BackwardCall
+
+    launches = []
+    run = BackwardCall._run_cute_cluster
+    monkeypatch.setattr(BackwardCall, "_run_cute_cluster",
+                        lambda self, *a: launches.append(self.cute) or run(self, *a))
+    return launches
+
+
+@pytest.fixture
 def decide_as_class(monkeypatch):
     """``decide_as_class(device_class)``: the ops decide on this GPU with the settings of
     ``device_class`` (tilenorm.settings.device_class: the device's bandwidth stands in for

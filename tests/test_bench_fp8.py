@@ -47,16 +47,20 @@ def test_targets_hold_each_case_to_its_bar(case, gbps, own_pct, met):
     assert t["speedup_vs_unfused"] == pytest.approx(2.0) and t["speedup_met"]
 
 
-def test_speedup_below_the_bar_is_missed_and_the_plot_is_written(tmp_path):
+def test_speedup_below_the_bar_is_missed_and_the_plot_is_written(tmp_path, capsys):
     pytest.importorskip("matplotlib")
+    fused = {**_row("mx", "tilenorm fused", 3800, 95.0, 1.0),
+             "kernel_us": {"RowNormFp8Forward": 600.0, "TransposedFp8Quantize": 400.0}}
     record = {"copy_gbps": 4000.0, "device": "test", "rows": [
-        _row("mx", "tilenorm fused", 3800, 95.0, 1.0),
-        _row("mx", "tilenorm + torch", 3000, 75.0, 1.2),
+        fused, _row("mx", "tilenorm + torch", 3000, 75.0, 1.2),
         _row("mx", "torch.compile", 2000, 50.0, 1.9)], "failures": []}
     (t,) = bench_fp8.judge_targets(record)
     assert t["met"] and not t["speedup_met"]
     record["targets"] = [t]
     bench_fp8.print_summary(record)
+    # --kernel-times: each kernel's share of a fused call, in launch order
+    assert ("tilenorm fused: us a call: RowNormFp8Forward 600.0, TransposedFp8Quantize "
+            "400.0") in capsys.readouterr().out
     bench_fp8.plot(record, tmp_path / "fp8.png")
     assert (tmp_path / "fp8.png").stat().st_size > 0
 

@@ -811,6 +811,48 @@ def test_fp8_decision_routes_each_x_with_a_copy_along_m(x_dtype, scaling, monkey
 
 
 @pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+@pytest.mark.parametrize("device_class", ["h200", "h100"])
+@pytest.mark.parametrize("weight", ["bfloat16", None, "float32"])
+@pytest.mark.parametrize("cols", [2048, 4096, 8192, 16384])
+def test_row_scaled_copy_keeps_column_amaxes_in_the_cute_row_kernel(cols, weight,
+                                                                     device_class,
+                                                                     monkeypatch):
+    """A per-row scaling's copy of 2-byte x at every width of the CuTe row kernel's table, on
+    either device class: the CuTe row kernel keeping column amaxes at the scaling's own
+    entry (the one q takes without the copy), the fixed-order reduction, the CuTe copy
+    taking y as that kernel computes it; at 16384 too (cuTile's row kernel held the H200's
+    copy at 54% of copy there, bench/NOTES.md #120). An fp32 weight keeps cuTile's row
+    kernel, whose column amaxes are of cuTile's y, and the copy takes that y."""
+    from tests.kernel_harness import H100, H200
+    from tilenorm import dispatch
+    from tilenorm.settings_fp8 import fp8_settings_for
+
+    monkeypatch.setattr(dispatch, "device_info", lambda index: {"h100": H100,
+                                                                "h200": H200}[device_class])
+    dtypes = ("bfloat16",) + (() if weight is None else (weight,))
+    problem = dispatch.Fp8Problem("rms_norm", "cuda", 0, dtypes, 1040, cols, "row", True,
+                                  False, 1040 * cols - 1, True)
+    dispatch.decide_fp8.cache_clear()
+    try:
+        d = dispatch.decide_fp8(problem)
+        plain = dispatch.decide_fp8(dataclasses.replace(problem, transpose=False))
+    finally:
+        dispatch.decide_fp8.cache_clear()
+    if weight == "float32":
+        assert d.cute_forward is None and d.kernels[0] == "norm_fwd_fp8_single", str(d)
+        assert d.cute_transpose is None or not d.cute_transpose.weight_first, str(d)
+        return
+    assert d.kernels == (dispatch.CUTE_FP8_FORWARD_NAME, "fp8_column_amax",
+                         dispatch.CUTE_FP8_TRANSPOSE_NAME), str(d)
+    f = d.cute_forward
+    entry = fp8_settings_for((9, 0), device_class).forward_entry("row", cols)
+    assert (f.threads, f.stages, f.ctas_per_sm) == entry and f.column_amax, str(d)
+    assert dataclasses.replace(f, column_amax=False) == plain.cute_forward, str(plain)
+    assert d.column_amax.partials == f.grid and d.column_amax.cols == cols
+    assert d.cute_transpose.weight_first and d.quantize is None, str(d)
+
+
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
 def test_cute_fp8_kernel_takes_a_group_with_fp8_x_only():
     import cutlass
 
@@ -919,6 +961,31 @@ def test_cute_fp8_recompute_t_entries_fit_their_registers_on_hopper(tmp_path):
             cute.compile_fp8_forward(key, "sm_90a")
         r, _ = cubin_resources(next(folder.rglob("*.cubin")), tool)
         assert (r["stack"], r["spill_stores"], r["spill_loads"]) == (0, 0, 0), (key, r)
+
+
+@pytest.mark.aot
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+def test_cute_fp8_column_amax_entries_spill_little_on_hopper(tmp_path):
+    """The row kernel keeping a per-row copy's column amaxes, at each class's entries, bf16
+    x with a bf16 weight or none: the column maxima folded as each product is made
+    (``_quantize_keeping_column_maxima``) leave it spill-free at 2048 and 4096 and without
+    a weight, and at most 6 spill stores a trip at 8192 and 16384 (folding them after the
+    row's quantization spilled 4 at 4096 and 16 at 16384, bench/NOTES.md #120)."""
+    from bench.kernel_resources import cubin_resources, find_cuobjdump, keeping_cubins
+
+    tool = find_cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not installed")
+    keys = [key for key in cute.aot_fp8_keys() if key.column_amax and key.dtype == "bfloat16"]
+    assert {key.cols for key in keys} == {2048, 4096, 8192, 16384}
+    for n, key in enumerate(keys):
+        folder = tmp_path / str(n)
+        folder.mkdir()
+        with keeping_cubins(str(folder)):
+            cute.compile_fp8_forward(key, "sm_90a")
+        r, _ = cubin_resources(next(folder.rglob("*.cubin")), tool)
+        most = 0 if key.weight_dtype is None or key.cols <= 4096 else 6
+        assert r["spill_stores"] <= most, (key, r)
 
 
 def test_cute_fp8_builds_are_of_every_row_count():
@@ -1124,6 +1191,52 @@ def _same_up_to_fp32_rounding(out, plain, fp8_dtype, seed) -> None:
     moved = q != q0
     assert moved.float().mean() <= 1e-3, seed
     assert ((q - q0).abs()[moved] <= testing.fp8_step(q0[moved], fp8_dtype)).all(), seed
+
+
+#: (rows, cols, device class, weight dtype) of the CuTe route of a row-scaled copy: every width
+#: of the row kernel's table on each class's entries, with and without a weight, 1040 rows
+#: (a multiple of 16 and of no grid), and fewer rows than the grid at 16384.
+CUTE_ROW_COPY_CASES = [(1040, cols, device_class, weight)
+                       for cols in (2048, 4096, 8192, 16384) for device_class in ("h200", "h100")
+                       for weight in (torch.bfloat16, None)] + [(48, 16384, "h200",
+                                                                 torch.bfloat16)]
+
+
+@gpu
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+@pytest.mark.parametrize("rows,cols,device_class,weight", CUTE_ROW_COPY_CASES)
+def test_row_scaled_copy_on_the_cute_route_is_bit_exact_on_gpu(rows, cols, device_class,
+                                                               weight, decide_as_class):
+    """A per-row scaling's copy on the CuTe route (row kernel keeping column amaxes, their
+    reduction, the CuTe copy; bench/NOTES.md #120) on poisoned outputs, reruns bit-identical:
+    q and its scales are the bytes of the run without the copy (the same row kernel, which
+    only adds the column maxima), and q, q_t and both scales are, bit for bit, y = (x * w) *
+    rstd in fp32 from the kernels' own rstd quantized as the reference path quantizes it
+    (the columns' amaxes over all rows, correctly rounded divisions, saturation, RNE).
+    A route that computes y in another order (cuTile's row kernel: (x * rstd) * w), takes
+    an amax over part of the rows or leaves an element unwritten fails."""
+    from tilenorm.dispatch import CUTE_FP8_FORWARD_NAME, CUTE_FP8_TRANSPOSE_NAME
+
+    decide_as_class(device_class)
+    g, seed = fresh_generator("cuda")
+    x, w, _ = _inputs(g, rows, cols, device="cuda")
+    w = None if weight is None else w.to(weight)
+    with tilenorm.experimental():
+        decision = tilenorm.fp8.explain(x, w, scaling="row", transpose=True)
+    assert decision.kernels == (CUTE_FP8_FORWARD_NAME, "fp8_column_amax",
+                                CUTE_FP8_TRANSPOSE_NAME), str(decision)
+    out = run_kernels("rms_norm", x, w, None, "row", transpose=True)
+    plain = run_kernels("rms_norm", x, w, None, "row", repeats=0)
+    for got, want in ((out.data, plain.data), (out.scale_inv, plain.scale_inv),
+                      (out.rstd, plain.rstd)):
+        assert torch.equal(_bits(got), _bits(want)), seed
+    t = x.float().cpu() if w is None else x.float().cpu() * w.float().cpu()
+    y = t * out.rstd.cpu().reshape(rows, 1)
+    q, scale_inv, _, q_t, scale_inv_t = reference.fp8_quantize(y, "row", E4M3, transpose=True)
+    for got, want in ((out.data, q), (out.scale_inv, scale_inv), (out.data_t, q_t),
+                      (out.scale_inv_t, scale_inv_t)):
+        assert got.shape == want.shape, seed
+        assert torch.equal(_bits(got.cpu().contiguous()), _bits(want.contiguous())), seed
 
 
 @gpu
@@ -1692,8 +1805,9 @@ def test_fp8_decision_takes_the_cute_transposed_copy_where_it_covers_the_call(sc
     """RMSNorm of 2-byte x without a residual, rows a multiple of 16: the CuTe DSL copy in
     place of cuTile's ``fp8_quantize_transposed``; LayerNorm, a residual, fp32 or FP8 x,
     other row counts and the per-tensor scalings keep cuTile's."""
-    from tilenorm import dispatch
+    from tilenorm import dispatch, settings_fp8
     from tilenorm.device import DeviceInfo
+    from tilenorm.settings_fp8 import SM90_FP8
 
     h100 = DeviceInfo(index=0, name="NVIDIA H100 80GB HBM3", sm_count=132, arch=(9, 0),
                       l2_bytes=50 << 20)
@@ -1712,9 +1826,10 @@ def test_fp8_decision_takes_the_cute_transposed_copy_where_it_covers_the_call(sc
     if scaling == "row":
         assert dispatch._cute_fp8_forward(problem(), h100) is None
         assert "column amaxes kept" in row.describe()
-        wide = dispatch.Fp8Problem("rms_norm", "cuda", 0, ("bfloat16", "bfloat16"), 1040,
-                                   16384, "row", True, False, 1040 * 16384 - 1, True)
-        assert dispatch._cute_fp8_forward(wide, h100, column_amax=True) is None
+        # A width the table leaves out keeps cuTile's row kernel for the column amaxes.
+        narrower = dataclasses.replace(SM90_FP8, cute_forward_column_amax=(2048,))
+        with settings_fp8.measuring(narrower):
+            assert dispatch._cute_fp8_forward(problem(), h100, column_amax=True) is None
         fp32_weight = problem(dtypes=("bfloat16", "float32"))
         assert dispatch._cute_fp8_forward(fp32_weight, h100, column_amax=True) is None
     assert dispatch._cute_fp8_transpose(problem(dtypes=("float16", "float32")), h100)

@@ -14,6 +14,8 @@ from tests.kernel_harness import (
     fresh_generator,
     rel,
 )
+from tilenorm.launch import cute
+from tilenorm.settings import SM90
 from tilenorm.testing import float64_norm
 
 gpu = pytest.mark.gpu
@@ -231,6 +233,36 @@ def test_public_op_and_module_match_torch():
         y.backward(dy)
         assert rel(y, y64) <= 1e-2 and rel(xg.grad, dx64) <= 1e-2, seed
         assert rel(ours.weight.grad, dw64) <= 1e-2 and rel(ours.bias.grad, db64) <= 1e-2, seed
+
+
+@gpu
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+@pytest.mark.parametrize("n", [n for n in sorted(SM90.cute_cluster_backward["layer_norm"])
+                               if n >= 32768])
+def test_wide_rows_run_the_cluster_backward_and_match_float64(n, cluster_launches):
+    """bf16 x with fp32 weight and bias (mixed precision's LayerNorm, bench_norm_ops'
+    layer_norm) at the widths a cluster of CTAs holds a row (issue 20), rows off zero mean,
+    more rows than clusters with a ragged end: the backward launches the cluster kernel, dx,
+    dweight and dbias match float64, a second backward bit for bit."""
+    g, seed = fresh_generator("cuda")
+    x = (3 + torch.randn(101, n, generator=g, device="cuda")).to(torch.bfloat16)
+    w = 1 + 0.5 * torch.randn(n, generator=g, device="cuda")
+    b = 0.5 * torch.randn(n, generator=g, device="cuda")
+    dy = torch.randn_like(x)
+    grads = []
+    with tilenorm.experimental():
+        for _ in range(2):
+            leaves = [t.detach().requires_grad_() for t in (x, w, b)]
+            tilenorm.layer_norm(*leaves, eps=1e-5).backward(dy)
+            grads.append([t.grad for t in leaves])
+    assert len(cluster_launches) == 2 and all(p.cols == n for p in cluster_launches)
+    assert all(p.clusters < x.shape[0] for p in cluster_launches)
+    _, dx64, dw64, db64 = float64_layer_norm(x, w, b, 1e-5, dy)
+    dx, dw, db = grads[0]
+    assert rel(dx, dx64) <= 1e-2, seed
+    assert rel(dw, dw64) <= DGAMMA_TOL_FP32 and rel(db, db64) <= DGAMMA_TOL_FP32, seed
+    for first, again in zip(*grads, strict=True):
+        assert torch.equal(first, again), seed
 
 
 @gpu

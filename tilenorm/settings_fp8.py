@@ -88,12 +88,17 @@ class Fp8Settings:
     cute_transpose: tuple = ((128, 3), (64, 6))
     #: Widths of ``cute_forward`` whose row kernel also keeps per-program column amaxes
     #: for a per-row scaling's copy (its ``column_amax``), with the CuTe copy after it, in
-    #: place of cuTile's row kernel (which spills there, #60). On sm_90a, with a bf16
-    #: weight or none, it spills 0 / 4 / 3 registers at 2048 / 4096 / 8192 columns (the
-    #: cuTile kernel 8 and 4 stores at 4096 and 8192, #60), 15 at 16384, left out; an fp32
-    #: weight spills 10-12 stores and 96 loads (without column amaxes 0 and 8 stores at
-    #: 2048 and 4096), so it keeps cuTile's row kernel (``dispatch``). Untimed.
-    cute_forward_column_amax: tuple = (2048, 4096, 8192)
+    #: place of cuTile's row kernel (which spills there, #60): every width of the table. A
+    #: width left out runs cuTile's row kernel for the whole copy, as 16384 did on the H200
+    #: until #120 (cuTile's program holds a 16384-column row and its column maxima: row+t at
+    #: 54% of the H200's copy on the design's bytes, 70% of the H100's; the CuTe route 89%
+    #: on the H100, #103). On sm_90a, with a bf16 weight, it spills 0 / 0 / 4 / 6 stores
+    #: and 0 / 0 / 24 / 6 loads at 2048 / 4096 / 8192 / 16384 columns, none without a
+    #: weight (the cuTile kernel 8 and 4 stores at 4096 and 8192, #60); an fp32 weight
+    #: spills 10-12 stores and 96 loads (without column amaxes 0 and 8 stores at 2048 and
+    #: 4096), so it keeps cuTile's row kernel (``dispatch``). The H200's numbers:
+    #: bench/NOTES.md #120.
+    cute_forward_column_amax: tuple = (2048, 4096, 8192, 16384)
     #: The same kernel reading FP8 x and its group multipliers (groups of 16 elements or
     #: more: one multiplier a 16-byte vector), per row width: (threads, stages, CTAs per
     #: SM). The cuTile FP8-input forward reaches 40-51% of copy on an H200 (record
@@ -132,14 +137,10 @@ SM90_FP8 = Fp8Settings()
 #: (``cute_forward_fp8_input``) keeps (256, 4, 2) at 8192, its own entry: (512, 2, 2) and
 #: (512, 4, 1) run at 75% and 68% of copy there against its 89% (#88, #95). At 4096 columns
 #: row and MX scaling run at (256, 4, 2), 97% and 96% of copy against (128, 4, 4)'s 90% and
-#: 89%, where block scaling ranks them 88% and 90% and keeps (128, 4, 4) (#95). A per-row
-#: scaling's transposed copy at 16384 columns takes the row kernel's column amaxes at its
-#: (512, 4, 1) (15 spill stores on sm_90a with a bf16 weight): 89% of copy on the design's
-#: bytes against cuTile's row kernel's 70% (#103).
+#: 89%, where block scaling ranks them 88% and 90% and keeps (128, 4, 4) (#95).
 SM90_FP8_H100 = dataclasses.replace(
     SM90_FP8, cute_forward={**SM90_FP8.cute_forward, 8192: (512, 2, 2)},
-    cute_forward_scaling={scaling: {4096: (256, 4, 2)} for scaling in ("row", "mx")},
-    cute_forward_column_amax=(*SM90_FP8.cute_forward_column_amax, 16384))
+    cute_forward_scaling={scaling: {4096: (256, 4, 2)} for scaling in ("row", "mx")})
 _HOPPER = DeviceTables({"h200": SM90_FP8, "h100": SM90_FP8_H100})
 
 

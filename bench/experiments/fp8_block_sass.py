@@ -1,30 +1,43 @@
 """No GPU: the CuTe FP8 row kernel's block / MX scale paths read off their sm_90a SASS
-(bench/NOTES.md #58, #100): per variant of ``RowNormFp8Forward``'s class switches, scaling
-and width, the registers, stack, spill stores / loads and the static instruction counts of
-the main loop (the backward branch of the largest span: the persistent row loop, ``stages``
-rows unrolled) and of the whole kernel, with the counts of the kinds that differ between
-block scaling and row scaling. The table's configurations (``settings_fp8.SM90_FP8``), bf16
-x, a bf16 weight, E4M3, a runtime row count (``Fp8ForwardKey.rows`` None, as the ops
-compile).
+(bench/NOTES.md #58, #100, #114, #117): per scaling, width and source tree, the registers,
+stack, spill stores / loads, the static instruction counts of the main loop (the backward
+branch of the largest span: the persistent row loop, ``stages`` rows unrolled) and of the
+whole kernel, the loop's stall cycles (the sum of each instruction's stall count from its
+control bits: a warp's fixed-latency issue cycles a trip, variable-latency waits not
+counted), and the counts of the kinds that differ between block scaling and row scaling. The
+table's configurations for the H200 (``settings_fp8.SM90_FP8``), bf16 x, a bf16 weight,
+E4M3, a runtime row count (``Fp8ForwardKey.rows`` None, as the ops compile since f59fa69) or
+for the trees ``--static-rows`` names (every tree without a list) the bench shapes' (x of
+256 MiB: 2**27 // cols rows, as the ops compiled before f59fa69).
 
     python bench/experiments/fp8_block_sass.py [--widths 2048,4096,8192]
-        [--scalings row,block,mx] [--variants before,scatter,scatter+segment]
-        [--sass-dir DIR]      # also keep each variant's SASS there
+        [--scalings row,block,mx] [--trees this,f313ab5=../f313ab5]
+        [--static-rows [f313ab5,...]] [--sass-dir DIR]   # also keep each variant's SASS
     python bench/experiments/fp8_block_sass.py --emulate   # the CPU bit-identity checks
+
+``--trees`` compiles each kernel from the named source trees (``git worktree add
+scratch/f313ab5 f313ab5``; paths from the working directory), each in a process of its own
+that imports that tree's tilenorm, e.g. from a worktree beside them in scratch/, the commits
+around the runtime row count (#117)::
+
+    --trees f313ab5=../f313ab5,24efec4=../main-24efec4,f59fa69=../f59fa69,this
+    --static-rows f313ab5,24efec4
 
 ``--emulate`` checks, in NumPy over random and edge-case values (zeros, -0, subnormals, NaN,
 infinities, the FP8 maximum, every rep of a group equal), that the reduce-scatter of the
 block amaxes (``_scattered_block_amax``) gives every lane bit for bit the amax the per-rep
 butterfly (``_block_amax``) gives, and that the segment shuffles (``_group_shuffle``) read
 the lane the full-warp index ``lane - lane % block_lanes + g`` reads (PTX ``shfl.sync.idx``:
-``j = (lane & segmask) | (b & ~segmask)``).
+``j = (lane & segmask) | (b & ~segmask)``), for every group width and ``g``.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,16 +46,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-#: Class switches of RowNormFp8Forward per variant (the kernel's defaults are the last).
-VARIANTS = {
-    "before": {"SCATTER_BLOCK_AMAX": False, "SEGMENT_SHUFFLES": False},
-    "scatter": {"SCATTER_BLOCK_AMAX": True, "SEGMENT_SHUFFLES": False},
-    "scatter+segment": {"SCATTER_BLOCK_AMAX": True, "SEGMENT_SHUFFLES": True},
-}
 #: Opcode kinds printed (counts in the main loop), the rest summed under "other".
 KINDS = ("SHFL.BFLY", "SHFL.IDX", "FMNMX", "FSEL", "FMUL", "FFMA", "MUFU", "FCHK", "CALL",
          "BSSY", "STG", "LDS", "F2FP", "ISETP", "LOP3", "LEA")
 _INS = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;\s*/\*")
+_CONTROL = re.compile(r"^\s+/\*\s*0x([0-9a-f]{16})\s*\*/\s*$")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse_sass(sass: str) -> list[tuple[int, str, str]]:
@@ -55,6 +64,19 @@ def parse_sass(sass: str) -> list[tuple[int, str, str]]:
             if text.startswith("@"):
                 text = text.split(None, 1)[1]
             out.append((int(m[1], 16), text.split()[0], text))
+    return out
+
+
+def stalls(sass: str) -> dict[int, int]:
+    """Each instruction's stall count (cycles before the warp's next issue), by address: bits
+    41-44 of the upper word of its 128-bit encoding, which cuobjdump prints on the line
+    after the instruction (Volta to Blackwell control bits)."""
+    out = {}
+    lines = sass.splitlines()
+    for line, upper in zip(lines, lines[1:], strict=False):
+        m, c = _INS.match(line), _CONTROL.match(upper)
+        if m and c:
+            out[int(m[1], 16)] = (int(c[1], 16) >> 41) & 0xF
     return out
 
 
@@ -80,50 +102,86 @@ def kinds(ins) -> collections.Counter:
     return counts
 
 
-def compile_sass(scaling: str, cols: int, switches: dict) -> tuple[dict, str]:
+def compile_sass(scaling: str, cols: int, tree: str | None = None, rows: int | None = None,
+                 x: str = "bfloat16", group: int = 0) -> tuple[dict, str]:
+    """Resources and SASS of the row kernel of bf16 (or FP8, ``group``) x and a bf16 weight
+    at ``scaling`` and ``cols`` as the planner routes it on an H200 (its table's entry, or
+    ``recompute_t``'s), compiled from ``tree`` (a source tree, in a process of its own;
+    None: this one) for ``rows`` (None: any count)."""
+    spec = {"scaling": scaling, "cols": cols, "rows": rows, "x": x, "group": group}
+    if tree is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "out.json"
+            subprocess.run([sys.executable, __file__, "--compile", json.dumps(spec), "--tree",
+                            str(Path(tree).resolve()), "--out", str(out)], check=True,
+                           cwd=tree)
+            done = json.loads(out.read_text())
+        return done["resources"], done["sass"]
+    return _compile_here(**spec)
+
+
+def _compile_here(scaling: str, cols: int, rows: int | None, x: str, group: int
+                  ) -> tuple[dict, str]:
     from bench.kernel_resources import cubin_resources, cuobjdump, keeping_cubins
     from tilenorm.launch import cute
     from tilenorm.settings_fp8 import SM90_FP8
 
     cute.available()
-    from tilenorm.kernels.cute_row_norm_fp8 import RowNormFp8Forward
-
-    saved = {k: getattr(RowNormFp8Forward, k) for k in switches}
-    key = cute.Fp8ForwardKey(None, "bfloat16", "bfloat16", "float8_e4m3fn", scaling, False,
-                             cols, *SM90_FP8.forward_entry(scaling, cols))
-    try:
-        for k, v in switches.items():
-            setattr(RowNormFp8Forward, k, v)
-        with tempfile.TemporaryDirectory() as tmp:
-            with keeping_cubins(tmp):
-                cute.compile_fp8_forward(key, "sm_90a")
-            return cubin_resources(sorted(Path(tmp).rglob("*.cubin"))[0], cuobjdump())
-    finally:
-        for k, v in saved.items():
-            setattr(RowNormFp8Forward, k, v)
+    # The planner's route (plan_cute_fp8_forward): recompute_t's entry where it has one.
+    recompute_t = None if group else SM90_FP8.cute_forward_recompute_t.get(scaling, {}).get(cols)
+    config = (SM90_FP8.cute_forward_fp8_input[cols] if group
+              else recompute_t or SM90_FP8.forward_entry(scaling, cols))
+    key = cute.Fp8ForwardKey(rows, x, "bfloat16", "float8_e4m3fn", scaling, False, cols,
+                             *config, recompute_t=recompute_t is not None,
+                             **({"group": group} if group else {}))
+    with tempfile.TemporaryDirectory() as tmp:
+        with keeping_cubins(tmp):
+            cute.compile_fp8_forward(key, "sm_90a")
+        return cubin_resources(sorted(Path(tmp).rglob("*.cubin"))[0], cuobjdump())
 
 
-def report(widths, scalings, variants, sass_dir: str | None) -> None:
-    head = (f"{'cols':>5} {'scaling':>7} {'variant':>16} {'regs':>4} {'stack':>5} "
-            f"{'STL/LDL':>7} {'total':>5} {'loop':>5} " + " ".join(f"{k:>9}" for k in KINDS)
-            + f" {'other':>5}")
+def static_labels(arg: str | None) -> list[str] | None:
+    """``--static-rows``: None (every tree at a runtime count), [] (every tree at the shapes'
+    counts) or the labels of the trees compiled at the shapes' counts."""
+    return None if arg is None else [label for label in arg.split(",") if label]
+
+
+def parse_trees(arg: str) -> dict[str, str | None]:
+    """``label=path,...`` (a bare label: this tree) -> {label: path or None}."""
+    trees = {}
+    for item in arg.split(","):
+        label, _, path = item.partition("=")
+        trees[label] = None if path in ("", ".") else path
+    return trees
+
+
+def rows_of(label: str, cols: int, static: list[str] | None) -> int | None:
+    """The row count tree ``label`` compiles for: the bench shapes' at ``cols`` (bench_fp8.py:
+    x of 256 MiB in bf16) where ``static`` names it (or is empty: every tree), else None."""
+    return 2 ** 27 // cols if static is not None and (not static or label in static) else None
+
+
+def report(widths, scalings, trees: dict, static: list[str] | None,
+           sass_dir: str | None) -> None:
+    head = (f"{'cols':>5} {'scaling':>7} {'tree':>10} {'regs':>4} {'stack':>5} "
+            f"{'STL/LDL':>7} {'total':>5} {'loop':>5} {'stall':>5} "
+            + " ".join(f"{k:>9}" for k in KINDS) + f" {'other':>5}")
     print(head)
     for cols in widths:
         for scaling in scalings:
-            for name in variants:
-                if scaling == "row" and name != variants[-1]:
-                    continue  # the switches touch block and MX only
-                r, sass = compile_sass(scaling, cols, VARIANTS[name])
+            for label, tree in trees.items():
+                r, sass = compile_sass(scaling, cols, tree, rows_of(label, cols, static))
                 if sass_dir:
                     Path(sass_dir).mkdir(parents=True, exist_ok=True)
-                    (Path(sass_dir) / f"{scaling}-{cols}-{name}.sass").write_text(sass)
-                ins = parse_sass(sass)
-                loop = main_loop(ins)
+                    (Path(sass_dir) / f"{label}-{scaling}-{cols}.sass").write_text(sass)
+                loop = main_loop(parse_sass(sass))
+                stall = stalls(sass)
                 c = kinds(loop)
-                print(f"{cols:>5} {scaling:>7} {name:>16} {r['registers']:>4} {r['stack']:>5} "
-                      f"{r['spill_stores']:>3}/{r['spill_loads']:<3} {len(ins):>5} "
-                      f"{len(loop):>5} " + " ".join(f"{c[k]:>9}" for k in KINDS)
-                      + f" {c['other']:>5}", flush=True)
+                print(f"{cols:>5} {scaling:>7} {label:>10} {r['registers']:>4} {r['stack']:>5} "
+                      f"{r['spill_stores']:>3}/{r['spill_loads']:<3} "
+                      f"{len(parse_sass(sass)):>5} {len(loop):>5} "
+                      f"{sum(stall[a] for a, _, _ in loop):>5} "
+                      + " ".join(f"{c[k]:>9}" for k in KINDS) + f" {c['other']:>5}", flush=True)
 
 
 # --- CPU emulation of the changed arithmetic -------------------------------------------
@@ -246,22 +304,42 @@ def emulate() -> None:
                                       want[:, r].view(np.uint32)):
                     raise SystemExit(f"handed-on amax differs at lanes {lanes}, rep {r}")
             checked += 1
-    print(f"bit-identical: {checked} (lanes, reps) cases of 32 lanes, every lane and rep")
+    # The lean block path (reps not a power of two) hands rep g's scale from lane g of the
+    # group: the segment shuffle's source for every lane of every group width and g.
+    for lanes in (2, 4, 8, 16, 32):
+        c = ((32 - lanes) << 8) | 0x1F
+        for g in range(lanes):
+            for lane in range(32):
+                if shfl_idx_source(lane, g, c) != lane - lane % lanes + g:
+                    raise SystemExit(f"segment shuffle differs at lanes {lanes}, g {g}")
+    print(f"bit-identical: {checked} (lanes, reps) cases of 32 lanes, every lane and rep; "
+          "segment shuffles read lane - lane % lanes + g for every width and g")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--widths", default="2048,4096,8192")
     parser.add_argument("--scalings", default="row,block,mx")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--trees", default="this", help="label=path,... (default: this tree)")
+    parser.add_argument("--static-rows", nargs="?", const="",
+                        help="tree labels compiled for the shapes' row count (none: every tree)")
     parser.add_argument("--sass-dir")
     parser.add_argument("--emulate", action="store_true")
+    # One compile in another tree (compile_sass's child process).
+    parser.add_argument("--compile", help=argparse.SUPPRESS)
+    parser.add_argument("--tree", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.compile:
+        sys.path.insert(0, args.tree)  # that tree's tilenorm and bench, not this one's
+        r, sass = _compile_here(**json.loads(args.compile))
+        Path(args.out).write_text(json.dumps({"resources": r, "sass": sass}))
+        return
     if args.emulate:
         emulate()
         return
     report([int(w) for w in args.widths.split(",")], args.scalings.split(","),
-           args.variants.split(","), args.sass_dir)
+           parse_trees(args.trees), static_labels(args.static_rows), args.sass_dir)
 
 
 if __name__ == "__main__":

@@ -1,24 +1,30 @@
 """No GPU: the CuTe FP8 row kernel's main loop with FP8 x (E4M3 bytes and one fp32 multiplier
 a group) against 2-byte x, read off its sm_90a SASS: registers, spills, the static
 instruction count of the main loop (the persistent row loop, ``stages`` rows unrolled:
-``fp8_block_sass.main_loop``) and that loop's instructions attributed to what they do, by a
-register data-flow walk of the loop (twice round, so values loaded in one trip and used in
-the next are traced). Row scaling, a bf16 weight, E4M3 q, a runtime row count, the tables'
-(threads, stages, CTAs per SM): ``cute_forward_fp8_input`` for FP8 x, ``forward_entry`` for
-bf16 x.
+``fp8_block_sass.main_loop``) and its stall cycles (``fp8_block_sass.stalls``), and that
+loop's instructions attributed to what they do, by a register data-flow walk of the loop
+(twice round, so values loaded in one trip and used in the next are traced). A bf16 weight,
+E4M3 q, row scaling (``--scalings``: others, bf16 x's), a runtime row count (or the bench
+shapes', ``--static-rows`` as fp8_block_sass.py's), the H200 tables' (threads, stages, CTAs
+per SM):
+``cute_forward_fp8_input`` for FP8 x, ``forward_entry`` for bf16 x; from this source tree
+or from others (``--trees``, as ``fp8_block_sass.py``'s: the loops of old commits,
+bench/NOTES.md #117).
 
     python bench/experiments/fp8_input_sass.py [--widths 4096,8192] [--x fp8,bf16]
-        [--group 128] [--sass-dir DIR]
+        [--group 128] [--scalings row,mx] [--trees this,f313ab5=scratch/f313ab5]
+        [--static-rows [f313ab5,...]] [--sass-dir DIR]
     python bench/experiments/fp8_input_sass.py --emulate   # the CPU bit-identity checks
 
 Categories: ``convert`` (FP8 -> f16x2 -> fp32: F2FP.F16.E4M3.UNPACK_B, HADD2.F32),
 ``widen x`` / ``widen w`` (bf16 -> fp32 by shift / permute), ``dequant`` (fp32(x) times
 its multiplier), ``x*w``, ``sum sq`` (the FFMA chain), ``amax t`` (max |t|), ``quantize``
-(t * rstd * scale and the saturating conversion with its byte packing), ``reduce`` (warp
-shuffles, shared memory, the barrier, the cross-warp sums), ``rstd, scale`` (rsqrt, the
-IEEE divisions with their checks and slow-path calls), the loads and stores, and the
-integer work that forms each load's and store's address (``addr: x``, ``addr: mult``, ...;
-``addr: row`` where a value feeds several), ``control`` (branches, predicates, the rest).
+(t * rstd * scale, the clamp older trees had, the saturating conversion and its byte
+packing), ``reduce`` (warp shuffles, shared memory, the barrier, the cross-warp sums),
+``rstd, scale`` (rsqrt, the IEEE divisions with their checks and slow-path calls), the
+loads and stores, and the integer work that forms each load's and store's address
+(``addr: x``, ``addr: mult``, ...; ``addr: row`` where a value feeds several), ``control``
+(branches, predicates, the rest).
 
 ``--emulate`` checks in NumPy that the exactness arguments of the kernel's FP8-x arithmetic
 hold for every E4M3 byte (see :func:`emulate`).
@@ -30,14 +36,21 @@ import argparse
 import collections
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.experiments.fp8_block_sass import main_loop, parse_sass  # noqa: E402
+from bench.experiments.fp8_block_sass import (  # noqa: E402
+    compile_sass,
+    main_loop,
+    parse_sass,
+    parse_trees,
+    rows_of,
+    stalls,
+    static_labels,
+)
 
 CATEGORIES = ("convert", "widen x", "widen w", "dequant", "x*w", "sum sq", "amax t",
               "quantize", "reduce", "rstd, scale", "load x", "load mult", "store q",
@@ -132,6 +145,8 @@ def categories(loop: list[tuple[int, str, str]]) -> list[str]:
                 cat, tag = "quantize", "y1"
             elif base == "FMUL" and "y1" in st:
                 cat, tag = "quantize", "y"
+            elif op.startswith("FMNMX.NAN") and "y" in st:
+                cat, tag = "quantize", "y"  # the clamp to +-fp8_max 7d44bfc dropped
             elif base == "FFMA" and ("sq" in st or (len(srcs) >= 2 and srcs[0] == srcs[1]
                                                     and st[0] in ("x", "xd"))):
                 cat, tag = "sum sq", "sq"
@@ -188,43 +203,34 @@ def categories(loop: list[tuple[int, str, str]]) -> list[str]:
     return cats
 
 
-def compile_sass(x: str, cols: int, group: int) -> tuple[dict, str]:
-    from bench.kernel_resources import cubin_resources, cuobjdump, keeping_cubins
-    from tilenorm.launch import cute
-    from tilenorm.settings_fp8 import SM90_FP8
-
-    cute.available()
-    if x == "fp8":
-        key = cute.Fp8ForwardKey(None, "float8_e4m3fn", "bfloat16", "float8_e4m3fn", "row",
-                                 False, cols, *SM90_FP8.cute_forward_fp8_input[cols],
-                                 group=group)
-    else:
-        key = cute.Fp8ForwardKey(None, "bfloat16", "bfloat16", "float8_e4m3fn", "row", False,
-                                 cols, *SM90_FP8.forward_entry("row", cols))
-    with tempfile.TemporaryDirectory() as tmp:
-        with keeping_cubins(tmp):
-            cute.compile_fp8_forward(key, "sm_90a")
-        return cubin_resources(sorted(Path(tmp).rglob("*.cubin"))[0], cuobjdump())
-
-
-def report(widths, xs, group: int, sass_dir: str | None) -> None:
+def report(widths, xs, group: int, scalings, trees: dict, static: list[str] | None,
+           sass_dir: str | None) -> None:
     rows = []
     for cols in widths:
         for x in xs:
-            r, sass = compile_sass(x, cols, group)
-            if sass_dir:
-                Path(sass_dir).mkdir(parents=True, exist_ok=True)
-                (Path(sass_dir) / f"{x}-{cols}.sass").write_text(sass)
-            loop = main_loop(parse_sass(sass))
-            rows.append((f"{x} {cols}", r, len(loop), attribute(loop)))
-    print(f"{'':18}" + "".join(f"{name:>11}" for name, *_ in rows))
-    for label, get in (("registers", lambda r, n, c: r["registers"]),
-                       ("spills (st/ld)", lambda r, n, c: f"{r['spill_stores']}/"
-                                                          f"{r['spill_loads']}"),
-                       ("loop", lambda r, n, c: n)):
-        print(f"{label:18}" + "".join(f"{get(r, n, c)!s:>11}" for _, r, n, c in rows))
+            for scaling in scalings if x == "bf16" else ["row"]:
+                for label, tree in trees.items():
+                    r, sass = compile_sass(
+                        scaling, cols, tree, rows_of(label, cols, static),
+                        "float8_e4m3fn" if x == "fp8" else "bfloat16", group if x == "fp8" else 0)
+                    name = " ".join(n for n in (label if len(trees) > 1 else "", x,
+                                                scaling if len(scalings) > 1 else "", str(cols))
+                                    if n)
+                    if sass_dir:
+                        Path(sass_dir).mkdir(parents=True, exist_ok=True)
+                        (Path(sass_dir) / f"{name.replace(' ', '-')}.sass").write_text(sass)
+                    loop = main_loop(parse_sass(sass))
+                    stall = sum(stalls(sass)[a] for a, _, _ in loop)
+                    rows.append((name, r, len(loop), stall, attribute(loop)))
+    width = max(11, *(len(name) + 2 for name, *_ in rows))
+    print(f"{'':18}" + "".join(f"{name:>{width}}" for name, *_ in rows))
+    for label, get in (("registers", lambda r, n, st: r["registers"]),
+                       ("spills (st/ld)", lambda r, n, st: f"{r['spill_stores']}/"
+                                                           f"{r['spill_loads']}"),
+                       ("loop", lambda r, n, st: n), ("stall cycles", lambda r, n, st: st)):
+        print(f"{label:18}" + "".join(f"{get(r, n, st)!s:>{width}}" for _, r, n, st, _ in rows))
     for cat in CATEGORIES:
-        print(f"  {cat:16}" + "".join(f"{c[cat]:>11}" for *_, c in rows))
+        print(f"  {cat:16}" + "".join(f"{c[cat]:>{width}}" for *_, c in rows))
 
 
 # --- CPU emulation of the dequantization --------------------------------------------------
@@ -352,6 +358,10 @@ def main() -> None:
     parser.add_argument("--widths", default="4096,8192")
     parser.add_argument("--x", default="fp8,bf16")
     parser.add_argument("--group", type=int, default=128)
+    parser.add_argument("--scalings", default="row")
+    parser.add_argument("--trees", default="this", help="label=path,... (default: this tree)")
+    parser.add_argument("--static-rows", nargs="?", const="",
+                        help="tree labels compiled for the shapes' row count (none: every tree)")
     parser.add_argument("--sass-dir")
     parser.add_argument("--emulate", action="store_true")
     args = parser.parse_args()
@@ -359,6 +369,7 @@ def main() -> None:
         emulate()
         return
     report([int(w) for w in args.widths.split(",")], args.x.split(","), args.group,
+           args.scalings.split(","), parse_trees(args.trees), static_labels(args.static_rows),
            args.sass_dir)
 
 

@@ -17,7 +17,7 @@
 #                         torch.compile
 #   variants FILE         each case of a variants file (bench/experiments/variants/*.json:
 #                         {"cases": [{"tool", "ops" or "scalings", "shapes", ["dtype"],
-#                         "variants"}]})
+#                         "variants", ["kernel_times": true: bench_fp8's --kernel-times]}]})
 #   suite TAG PATHS...    the GPU tests (-m gpu) of PATHS with $WORKERS xdist workers (default
 #                         3; 5 ran out of an H100's 80 GB: NOTES #65, #99), JAX allocating as
 #                         it goes. JUnit files stay in /tmp/suite for the machine's life, so a
@@ -112,6 +112,8 @@ for key in ("ops", "scalings", "shapes", "cases", "dtype"):
 if tool == "bench_norm_ops":
     print("--modes")
     print("graph")
+if case.get("kernel_times"):
+    print("--kernel-times")
 if tool != "tune_norm":  # tune_norm launches the kernels itself, validated or not
     print("--experimental")
 print("--variants")

@@ -7,8 +7,8 @@ NOTES.md #79, #81).
 Math (fp32), the mean and rstd as the forward saved them: ``xhat = (x - mean) * rstd``
 (RMSNorm: ``x * rstd``), ``g = dy * (w + offset)``, ``c = sum_row(g * xhat) / N``,
 ``b = sum_row(g) / N`` (LayerNorm only), ``dx = rstd * (g - (xhat * c + b)) (+ dres_in)``
-(RMSNorm: ``rstd * (g - xhat * c)``); ``dweight = sum_rows(dy * xhat)``,
-``dbias = sum_rows(dy)``.
+(RMSNorm: ``rstd * (g - xhat * c)``), computed as ``g * rstd - ((x - mean) * (c * rstd *
+rstd) + b * rstd)``; ``dweight = sum_rows(dy * xhat)``, ``dbias = sum_rows(dy)``.
 
 Layout (:class:`ClusterRowNormBackward`): a cluster of ``cluster`` CTAs holds a row, CTA
 ``r`` columns ``[r * N / C, (r + 1) * N / C)``, each thread ``reps`` 16-byte vectors
@@ -28,12 +28,13 @@ Per row, per CTA:
   ``sum(g * xhat)`` (and LayerNorm's ``sum(g)``) in vector order, and ``dweight += dy *
   xhat`` (``dbias += dy``) into fp32 registers (the CTA's slices of dweight and dbias live
   in its threads' registers across all its rows);
-- the row sums cross the cluster by push (:meth:`ClusterRowKernel._push_sums`,
+- the row sums cross the cluster by push (:meth:`ClusterRowKernel._push_sums_lanes`,
   cute_cluster_rows.py): warp ``w`` of CTA ``r`` ``st.async``-es its warp sums into slot
   ``r * warps + w`` of every CTA (lane ``l`` to CTA ``l``), counted by that CTA's mbarrier
   (armed for ``sums * warps * C * 4`` bytes: LayerNorm's two sums are pushed together);
-  every thread then adds the slots in rank order, warps in order, so every CTA of the
-  cluster (and every rerun) has the same bits of ``c`` (and ``b``);
+  each warp then adds the slots across its lanes in a fixed tree (a lane a run of adjacent
+  slots, then a butterfly), so every CTA of the cluster (and every rerun) has the same bits
+  of ``c`` (and ``b``);
 - pass 2 (shared memory again): dx, stored from registers (16-byte stores), with the
   gradient that reached h through a fused residual add (``dres_in``) added in fp32.
 
@@ -135,6 +136,21 @@ class ClusterRowNormBackward(ClusterRowKernel):
         cute.arch.cp_async_commit_group()
 
     @cute.jit
+    def _widen(self, v: cute.Tensor):
+        """This thread's vector ``v`` (x's dtype, in registers) in fp32. bf16 by integer ops
+        on its 32-bit words, a shift and a mask a pair of elements (an fp32 is a bf16 and 16
+        zero bits below): the DSL's conversion spends three a pair, two of them moving the
+        high half down and back (bench/NOTES.md #119). Exact either way."""
+        if const_expr(self.dtype is not cutlass.BFloat16):
+            return v.load().to(Float32)
+        words = cute.recast_tensor(v, Int32)
+        bits = cute.make_rmem_tensor((self.vec,), Int32)
+        for k in cutlass.range_constexpr(self.vec // 2):
+            bits[2 * k] = words[k] << 16
+            bits[2 * k + 1] = words[k] & Int32(-65536)
+        return cute.recast_tensor(bits, Float32).load()
+
+    @cute.jit
     def _scale(self, dy, w: cute.Tensor | None, k: int, offset: Float32):
         """``dy * (w + offset)`` of this thread's vector ``k`` (the weight held in
         registers); ``dy`` without a weight."""
@@ -232,9 +248,9 @@ class ClusterRowNormBackward(ClusterRowKernel):
                     for k in cutlass.range_constexpr(self.reps):
                         cute.autovec_copy(t_x[None, k], x_v)
                         cute.autovec_copy(t_dy[None, k], dy_v)
-                        x = x_v.load().to(Float32)
+                        x = self._widen(x_v)
                         x_hat = (x - mean) * rstd if const_expr(self.layer_norm) else x * rstd
-                        dy = dy_v.load().to(Float32)
+                        dy = self._widen(dy_v)
                         g = self._scale(dy, w, k, offset)
                         part_a = part_a + (g * x_hat).reduce(cute.ReductionOp.ADD,
                                                              Float32(0.0), 0)
@@ -249,16 +265,19 @@ class ClusterRowNormBackward(ClusterRowKernel):
                     if tidx == 0:
                         cute.arch.mbarrier_arrive_and_expect_tx(
                             mbar_s, self.sums * slots * PARTIAL_BYTES)
-                    totals = self._push_sums([part_a, part_b][:self.sums],
-                                             parts[None, None, s], mbar_s, phase, rank, lane,
-                                             warp)
+                    totals = self._push_sums_lanes([part_a, part_b][:self.sums],
+                                                   parts[None, None, s], mbar_s, phase, rank,
+                                                   lane, warp)
                     # The slots' reads before any later st.async into them (async proxy);
                     # the warp's sync orders every lane's reads before the lanes below
                     # cluster push the next row (a shuffle alone orders no memory).
                     cute.arch.fence_view_async_shared()
                     cute.arch.sync_warp()
-                    c = totals[0] * inv_n
-                    b = totals[1] * inv_n if const_expr(self.layer_norm) else Float32(0.0)
+                    # dx = rstd * (g - (xhat * c + b)) with rstd taken into the row's
+                    # constants: rstd * g - ((x - mean) * c rstd^2 + b rstd), a multiply an
+                    # element fewer (bench/NOTES.md #119).
+                    c = totals[0] * inv_n * rstd * rstd
+                    b = totals[1] * inv_n * rstd if const_expr(self.layer_norm) else Float32(0.0)
                     # Pass 2: dx from shared memory again.
                     t_dx = self._slice_view(mdX[row, None], rank, tidx)
                     t_dres = None
@@ -267,16 +286,15 @@ class ClusterRowNormBackward(ClusterRowKernel):
                     for k in cutlass.range_constexpr(self.reps):
                         cute.autovec_copy(t_x[None, k], x_v)
                         cute.autovec_copy(t_dy[None, k], dy_v)
-                        x = x_v.load().to(Float32)
-                        x_hat = (x - mean) * rstd if const_expr(self.layer_norm) else x * rstd
-                        g = self._scale(dy_v.load().to(Float32), w, k, offset)
+                        x = self._widen(x_v)
+                        g = self._scale(self._widen(dy_v), w, k, offset)
                         if const_expr(self.layer_norm):
-                            grad = (g - (x_hat * c + b)) * rstd
+                            grad = g * rstd - ((x - mean) * c + b)
                         else:
-                            grad = (g - x_hat * c) * rstd
+                            grad = g * rstd - x * c
                         if const_expr(self.has_dres_in):
                             cute.autovec_copy(t_dres[None, k], dres_v)
-                            grad = grad + dres_v.load().to(Float32)
+                            grad = grad + self._widen(dres_v)
                         dx_v.store(grad.to(self.dtype))
                         cute.autovec_copy(dx_v, t_dx[None, k])
                 if const_expr(stages == 1):

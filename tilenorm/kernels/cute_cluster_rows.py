@@ -9,6 +9,7 @@ a change here re-validates only the cluster kernels' family.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable
 
@@ -94,6 +95,35 @@ class ClusterRowKernel(RowKernel):
         self._push_warp_values([cute.arch.warp_reduction(part, operator.add)
                                 for part in parts], slots, mbar, phase, rank, lane, warp)
         return [self._fixed_order_sum(lambda slot, j=j: slots[slot, j])
+                for j in range(len(parts))]
+
+    def lane_runs(self) -> tuple[int, int]:
+        """(group, per) of :meth:`_push_sums_lanes`: the slots (``cluster * warps``) as
+        ``group`` runs of ``per``, ``group`` the largest power of two dividing their count,
+        at most a warp's lanes."""
+        count = self.cluster * self.warps
+        group = min(count & -count, cute.arch.WARP_SIZE)
+        return group, count // group
+
+    @cute.jit
+    def _push_sums_lanes(self, parts: list, slots: cute.Tensor, mbar, phase: Int32,
+                         rank: Int32, lane: Int32, warp: Int32) -> list:
+        """:meth:`_push_sums` with the slots added across the warp's lanes instead of by
+        every lane in turn: ``group`` runs of ``per`` adjacent slots (:meth:`lane_runs`),
+        lane ``l`` adding run ``l % group`` in order, then a butterfly over ``group`` lanes
+        adding the runs (a fixed tree; a warp wider than ``group`` repeats it). Every lane,
+        every CTA of the cluster and every rerun gets the same bits: each butterfly level
+        adds the same two values in either order, and an IEEE add is commutative. A sum
+        costs a lane ``per`` reads and adds and log2(group) shuffles and adds a row, where
+        the loop over the slots costs it a read and an add a slot (64 at 65536 columns;
+        bench/NOTES.md #119)."""
+        self._push_warp_values([cute.arch.warp_reduction(part, operator.add)
+                                for part in parts], slots, mbar, phase, rank, lane, warp)
+        group, per = self.lane_runs()
+        first = (lane % group) * per
+        return [cute.arch.warp_reduction(
+                    functools.reduce(operator.add, [slots[first + i, j] for i in range(per)]),
+                    operator.add, threads_in_group=group)
                 for j in range(len(parts))]
 
     def _fixed_order_sum(self, term: Callable[[int], Float32]) -> Float32:

@@ -158,14 +158,6 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
     ``column_amax``, FP8 x's ``group``: 0 for x that is not FP8); ``__call__`` launches it
     on ``grid`` programs (``mXScale`` None but for FP8 x)."""
 
-    #: Block and MX amaxes by a reduce-scatter over the block's lanes
-    #: (:meth:`_scattered_block_amax`) where it applies, rather than a butterfly a rep: False
-    #: compiles the kernel as before it (bench/experiments/fp8_block_sass.py compares them).
-    SCATTER_BLOCK_AMAX = True
-    #: Scales handed on by shuffles within the block's lane segment, an immediate source
-    #: lane (:meth:`_group_shuffle`), rather than from a computed lane index.
-    SEGMENT_SHUFFLES = True
-
     def __init__(self, dtype, weight_dtype, fp8_dtype, fp8_max: float, cols: int,
                  threads: int, stages: int, ctas_per_sm: int, scaling: str,
                  has_offset: bool, recompute_t: bool = False, column_amax: bool = False,
@@ -210,9 +202,8 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         self.warps = threads // cute.arch.WARP_SIZE
         # The reduce-scatter of a block's amaxes (_scattered_block_amax): where the reps and
         # the block's lanes are powers of two, no more reps than lanes.
-        self.scatter = (self.SCATTER_BLOCK_AMAX and scaling in BLOCK_COLS
-                        and _power_of_two(self.reps) and _power_of_two(self.block_lanes)
-                        and self.reps <= self.block_lanes)
+        self.scatter = (scaling in BLOCK_COLS and _power_of_two(self.reps)
+                        and _power_of_two(self.block_lanes) and self.reps <= self.block_lanes)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mXScale: cute.Tensor | None, mW: cute.Tensor | None,
@@ -434,14 +425,16 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                         amax = tmax * rstd  # exactly the largest |y| of the row
                         if const_expr(self.scaling == "row"):
                             scale = self._scale_of(amax)
-                            for i in cutlass.range_constexpr(per_thread):
-                                self._quantize(t, y, rstd, scale, i)
+                            if const_expr(self.column_amax):
+                                self._quantize_keeping_column_maxima(t, y, columns, rstd,
+                                                                     scale)
+                            else:
+                                for i in cutlass.range_constexpr(per_thread):
+                                    self._quantize(t, y, rstd, scale, i)
                             q.store(y.load().to(self.fp8_dtype))
                             cute.autovec_copy(q_bytes, self._thread_view(mQ[row, None], tidx))
                             if tidx == 0:
                                 mQScale[row, 0] = Float32(1.0) / scale
-                            if const_expr(self.column_amax):
-                                self._column_maxima(columns, t, rstd)
                         else:
                             acc[0] = cute.arch.fmax(acc[0], amax)
                             if const_expr(self.scaling == "delayed"):
@@ -463,14 +456,21 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
             cute.autovec_copy(out, self._thread_view(mAmax[program, None], tidx))
 
     @cute.jit
-    def _column_maxima(self, columns: cute.Tensor, t: cute.Tensor, rstd: Float32):
-        """This thread's column maxima (shared memory) with the row's ``|t * rstd|``: y as
-        the row's q scales it. A vector at a time: registers hold the ring."""
+    def _quantize_keeping_column_maxima(self, t: cute.Tensor, y: cute.Tensor,
+                                        columns: cute.Tensor, rstd: Float32, scale: Float32):
+        """``_quantize``'s values into ``y`` and this thread's column maxima (shared memory)
+        with the row's ``|t * rstd|`` (y as q scales it), a vector at a time: each product
+        is used where it is made, where folding the maxima after the row's quantization
+        kept the products live across it (sm_90a, 4-row trip: 16 spill stores and 16 loads
+        at 16384 columns, (512, 4, 1), against 6 and 6; 4 and 4 at 4096 against none;
+        bench/NOTES.md #120). The same products, so the same bits."""
         for r in cutlass.range_constexpr(self.reps):
             m = cute.make_rmem_tensor((self.vec,), Float32)
             cute.autovec_copy(columns[None, r], m)
             for e in cutlass.range_constexpr(self.vec):
-                m[e] = cute.arch.fmax(m[e], cute.math.absf(t[e, r] * rstd))
+                normed = t[e, r] * rstd
+                m[e] = cute.arch.fmax(m[e], cute.math.absf(normed))
+                y[e, r] = normed * scale
             cute.autovec_copy(m, columns[None, r])
 
     @cute.jit
@@ -521,8 +521,7 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                 mQScale[row, (tidx - g + g * self.threads) // self.block_lanes] = (
                     Float32(1.0) / scale_mine)
             for r in cutlass.range_constexpr(self.reps):
-                self._quantize_rep(t, y, q_row, rstd,
-                                   cute.arch.shuffle_sync(scale_mine, lane - g + r), r)
+                self._quantize_rep(t, y, q_row, rstd, self._group_shuffle(scale_mine, r), r)
         else:
             for r in cutlass.range_constexpr(self.reps):
                 amax = self._block_amax(t, r) * rstd
@@ -579,14 +578,10 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         """``value`` of lane ``g`` of this lane's block group: ``shfl.sync.idx`` with the
         group as its segment (``c``'s segment mask ``32 - block_lanes``, as CUDA's
         ``__shfl_sync`` with ``width``), so the source lane is ``(lane & ~(block_lanes - 1))
-        | g`` with ``g`` an immediate and no index computed; where ``SEGMENT_SHUFFLES`` is
-        False, from the lane index ``lane - lane % block_lanes + g`` (a full-warp shuffle,
-        the same source lane)."""
-        if const_expr(self.SEGMENT_SHUFFLES):
-            return cute.arch.shuffle_sync(
-                value, g, mask_and_clamp=((32 - self.block_lanes) << 8) | 0x1F)
-        lane = cute.arch.lane_idx()
-        return cute.arch.shuffle_sync(value, lane - lane % self.block_lanes + g)
+        | g`` with ``g`` an immediate: the lane ``lane - lane % block_lanes + g`` reads, with
+        no index computed (bench/NOTES.md #114)."""
+        return cute.arch.shuffle_sync(value, g,
+                                      mask_and_clamp=((32 - self.block_lanes) << 8) | 0x1F)
 
     @cute.jit
     def _thread_amax(self, t: cute.Tensor, r: int) -> Float32:
