@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Device calls through the GPU kit (../shared/gpu-kit: cuTile, its CUDA 13.4 compiler, the
 # CuTe DSL and the peers), from the repository root on the GPU host. A fresh machine first
-# takes the kit's three parts, one call each (carry ".gpu-kit/N", `bash .gpu-kit/N/install.sh`;
-# the third part can share a call with this script where no archive travels beside it: the
-# two pass the 64 MiB carry, NOTES #118). Then, per call (carry
+# takes the kit's three parts, one call each (carry ".gpu-kit/N", `bash .gpu-kit/N/install.sh`),
+# re-split first by gpu_kit_split.sh: a 60 MB part of pack.sh's and this tree exceed the
+# 64 MiB carry, a 50 MB one does not, and the third (35 MB) shares a call with this script
+# and the suite archive (NOTES #122). Then, per call (carry
 # ".gpu-cache/suite-caches.tar.xz" where it was built: bench/experiments/gpu_suite_caches.py):
 #   bash bench/experiments/gpu_kit.sh COMMIT PHASE [LIMIT_S [args...]]
 # PHASE, each writing its JSON and log to $OUT:
