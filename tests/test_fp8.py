@@ -941,6 +941,44 @@ def test_cute_fp8_conversions_saturate(tmp_path, arch):
 
 @pytest.mark.aot
 @pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+def test_cute_fp8_kernel_variants_under_measurement_build(tmp_path):
+    """The kernel classes of bench/experiments/cute_fp8_variants.py, which
+    ``cute_fp8_probe.py --variant`` offers and times beside the kernel (bench/NOTES.md #117),
+    build for sm_90a at the H200's row and MX entry of 4096 columns, (128, 4, 4). With
+    cuobjdump: the clamp variant is the kernel plus the clamp 7d44bfc dropped, two
+    ``FMNMX.NAN`` an element (4 rows of 32 elements a thread), its conversions still
+    SATFINITE."""
+    import re
+
+    from bench.experiments import cute_fp8_probe
+    from bench.experiments.cute_fp8_variants import VARIANTS, compile_variant
+    from bench.kernel_resources import cubin_resources, find_cuobjdump, keeping_cubins
+
+    assert set(cute_fp8_probe.CLASS_VARIANTS) == set(VARIANTS)
+    tool = find_cuobjdump()
+    for scaling in ("row", "mx"):
+        key = cute.Fp8ForwardKey(None, "bfloat16", "bfloat16", "float8_e4m3fn", scaling, False,
+                                 4096, 128, 4, 4)
+        sass = {}
+        for name in (None, *VARIANTS):
+            folder = tmp_path / f"{scaling}-{name}"
+            folder.mkdir()
+            with keeping_cubins(str(folder)):
+                fn = (cute.compile_fp8_forward(key, "sm_90a") if name is None
+                      else compile_variant(name, key, "sm_90a"))
+            assert callable(fn)
+            if tool is not None:
+                sass[name] = cubin_resources(next(folder.rglob("*.cubin")), tool)[1]
+        if tool is None:
+            continue
+        clamps = {name: len(re.findall(r"\bFMNMX\.NAN\b", s)) for name, s in sass.items()}
+        assert clamps["clamp"] - clamps[None] == 2 * 4 * 4096 // 128, (scaling, clamps)
+        to_fp8 = re.findall(r"F2FP\S*\.E4M3\.F32\S*", sass["clamp"])
+        assert to_fp8 and all(".SATFINITE." in op for op in to_fp8), set(to_fp8)
+
+
+@pytest.mark.aot
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
 def test_cute_fp8_recompute_t_entries_fit_their_registers_on_hopper(tmp_path):
     """What the settings' ``cute_forward_recompute_t`` entries are for: the kernel without
     spills at sm_90a (no local-memory stores or loads) where the kernel that holds t spills,

@@ -13,6 +13,7 @@ for the trees ``--static-rows`` names (every tree without a list) the bench shap
     python bench/experiments/fp8_block_sass.py [--widths 2048,4096,8192]
         [--scalings row,block,mx] [--trees this,f313ab5=../f313ab5]
         [--static-rows [f313ab5,...]] [--sass-dir DIR]   # also keep each variant's SASS
+        [--variants clamp]   # also kernel classes of cute_fp8_variants.py, from this tree
     python bench/experiments/fp8_block_sass.py --emulate   # the CPU bit-identity checks
 
 ``--trees`` compiles each kernel from the named source trees (``git worktree add
@@ -47,8 +48,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 #: Opcode kinds printed (counts in the main loop), the rest summed under "other".
-KINDS = ("SHFL.BFLY", "SHFL.IDX", "FMNMX", "FSEL", "FMUL", "FFMA", "MUFU", "FCHK", "CALL",
-         "BSSY", "STG", "LDS", "F2FP", "ISETP", "LOP3", "LEA")
+KINDS = ("SHFL.BFLY", "SHFL.IDX", "FMNMX.NAN", "FMNMX", "FSEL", "FMUL", "FFMA", "MUFU", "FCHK",
+         "CALL", "BSSY", "STG", "LDS", "F2FP", "ISETP", "LOP3", "LEA")
 _INS = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;\s*/\*")
 _CONTROL = re.compile(r"^\s+/\*\s*0x([0-9a-f]{16})\s*\*/\s*$")
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,20 +96,22 @@ def main_loop(ins: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
 def kinds(ins) -> collections.Counter:
     counts = collections.Counter()
     for _, op, _ in ins:
+        # FMNMX.NAN (a clamp's, NaN kept: the cut of 7d44bfc, #117) before plain FMNMX
         kind = next((k for k in KINDS if op == k or op.startswith(k + ".")), "other")
-        if kind == "FMNMX" and op.startswith("FMNMX.NAN"):
-            kind = "other"
         counts[kind] += 1
     return counts
 
 
 def compile_sass(scaling: str, cols: int, tree: str | None = None, rows: int | None = None,
-                 x: str = "bfloat16", group: int = 0) -> tuple[dict, str]:
+                 x: str = "bfloat16", group: int = 0, variant: str | None = None
+                 ) -> tuple[dict, str]:
     """Resources and SASS of the row kernel of bf16 (or FP8, ``group``) x and a bf16 weight
     at ``scaling`` and ``cols`` as the planner routes it on an H200 (its table's entry, or
     ``recompute_t``'s), compiled from ``tree`` (a source tree, in a process of its own;
-    None: this one) for ``rows`` (None: any count)."""
-    spec = {"scaling": scaling, "cols": cols, "rows": rows, "x": x, "group": group}
+    None: this one) for ``rows`` (None: any count); ``variant`` a kernel class of
+    cute_fp8_variants.py in the kernel's place."""
+    spec = {"scaling": scaling, "cols": cols, "rows": rows, "x": x, "group": group,
+            "variant": variant}
     if tree is not None:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "out.json"
@@ -120,8 +123,8 @@ def compile_sass(scaling: str, cols: int, tree: str | None = None, rows: int | N
     return _compile_here(**spec)
 
 
-def _compile_here(scaling: str, cols: int, rows: int | None, x: str, group: int
-                  ) -> tuple[dict, str]:
+def _compile_here(scaling: str, cols: int, rows: int | None, x: str, group: int,
+                  variant: str | None = None) -> tuple[dict, str]:
     from bench.kernel_resources import cubin_resources, cuobjdump, keeping_cubins
     from tilenorm.launch import cute
     from tilenorm.settings_fp8 import SM90_FP8
@@ -136,7 +139,12 @@ def _compile_here(scaling: str, cols: int, rows: int | None, x: str, group: int
                              **({"group": group} if group else {}))
     with tempfile.TemporaryDirectory() as tmp:
         with keeping_cubins(tmp):
-            cute.compile_fp8_forward(key, "sm_90a")
+            if variant is None:
+                cute.compile_fp8_forward(key, "sm_90a")
+            else:
+                from bench.experiments.cute_fp8_variants import compile_variant
+
+                compile_variant(variant, key, "sm_90a")
         return cubin_resources(sorted(Path(tmp).rglob("*.cubin"))[0], cuobjdump())
 
 
@@ -162,15 +170,20 @@ def rows_of(label: str, cols: int, static: list[str] | None) -> int | None:
 
 
 def report(widths, scalings, trees: dict, static: list[str] | None,
-           sass_dir: str | None) -> None:
+           sass_dir: str | None, variants: list[str] = ()) -> None:
+    """The table; ``variants`` (kernel classes of cute_fp8_variants.py, compiled from this
+    tree, labelled by name) after the trees of each width and scaling."""
     head = (f"{'cols':>5} {'scaling':>7} {'tree':>10} {'regs':>4} {'stack':>5} "
             f"{'STL/LDL':>7} {'total':>5} {'loop':>5} {'stall':>5} "
             + " ".join(f"{k:>9}" for k in KINDS) + f" {'other':>5}")
     print(head)
     for cols in widths:
         for scaling in scalings:
-            for label, tree in trees.items():
-                r, sass = compile_sass(scaling, cols, tree, rows_of(label, cols, static))
+            runs = [(label, tree, None) for label, tree in trees.items()]
+            runs += [(name, None, name) for name in variants]
+            for label, tree, variant in runs:
+                r, sass = compile_sass(scaling, cols, tree, rows_of(label, cols, static),
+                                       variant=variant)
                 if sass_dir:
                     Path(sass_dir).mkdir(parents=True, exist_ok=True)
                     (Path(sass_dir) / f"{label}-{scaling}-{cols}.sass").write_text(sass)
@@ -324,6 +337,9 @@ def main() -> None:
     parser.add_argument("--static-rows", nargs="?", const="",
                         help="tree labels compiled for the shapes' row count (none: every tree)")
     parser.add_argument("--sass-dir")
+    parser.add_argument("--variants", default="",
+                        help="kernel classes of cute_fp8_variants.py (e.g. clamp), compiled "
+                             "from this tree and reported after the trees")
     parser.add_argument("--emulate", action="store_true")
     # One compile in another tree (compile_sass's child process).
     parser.add_argument("--compile", help=argparse.SUPPRESS)
@@ -339,7 +355,8 @@ def main() -> None:
         emulate()
         return
     report([int(w) for w in args.widths.split(",")], args.scalings.split(","),
-           parse_trees(args.trees), static_labels(args.static_rows), args.sass_dir)
+           parse_trees(args.trees), static_labels(args.static_rows), args.sass_dir,
+           [name for name in args.variants.split(",") if name])
 
 
 if __name__ == "__main__":
