@@ -984,21 +984,27 @@ def test_cute_fp8_recompute_t_entries_fit_their_registers_on_hopper(tmp_path):
     spills at sm_90a (no local-memory stores or loads) where the kernel that holds t spills,
     for bf16 x with no weight, a bf16 weight and E5M2 (what was timed, #78). Left out as
     they still spill there (issue 19): a 4-byte weight, the offset, fp16 x."""
+    keys = [key for key in cute.aot_fp8_keys() if key.recompute_t and key.dtype == "bfloat16"
+            and key.weight_dtype != "float32" and not key.has_offset]
+    assert keys
+    for key, r in _hopper_resources(keys, tmp_path):
+        assert (r["stack"], r["spill_stores"], r["spill_loads"]) == (0, 0, 0), (key, r)
+
+
+def _hopper_resources(keys, tmp_path):
+    """(key, registers / stack / spills read off its cubin) of each FP8 row kernel variant
+    of ``keys`` compiled for sm_90a; skips without cuobjdump."""
     from bench.kernel_resources import cubin_resources, find_cuobjdump, keeping_cubins
 
     tool = find_cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not installed")
-    keys = [key for key in cute.aot_fp8_keys() if key.recompute_t and key.dtype == "bfloat16"
-            and key.weight_dtype != "float32" and not key.has_offset]
-    assert keys
     for n, key in enumerate(keys):
         folder = tmp_path / str(n)
         folder.mkdir()
         with keeping_cubins(str(folder)):
             cute.compile_fp8_forward(key, "sm_90a")
-        r, _ = cubin_resources(next(folder.rglob("*.cubin")), tool)
-        assert (r["stack"], r["spill_stores"], r["spill_loads"]) == (0, 0, 0), (key, r)
+        yield key, cubin_resources(next(folder.rglob("*.cubin")), tool)[0]
 
 
 @pytest.mark.aot
@@ -1009,19 +1015,9 @@ def test_cute_fp8_column_amax_entries_spill_little_on_hopper(tmp_path):
     (``_quantize_keeping_column_maxima``) leave it spill-free at 2048 and 4096 and without
     a weight, and at most 6 spill stores a trip at 8192 and 16384 (folding them after the
     row's quantization spilled 4 at 4096 and 16 at 16384, bench/NOTES.md #120)."""
-    from bench.kernel_resources import cubin_resources, find_cuobjdump, keeping_cubins
-
-    tool = find_cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not installed")
     keys = [key for key in cute.aot_fp8_keys() if key.column_amax and key.dtype == "bfloat16"]
     assert {key.cols for key in keys} == {2048, 4096, 8192, 16384}
-    for n, key in enumerate(keys):
-        folder = tmp_path / str(n)
-        folder.mkdir()
-        with keeping_cubins(str(folder)):
-            cute.compile_fp8_forward(key, "sm_90a")
-        r, _ = cubin_resources(next(folder.rglob("*.cubin")), tool)
+    for key, r in _hopper_resources(keys, tmp_path):
         most = 0 if key.weight_dtype is None or key.cols <= 4096 else 6
         assert r["spill_stores"] <= most, (key, r)
 
