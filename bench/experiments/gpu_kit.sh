@@ -3,8 +3,9 @@
 # CuTe DSL and the peers), from the repository root on the GPU host. A fresh machine first
 # takes the kit's three parts, one call each (carry ".gpu-kit/N", `bash .gpu-kit/N/install.sh`),
 # re-split first by gpu_kit_split.sh: a 60 MB part of pack.sh's and this tree exceed the
-# 64 MiB carry, a 50 MB one does not, and the third (35 MB) shares a call with this script
-# and the suite archive (NOTES #122). Then, per call (carry
+# 64 MiB carry, a 50 MB one does not (NOTES #122); the third (35 MB) shares a call with
+# this script where no archive travels beside it (the suite archive is 33 MiB). Then, per
+# call (carry
 # ".gpu-cache/suite-caches.tar.xz" where it was built: bench/experiments/gpu_suite_caches.py):
 #   bash bench/experiments/gpu_kit.sh COMMIT PHASE [LIMIT_S [args...]]
 # PHASE, each writing its JSON and log to $OUT:

@@ -3,8 +3,8 @@
 # to travel beside this working tree: the device tool carries 64 MiB, the tree included
 # (8.5 MB at da4c549 made a 60 MB part fail, NOTES #122). The kit's own install.sh joins
 # the parts in order and checks the whole archive's sha256, which re-splitting keeps; the
-# part count in each manifest follows. At 50 MB the third part (35 MB) also fits beside
-# the suite archive (.gpu-cache/suite-caches.tar.xz), so it shares that call.
+# part count in each manifest follows. The third part (35 MB) still cannot travel beside the
+# suite archive (.gpu-cache/suite-caches.tar.xz, 33 MiB with the recorded cuTile variants).
 #   bash bench/experiments/gpu_kit_split.sh [KIT_DIR [PART_BYTES]]
 set -euo pipefail
 kit=${1:-.gpu-kit}
