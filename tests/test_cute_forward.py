@@ -21,6 +21,7 @@ from tests.kernel_harness import (
     rel,
 )
 from tilenorm import dispatch
+from tilenorm.device import device_info
 from tilenorm.launch import cute
 from tilenorm.planner import CuteForwardPlan, is_persistent, plan_cute_forward, plan_row_norm
 from tilenorm.settings import (
@@ -38,6 +39,9 @@ CUTE_FORWARD = SM90.cute_forward
 #: Every class's table: the ahead-of-time builds cover each.
 TABLES = {c: settings_for((9, 0), c).cute_forward for c in DEVICE_CLASSES}
 WIDTHS = sorted({cols for t in TABLES.values() for widths in t.values() for cols in widths})
+#: The narrowest width every class's table routes for every op (the H200 alone routes
+#: RMSNorm's 512 and 1024).
+SHARED = min(set.intersection(*(set(widths) for t in TABLES.values() for widths in t.values())))
 OPS = sorted(CUTE_FORWARD)
 #: (op, width) pairs the table routes.
 ROUTED = [(op, cols) for op in OPS for cols in sorted(CUTE_FORWARD[op])]
@@ -61,20 +65,34 @@ FP32_ROUTED = [(DEFAULT_DEVICE_CLASS, op, cols) for op in sorted(SM90.cute_forwa
 #: (op, width) pairs the table routes to the cluster forward: entries of four, (threads,
 #: 1 row, CTAs per SM, cluster).
 CLUSTER_ROUTED = [(op, cols) for op, cols in ROUTED if len(CUTE_FORWARD[op][cols]) == 4]
+#: (op, width) pairs the table routes to the persistent cluster forward: entries of five,
+#: (threads, rows a group, CTAs an SM, cluster, ring of row groups).
+PERSISTENT_ROUTED = [(op, cols) for op, cols in ROUTED if is_persistent(CUTE_FORWARD[op][cols])]
+#: Clusters the planner is told a device holds at once, in plans made without a device.
+RESIDENT_CLUSTERS = 31
+
+
+def _resident(cluster, threads, ctas_per_sm):
+    return RESIDENT_CLUSTERS
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 131, 264, 265, 1023, 32768, 100003])
 def test_plan_gives_every_row_to_one_cta_or_cluster(rows):
+    """One-shot entries a CTA or cluster a row group; persistent ones (a fifth element) the
+    row groups over the clusters resident at once, or one a group where they are fewer."""
     for op, widths in CUTE_FORWARD.items():
         for cols, (threads, rows_per_cta, ctas, *rest) in widths.items():
             if rows * cols > 2**31:
                 continue  # past 32-bit offsets: no plan (test_plan_only_where_measured)
             cluster = rest[0] if rest else 1
-            p = plan_cute_forward(rows, cols, itemsize=2, arch=(9, 0), op=op)
-            assert (p.threads, p.rows_per_cta, p.ctas_per_sm, p.cluster) == (
-                threads, rows_per_cta, ctas, cluster)
-            assert p.grid == -(-rows // rows_per_cta) * cluster
-            seen = [r for cta in range(0, p.grid, cluster) for r in p.program_rows(cta)]
+            stages = rest[1] if len(rest) > 1 else 0
+            p = plan_cute_forward(rows, cols, itemsize=2, arch=(9, 0), op=op,
+                                  resident_clusters=_resident)
+            assert (p.threads, p.rows_per_cta, p.ctas_per_sm, p.cluster, p.stages) == (
+                threads, rows_per_cta, ctas, cluster, stages)
+            groups = -(-rows // rows_per_cta)
+            assert p.grid == (min(groups, RESIDENT_CLUSTERS) if stages else groups) * cluster
+            seen = sorted(r for cta in range(0, p.grid, cluster) for r in p.program_rows(cta))
             assert seen == list(range(rows))
             assert all(len(p.program_rows(cta)) for cta in range(p.grid)), "no idle CTA"
             for cta in range(p.grid):  # a cluster's CTAs share its rows
@@ -85,16 +103,22 @@ def test_cluster_entries_split_a_row_into_equal_slices():
     """The cluster forward covers the widths one CTA cannot hold whole (#75) and those where
     it measured faster than one CTA (RMSNorm's 16384 and 32768, #95, #98; 12288, #106):
     each CTA of 256 threads holds an equal slice of at most 16384 columns, 4 CTAs an SM, one
-    or two rows a cluster."""
+    or two rows a cluster. LayerNorm's from 32768 run the persistent cluster forward (#125):
+    slices of at most 16384 columns too, each entry one the GPU tests run
+    (``PERSISTENT_ENTRIES``)."""
     assert set(CLUSTER_ROUTED) == {("rms_norm", 12288), ("layer_norm", 12288),
                                    ("rms_norm", 16384), ("rms_norm", 32768),
-                                   ("rms_norm", 65536), ("rms_norm", 131072),
-                                   ("layer_norm", 32768), ("layer_norm", 65536),
-                                   ("layer_norm", 131072)}
+                                   ("rms_norm", 65536), ("rms_norm", 131072)}
     for op, cols in CLUSTER_ROUTED:
         threads, rows, ctas, cluster = CUTE_FORWARD[op][cols]
         assert (threads, ctas) == (256, 4) and rows in (1, 2), (op, cols)
         assert cols % cluster == 0 and cols // cluster <= CLUSTER_SLICE_COLS, (op, cols)
+    assert set(PERSISTENT_ROUTED) == {("layer_norm", 32768), ("layer_norm", 65536),
+                                      ("layer_norm", 131072)}
+    for op, cols in PERSISTENT_ROUTED:
+        entry = CUTE_FORWARD[op][cols]
+        assert (cols, entry) in PERSISTENT_ENTRIES, (op, cols)
+        assert cols % entry[3] == 0 and cols // entry[3] <= CLUSTER_SLICE_COLS, (op, cols)
 
 
 def test_a_cluster_of_several_rows_takes_each_row_once():
@@ -109,24 +133,26 @@ def test_a_cluster_of_several_rows_takes_each_row_once():
     assert "2 rows across a cluster of 4 CTAs" in plan.describe()
 
 
-#: Entries of the persistent cluster forward under measurement (bench/NOTES.md #101): one
-#: row a cluster at a time, LayerNorm's fp32 parameters staged once: (cols, entry).
-PERSISTENT_ENTRIES = [(32768, (256, 1, 2, 4, True)), (65536, (256, 1, 2, 8, True)),
-                      (131072, (512, 1, 1, 8, True))]
+#: Entries of the persistent cluster forward, the H200 table's and the others measured
+#: (bench/NOTES.md #101, #123, #125): (threads, rows a group, CTAs an SM, cluster, ring of
+#: row groups), LayerNorm's fp32 parameters staged once: (cols, entry).
+PERSISTENT_ENTRIES = [(32768, (256, 1, 2, 4, 2)), (65536, (256, 1, 2, 8, 2)),
+                      (131072, (256, 1, 1, 8, 3)), (32768, (256, 1, 1, 2, 3)),
+                      (65536, (256, 2, 1, 8, 3)), (131072, (256, 1, 1, 8, 2))]
 
 
 @pytest.mark.parametrize("rows", [1, 3, 131, 1023, 100003])
 @pytest.mark.parametrize(("cols", "entry"), PERSISTENT_ENTRIES, ids=str)
 def test_a_persistent_plan_takes_each_row_once_in_resident_clusters(rows, cols, entry):
-    """The persistent plan: the clusters the device holds at once (or fewer, one a row),
-    every row to one cluster, a cluster's CTAs sharing their rows; its entry round-trips;
-    a residual call runs the one-shot cluster forward."""
+    """The persistent plan: the clusters the device holds at once (or fewer, one a row
+    group), every row to one cluster, a cluster's CTAs sharing their rows; its entry
+    round-trips; a residual call runs the one-shot cluster forward."""
     from tilenorm.planner import residual_entry
 
     plan = CuteForwardPlan.of(rows, cols, entry, 31)
-    threads, _, ctas, cluster, _ = entry
+    threads, group, ctas, cluster, _ = entry
     assert plan.persistent and plan.entry == entry
-    assert plan.grid // cluster == min(rows, 31)
+    assert plan.grid // cluster == min(-(-rows // group), 31)
     taken = sorted(r for p in range(0, plan.grid, cluster) for r in plan.program_rows(p))
     assert taken == list(range(rows))
     assert all(plan.program_rows(p) == plan.program_rows(p - p % cluster)
@@ -136,47 +162,50 @@ def test_a_persistent_plan_takes_each_row_once_in_resident_clusters(rows, cols, 
 
 
 def test_a_persistent_plan_refuses_what_the_kernel_cannot_run():
+    """A persistent entry names its ring of row groups, a count: #101's ``True`` is none."""
     with pytest.raises(ValueError, match="co-resident"):
-        CuteForwardPlan.of(100, 65536, (256, 1, 2, 8, True))
-    for entry in ((256, 2, 2, 8, True), (256, 1, 2, 1, True)):
-        with pytest.raises(ValueError, match="one row a cluster"):
+        CuteForwardPlan.of(100, 65536, (256, 1, 2, 8, 2))
+    for entry in ((256, 1, 2, 8, True), (256, 1, 2, 8, 0), (256, 1, 2, 1, 2)):
+        with pytest.raises(ValueError, match="a ring of 1 or more row groups"):
             CuteForwardPlan.of(100, 65536, entry, 30)
 
 
 def test_the_planner_sizes_a_persistent_grid_by_the_clusters_the_device_holds():
-    """plan_cute_forward asks ``resident_clusters`` for a persistent entry's shape only, and
-    leaves the row to another forward where the device holds none of its clusters."""
-    cols, entry = PERSISTENT_ENTRIES[1]
-    table = {**SM90.cute_forward, "layer_norm": {**SM90.cute_forward["layer_norm"],
-                                                 cols: entry}}
-    probe = dataclasses.replace(SM90, cute_forward=table)
+    """plan_cute_forward asks ``resident_clusters`` for a persistent entry's shape only (the
+    H200's LayerNorm at 65536; the H100's one-shot entry there asks nothing), and leaves the
+    row to another forward where the device holds none of its clusters."""
+    cols = 65536
+    entry = CUTE_FORWARD["layer_norm"][cols]
+    assert is_persistent(entry)
     asked = []
 
     def resident(cluster, threads, ctas):
         asked.append((cluster, threads, ctas))
         return 29
 
-    kwargs = dict(itemsize=2, arch=(9, 0), op="layer_norm", settings=probe)
+    kwargs = dict(itemsize=2, arch=(9, 0), op="layer_norm")
     plan = plan_cute_forward(4096, cols, resident_clusters=resident, **kwargs)
-    assert plan.persistent and plan.grid == 29 * entry[3]
+    assert plan.persistent and plan.grid == 29 * entry[3] and plan.entry == entry
     assert asked == [(entry[3], entry[0], entry[2])]
     assert plan_cute_forward(4096, cols, resident_clusters=lambda *shape: 0, **kwargs) is None
-    plan_cute_forward(4096, 32768, resident_clusters=resident, **kwargs)  # one-shot entry
-    assert len(asked) == 1
+    plan_cute_forward(4096, 12288, resident_clusters=resident, **kwargs)  # one-shot entry
+    plan = plan_cute_forward(4096, cols, resident_clusters=resident, device_class="h100",
+                             **kwargs)
+    assert not plan.persistent and len(asked) == 1
 
 
 @needs_cute
 @pytest.mark.parametrize(("cols", "entry"), PERSISTENT_ENTRIES, ids=str)
 def test_a_persistent_entry_fits_its_ctas_in_shared_memory(cols, entry):
-    """Two buffers of x's slice, LayerNorm's fp32 weight and bias staged: the entry's CTAs
-    an SM fit."""
+    """The ring of row groups of x's slices, LayerNorm's fp32 weight and bias staged: the
+    entry's CTAs an SM fit."""
     import cutlass
 
     from tilenorm.kernels.cute_cluster_norm_forward import PersistentClusterRowNormForward
 
-    threads, _, ctas, cluster, _ = entry
+    threads, group, ctas, cluster, stages = entry
     kernel = PersistentClusterRowNormForward(cutlass.BFloat16, cutlass.Float32, cols, threads,
-                                             cluster, ctas, True, True, False)
+                                             group, cluster, stages, ctas, True, True, False)
     assert (kernel.shared_bytes() + SMEM_RESERVED) * ctas <= SMEM_PER_SM
 
 
@@ -209,32 +238,35 @@ def test_every_cluster_entry_fits_its_ctas_in_shared_memory():
 @pytest.mark.parametrize(("device_class", "op", "cols"), CLASS_ROUTED)
 def test_decision_names_the_kernel_it_launches(device_class, op, cols):
     """The decision (``explain``'s text) names the cluster forward where a row spans a
-    cluster, RowNormForward elsewhere; the key a call compiles carries the cluster."""
+    cluster (the persistent one too, its plan saying so), RowNormForward elsewhere; the key
+    a call compiles carries the cluster and the ring."""
     rows = 1000
     kwargs = dict(itemsize=2, sm_count=132, arch=(9, 0), op=op)
     plan = plan_cute_forward(rows, cols, itemsize=2, arch=(9, 0), op=op,
-                             device_class=device_class)
+                             device_class=device_class, resident_clusters=_resident)
     decision = dispatch.Decision(
         op=op, reason="", family=dispatch.CUTILE_NORM, device=H100,
         forward=plan_row_norm(rows, cols, direction="forward", **kwargs),
         backward=plan_row_norm(rows, cols, direction="backward", **kwargs),
         cute_forward=plan)
     entry = TABLES[device_class][op][cols]
-    cluster = len(entry) == 4
+    cluster = len(entry) >= 4
     name = dispatch.CUTE_CLUSTER_FORWARD_NAME if cluster else dispatch.CUTE_FORWARD_NAME
     assert decision.kernels[0] == name
     other = ({dispatch.CUTE_FORWARD_NAME, dispatch.CUTE_CLUSTER_FORWARD_NAME} - {name}).pop()
     assert other not in decision.kernels
     assert f"kernels:  {name}" in str(decision) and f"x's dtype, {name}:" in str(decision)
     assert ("cluster" in plan.describe()) == cluster
+    assert ("persistent" in plan.describe()) == is_persistent(entry)
     key = cute.ForwardKey.of(plan, "bfloat16", "bfloat16", False, op == "layer_norm", False,
                              False)
     assert key.cluster == (entry[3] if cluster else 1)
     assert key.rows_per_cta == entry[1]
+    assert key.stages == (entry[4] if is_persistent(entry) else 0)
 
 
 def test_plan_only_where_measured():
-    cols = WIDTHS[0]
+    cols = SHARED
 
     def plan(rows=100, cols=cols, itemsize=2, op=OPS[0], **kw):
         return plan_cute_forward(rows, cols, itemsize=itemsize, arch=(9, 0), op=op, **kw)
@@ -253,13 +285,13 @@ def test_plan_only_where_measured():
     assert plan(rows=10, max_offset=2**31) is None
 
 
-#: Rows of the narrowest routed width whose bf16 x is the smallest the CuTe forward takes.
-MIN_ROWS = dispatch.CUTE_FORWARD_MIN_BYTES // (2 * WIDTHS[0])
+#: Rows of the shared narrowest width whose bf16 x is the smallest the CuTe forward takes.
+MIN_ROWS = dispatch.CUTE_FORWARD_MIN_BYTES // (2 * SHARED)
 
 
 @needs_cute
 def test_decision_picks_it_only_for_its_dtypes_sizes_and_when_allowed(monkeypatch):
-    cols = WIDTHS[0]
+    cols = SHARED
     last = MIN_ROWS * cols - 1
 
     def pick(dtypes, max_offset=last, allow=True, op="rms_norm", rows=MIN_ROWS):
@@ -279,7 +311,7 @@ def test_decision_picks_it_only_for_its_dtypes_sizes_and_when_allowed(monkeypatc
 
 
 def test_forward_kernel_takes_it_only_where_the_call_allows():
-    cols = WIDTHS[0]
+    cols = SHARED
     decision = dispatch.Decision(
         op="rms_norm", reason="", family=dispatch.CUTILE_NORM,
         forward=plan_row_norm(1000, cols, itemsize=2, sm_count=132, arch=(9, 0),
@@ -299,14 +331,15 @@ def test_forward_kernel_takes_it_only_where_the_call_allows():
 
 @pytest.mark.parametrize("device_class", DEVICE_CLASSES)
 def test_a_residual_call_takes_one_row_a_cluster_where_the_table_holds_several(device_class):
-    """Every class's entries of several rows a cluster run a residual call at one row a
-    cluster of 16384-column slices (#95), a variant the ahead-of-time builds hold; a call
-    without one, and every other entry, runs the table's plan."""
+    """Every class's entries of several rows a cluster, and its persistent entries (which
+    take no residual), run a residual call at one row a one-shot cluster of 16384-column
+    slices (#95), a variant the ahead-of-time builds hold; a call without one, and every
+    other entry, runs the table's plan, whose variant they hold too."""
     keys = set(cute.aot_forward_keys(all_dtypes=True))
     for op, widths in TABLES[device_class].items():
         for cols in widths:
             plan = plan_cute_forward(1000, cols, itemsize=2, arch=(9, 0), op=op,
-                                     device_class=device_class)
+                                     device_class=device_class, resident_clusters=_resident)
             row_plans = {d: plan_row_norm(1000, cols, itemsize=2, sm_count=132, arch=(9, 0),
                                           direction=d, op=op) for d in ("forward", "backward")}
             decision = dispatch.Decision(
@@ -318,15 +351,18 @@ def test_a_residual_call_takes_one_row_a_cluster_where_the_table_holds_several(d
             chosen = dispatch.forward_kernel(decision, facts)
             assert dispatch.forward_kernel(decision, dataclasses.replace(
                 facts, residual=False)) is plan
-            if plan.cluster > 1 and plan.rows_per_cta > 1:
-                assert (chosen.rows_per_cta, chosen.cluster, chosen.threads) == (
-                    1, cols // 16384, 256), (op, cols)
+            if plan.persistent or plan.cluster > 1 and plan.rows_per_cta > 1:
+                assert (chosen.rows_per_cta, chosen.cluster, chosen.threads,
+                        chosen.persistent) == (1, cols // 16384, 256, False), (op, cols)
                 assert chosen.grid == 1000 * chosen.cluster
                 assert f"forward with a fused residual: {chosen.describe()}" in str(decision)
             else:
                 assert chosen is plan and "fused residual:" not in str(decision)
             key = cute.ForwardKey.of(chosen, "bfloat16", "bfloat16", False,
                                      op == "layer_norm", False, True)
+            assert key in keys, key
+            key = cute.ForwardKey.of(plan, "bfloat16", "bfloat16", False,
+                                     op == "layer_norm", False, False)
             assert key in keys, key
 
 
@@ -400,9 +436,10 @@ def test_cluster_kernel_refuses_what_it_cannot_run():
 @pytest.mark.aot
 @needs_cute
 def test_every_variant_builds_for_hopper_and_blackwell(tmp_path):
-    """Every variant builds for both architectures; the cluster forward's (x staged in
-    shared memory, 64 registers a thread at 4 CTAs an SM) spill nothing on sm_90a: every one
-    of them is routed, none restricted (cuobjdump, where installed)."""
+    """Every variant builds for both architectures; the cluster forwards' (x staged in
+    shared memory, 64 registers a thread at 4 CTAs an SM; the persistent one's ring) spill
+    nothing on sm_90a: every one of them is routed, none restricted (cuobjdump, where
+    installed)."""
     from bench.kernel_resources import cubin_resources, find_cuobjdump
 
     tool = find_cuobjdump()
@@ -410,10 +447,13 @@ def test_every_variant_builds_for_hopper_and_blackwell(tmp_path):
     assert {k.cols for k in keys} == set(WIDTHS) | {
         cols for t in TABLES_FP32.values() for widths in t.values() for cols in widths}
     for dtypes, tables in ((("bfloat16", "float16"), TABLES), (("float32",), TABLES_FP32)):
-        assert {(op, k.cols) for k in keys if k.cluster > 1 and k.dtype in dtypes
-                for op in ["layer_norm" if k.layer_norm else "rms_norm"]} == {
-            (op, cols) for t in tables.values() for op, widths in t.items()
-            for cols, entry in widths.items() if len(entry) == 4}
+        for persistent in (False, True):
+            assert {(op, k.cols) for k in keys if k.persistent == persistent
+                    and k.cluster > 1 and not k.has_residual and k.dtype in dtypes
+                    for op in ["layer_norm" if k.layer_norm else "rms_norm"]} == {
+                (op, cols) for t in tables.values() for op, widths in t.items()
+                for cols, entry in widths.items()
+                if len(entry) >= 4 and is_persistent(entry) == persistent}
     for i, key in enumerate(keys):
         for arch in cute.AOT_ARCHS:
             cubins = tmp_path / f"{i}-{arch}"
@@ -455,6 +495,132 @@ def test_persistent_variants_build_for_hopper_and_blackwell_without_spills(tmp_p
                     key, found)
 
 
+class _Lanes:
+    """A value in each of a warp's 32 lanes, for tracing the lane combine on a CPU."""
+
+    def __init__(self, items):
+        self.items = list(items)
+
+    def _map(self, other, op):
+        others = other.items if isinstance(other, _Lanes) else [other] * len(self.items)
+        return _Lanes(op(a, b) for a, b in zip(self.items, others, strict=True))
+
+    def __add__(self, other):
+        return self._map(other, lambda a, b: a + b)
+
+    def __mul__(self, other):
+        return self._map(other, lambda a, b: a * b)
+
+    def __mod__(self, other):
+        return self._map(other, lambda a, b: a % b)
+
+
+class _Sum(tuple):
+    """A term of a sum, by its tree: ``a + b`` is ``("+", a, b)``, not a number."""
+
+    def __add__(self, other):
+        return _Sum(("+", self, other))
+
+
+@needs_cute
+@pytest.mark.parametrize(("cols", "entry"), PERSISTENT_ENTRIES, ids=str)
+def test_the_lane_combine_adds_the_one_shot_kernels_tree(cols, entry, monkeypatch):
+    """The persistent kernel's combine (``_lane_sum`` ranked), traced over a warp's lanes
+    with every shuffle reading its source lane, gives every lane the very tree of adds the
+    one-shot kernel's ``_fixed_order_sum`` builds: the same bits from the same slots."""
+    import cutlass
+    import cutlass.cute as dsl
+
+    from tilenorm.kernels.cute_cluster_norm_forward import PersistentClusterRowNormForward
+
+    threads, group, ctas, cluster, stages = entry
+    kernel = PersistentClusterRowNormForward(cutlass.BFloat16, cutlass.Float32, cols, threads,
+                                             group, cluster, stages, ctas, True, True, False)
+    monkeypatch.setattr(dsl.arch, "shuffle_sync",
+                        lambda value, lane: _Lanes([value.items[lane]] * len(value.items)))
+    tree = kernel._fixed_order_sum(lambda slot: _Sum(("slot", slot)))
+    traced = kernel._lane_sum(lambda slots: _Lanes(_Sum(("slot", s)) for s in slots.items),
+                              _Lanes(range(32)), ranked=True)
+    assert all(lane == tree for lane in traced.items)
+    assert str(tree).count("slot") == cluster * kernel.warps
+
+
+class _Op(tuple):
+    """A value by the operations that made it: ``a * b`` is ``("*", a, b)``."""
+
+    def __mul__(self, other):
+        return _Op(("*", self, other))
+
+    def __add__(self, other):
+        return _Op(("+", self, other))
+
+
+class _Param:
+    """A parameter vector in registers or shared memory, for tracing ``_affine``: what it
+    loads is ``_Op((name,))``."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __getitem__(self, index):
+        return self
+
+    def load(self):
+        return self
+
+    def to(self, dtype):
+        return _Op((self.name,))
+
+
+def _adds_of_two_products(value) -> list:
+    """``value``'s adds whose operands are both products: a compiler fuses either one."""
+    if not isinstance(value, _Op) or len(value) < 2:
+        return []
+    products = [a for a in value[1:] if isinstance(a, _Op) and a[0] == "*"]
+    found = [value] if value[0] == "+" and len(products) == 2 else []
+    return found + [add for a in value[1:] for add in _adds_of_two_products(a)]
+
+
+@needs_cute
+@pytest.mark.parametrize("key", PERSISTENT_VARIANTS[:6], ids=lambda key: _variant_id(key))
+def test_both_cluster_forwards_leave_y_no_add_of_two_products(key, monkeypatch):
+    """y's affine step (``_affine``), traced on a CPU for each feature set in the one-shot
+    and the persistent kernel: with the offset one explicit ``fma(n, w, n * offset)``, no
+    add of two products left for a compiler to fuse either one of (from ``n * w + n *
+    offset`` the two kernels' sm_90a compiles fuse different ones, and their y differs in
+    the last bit: the GPU's bit-for-bit test)."""
+    import cutlass
+    import cutlass.cute as dsl
+
+    from tilenorm.kernels.cute_cluster_norm_forward import (
+        ClusterRowNormForward,
+        PersistentClusterRowNormForward,
+    )
+
+    monkeypatch.setattr(dsl.math, "fma", lambda a, b, c: _Op(("fma", a, b, c)))
+    dtypes = {None: None, "bfloat16": cutlass.BFloat16, "float32": cutlass.Float32}
+    w_dtype = dtypes[key.weight_dtype]
+    features = (key.layer_norm, key.has_bias, key.has_offset)
+    kernels = [ClusterRowNormForward(cutlass.BFloat16, w_dtype, key.cols, key.threads,
+                                     key.rows_per_cta, key.cluster, key.ctas_per_sm,
+                                     *features, False),
+               PersistentClusterRowNormForward(cutlass.BFloat16, w_dtype, key.cols,
+                                               key.threads, key.rows_per_cta, key.cluster,
+                                               key.stages, key.ctas_per_sm, *features)]
+    n, w, b, offset = _Op(("n",)), _Op(("w",)), _Op(("b",)), _Op(("offset",))
+    if key.weight_dtype is None:
+        expected = n
+    elif key.has_offset:
+        expected = _Op(("fma", n, w, n * offset))
+    else:
+        expected = n * w + b if key.has_bias else n * w
+    for kernel in kernels:
+        y = type(kernel)._affine.__wrapped__(kernel, n, 0, _Param("w"), _Param("w"),
+                                            _Param("b"), offset)
+        assert y == expected, type(kernel).__name__
+        assert not _adds_of_two_products(y)
+
+
 def test_the_persistent_kernel_takes_no_residual():
     key = dataclasses.replace(PERSISTENT_VARIANTS[0], has_residual=True)
     with pytest.raises(ValueError, match="no residual"):
@@ -489,7 +655,9 @@ def check_forward(m, n, op="rms_norm", dtype=torch.bfloat16, w_dtype=torch.bfloa
                 if entry is not None and is_persistent(entry) else None)
     plan = (CuteForwardPlan.of(m, n, entry, resident) if entry is not None else
             plan_cute_forward(m, n, itemsize=dtype.itemsize, arch=info.arch, op=op,
-                              device_class=device_class))
+                              device_class=device_class,
+                              resident_clusters=lambda *shape: max_active_clusters(
+                                  info.index, *shape)))
     if has_residual and entry is None:
         plan = plan.with_residual()  # the plan a residual call runs (dispatch.forward_kernel)
     fn = cute.compiled_forward(cute.ForwardKey.of(
@@ -557,7 +725,7 @@ def _variant_id(key) -> str:
     op = "layer_norm" if key.layer_norm else "rms_norm"
     return (f"{op}-{key.dtype}-{key.cols}-w_{key.weight_dtype}" + "-bias" * key.has_bias
             + "-offset" * key.has_offset + "-residual" * key.has_residual
-            + f"-{key.rows_per_cta}x{key.cluster}")
+            + f"-{key.rows_per_cta}x{key.cluster}" + f"-ring{key.stages}" * key.persistent)
 
 
 @gpu
@@ -575,32 +743,40 @@ def test_cluster_forward_variants_match_float64(key):
                   w_dtype=names.get(key.weight_dtype, torch.bfloat16),
                   has_weight=key.weight_dtype is not None, has_bias=key.has_bias,
                   has_residual=key.has_residual, offset=1.0 if key.has_offset else 0.0,
-                  entry=(key.threads, key.rows_per_cta, key.ctas_per_sm, key.cluster))
+                  entry=_entry(key))
+
+
+#: (device class, width) of every class's LayerNorm entries across a cluster, one-shot or
+#: persistent.
+LAYER_NORM_CLUSTER_ROUTED = [(c, n) for c, op, n in CLASS_ROUTED
+                             if op == "layer_norm" and len(TABLES[c][op][n]) >= 4]
 
 
 @gpu
 @needs_cute
-@pytest.mark.parametrize("n", [n for op, n in CLUSTER_ROUTED if op == "layer_norm"])
-def test_cluster_layer_norm_of_a_large_mean_keeps_the_variance_exact(n):
+@pytest.mark.parametrize(("device_class", "n"), LAYER_NORM_CLUSTER_ROUTED)
+def test_cluster_layer_norm_of_a_large_mean_keeps_the_variance_exact(device_class, n):
     """Rows of mean 1000 and std 1: each warp sums the squares of its elements about its own
     mean before the cluster combines them (a one-pass E[x^2] - E[x]^2 would lose the
     variance)."""
-    check_forward(300, n, "layer_norm", has_bias=True, x_mean=1000.0)
+    check_forward(300, n, "layer_norm", has_bias=True, x_mean=1000.0,
+                  device_class=device_class)
 
 
 @gpu
 @needs_cute
-@pytest.mark.parametrize("n", [n for op, n in CLUSTER_ROUTED if op == "layer_norm"])
-def test_cluster_layer_norm_combines_the_warps_means_exactly(n):
+@pytest.mark.parametrize(("device_class", "n"), LAYER_NORM_CLUSTER_ROUTED)
+def test_cluster_layer_norm_combines_the_warps_means_exactly(device_class, n):
     """Rows of mean over 1000 whose variance lies almost all between the warps: column means
     step by 8 from one 256-column block to the next, 8 blocks a period (the blocks a CTA's 8
     warps take in turn: 32 lanes of 8 bf16), and by 64 from one cluster CTA's slice to the
     next, under noise of std 1. The combine's n_w * (mean_i - mean)^2 terms carry the
     variance here, checked against float64."""
-    cluster = CUTE_FORWARD["layer_norm"][n][3]
+    cluster = TABLES[device_class]["layer_norm"][n][3]
     cols = torch.arange(n, device="cuda")
     x_mean = 1000.0 + 8 * ((cols // 256) % 8) + 64 * (cols * cluster // n)
-    check_forward(300, n, "layer_norm", has_bias=True, x_mean=x_mean)
+    check_forward(300, n, "layer_norm", has_bias=True, x_mean=x_mean,
+                  device_class=device_class)
 
 
 #: Cluster forward entries of several rows a cluster, the settings' candidates for the
@@ -634,15 +810,62 @@ def test_cluster_forward_of_several_rows_matches_float64(n, entry, case):
 @pytest.mark.parametrize("rows", [3, 1023])
 def test_persistent_cluster_forward_matches_float64(key, rows):
     """Every persistent variant: fewer rows than clusters (clusters that take none) and
-    several rows a cluster (both buffers, both mbarrier phases, a last pair of one row),
-    every element written, reruns bit-identical."""
+    several row groups a cluster (every ring slot and exchange set, both mbarrier phases, a
+    last trip short, a last group of rows past the end), every element written, reruns
+    bit-identical."""
     names = {v: k for k, v in NAMES.items()}
     check_forward(min(rows, CLUSTER_TEST_ELEMENTS // key.cols - 1), key.cols,
                   "layer_norm" if key.layer_norm else "rms_norm",
                   w_dtype=names.get(key.weight_dtype, torch.bfloat16),
                   has_weight=key.weight_dtype is not None, has_bias=key.has_bias,
-                  offset=1.0 if key.has_offset else 0.0,
-                  entry=(key.threads, 1, key.ctas_per_sm, key.cluster, True))
+                  offset=1.0 if key.has_offset else 0.0, entry=_entry(key))
+
+
+def _entry(key) -> tuple[int, ...]:
+    """The settings entry of a forward variant."""
+    entry = (key.threads, key.rows_per_cta, key.ctas_per_sm, key.cluster)
+    return (*entry, key.stages) if key.persistent else entry
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("key", PERSISTENT_VARIANTS, ids=_variant_id)
+def test_persistent_and_one_shot_cluster_forwards_agree_bit_for_bit(key):
+    """The persistent kernel's lane combine is the one-shot kernel's tree over the same
+    pushed values (:meth:`ClusterRowKernel._lane_sum`, ``ranked``), and every other step
+    the same arithmetic: y, mean and rstd equal ``ClusterRowNormForward``'s at the same
+    (threads, cluster), bit for bit, on rows off zero mean whose warps' means differ."""
+    from tilenorm.device import device_info, max_active_clusters
+
+    names = {v: k for k, v in NAMES.items()}
+    n = key.cols
+    m = min(1023, CLUSTER_TEST_ELEMENTS // n - 1)
+    g, seed = fresh_generator("cuda")
+    x = (torch.randn(m, n, generator=g, device="cuda") + 0.5
+         + torch.arange(n, device="cuda") % 4096 / 1024).to(torch.bfloat16)
+    w_dtype = names.get(key.weight_dtype, torch.bfloat16)
+    w = ((1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(w_dtype)
+         if key.weight_dtype is not None else None)
+    b = torch.randn(n, generator=g, device="cuda").to(w_dtype) if key.has_bias else None
+    eps, offset = (1e-5, 0.0) if key.layer_norm else (1e-6, 1.0 if key.has_offset else 0.0)
+    info = device_info(torch.cuda.current_device())
+    one_shot = dataclasses.replace(key, stages=0)
+    outputs = []
+    for k in (key, one_shot):
+        entry = _entry(k)
+        resident = (max_active_clusters(info.index, k.cluster, k.threads, k.ctas_per_sm)
+                    if k.persistent else None)
+        plan = CuteForwardPlan.of(m, n, entry, resident)
+        fn = cute.compiled_forward(k, torch.cuda.get_device_capability())
+        y = poisoned((m, n), torch.bfloat16)
+        mean = poisoned((m,), torch.float32) if key.layer_norm else None
+        rstd = poisoned((m,), torch.float32)
+        fn(x, None, w, b, y, None, mean, rstd, eps, offset, plan.grid)
+        torch.cuda.synchronize()
+        outputs.append([t for t in (y, mean, rstd) if t is not None])
+    for persistent, reference in zip(*outputs, strict=True):
+        assert not persistent.isnan().any(), f"every element written (seed {seed})"
+        assert torch.equal(persistent, reference), f"the one-shot kernel's bits (seed {seed})"
 
 
 @gpu
@@ -723,15 +946,17 @@ def test_features_match_float64(case, device_class, op, n):
 @needs_cute
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "torch.compile"])
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("n", [WIDTHS[0], 65536])
+@pytest.mark.parametrize("narrowest", [True, False], ids=["narrowest", "65536"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_public_op_runs_it_and_matches_float64(op, compiled, n, dtype, monkeypatch):
+def test_public_op_runs_it_and_matches_float64(op, compiled, narrowest, dtype, monkeypatch):
     """The op runs the kernel (x of the smallest size it takes, past what inductor keeps
     under compile) with a fused residual add, RowNormForward at the narrowest width and
     the cluster forward at 65536, in bf16 and fp32; y, h and the gradients of x, the
     residual and the weight match float64."""
     from tilenorm.pytorch.calls import ForwardCall
 
+    table = TABLES[device_info(torch.cuda.current_device()).device_class][op]
+    n = min(table) if narrowest else 65536
     ran = []
     run_cute = ForwardCall._run_cute
     monkeypatch.setattr(ForwardCall, "_run_cute",
@@ -774,7 +999,7 @@ def test_unaligned_storage_takes_the_cutile_forward_and_matches_float64():
     """A view that starts 2 bytes into its storage fails the kernel's 16-byte loads: the call
     runs cuTile's forward instead, on the same prepared call."""
     g, seed = fresh_generator("cuda")
-    n = WIDTHS[0]
+    n = SHARED
     flat = torch.randn(MIN_ROWS * n + 1, generator=g, device="cuda").to(torch.bfloat16)
     x = flat[1:].view(MIN_ROWS, n)
     w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(torch.bfloat16)
@@ -792,7 +1017,7 @@ def test_unaligned_storage_takes_the_cutile_forward_and_matches_float64():
 def test_cuda_graph_replay_matches_eager_bit_for_bit():
     """The kernel launches on torch's current stream, so a CUDA graph captures it."""
     g, _ = fresh_generator("cuda")
-    n = WIDTHS[0]
+    n = SHARED
     x = torch.randn(MIN_ROWS, n, generator=g, device="cuda", dtype=torch.bfloat16)
     w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(torch.bfloat16)
     b = torch.randn(n, generator=g, device="cuda").to(torch.bfloat16)

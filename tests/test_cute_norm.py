@@ -25,7 +25,9 @@ from tilenorm.testing import float64_norm
 gpu = pytest.mark.gpu
 needs_cute = pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
 CUTE_BACKWARD = SM90.cute_backward
-WIDTHS = sorted({cols for widths in CUTE_BACKWARD.values() for cols in widths})
+#: (op, width) of every entry; LayerNorm's first width serves the tests of the routing.
+CASES = [(op, cols) for op, widths in sorted(CUTE_BACKWARD.items()) for cols in sorted(widths)]
+LN_WIDTH = min(CUTE_BACKWARD["layer_norm"])
 
 
 @pytest.mark.parametrize("rows", [1, 2, 131, 264, 265, 32768, 100003])
@@ -42,10 +44,9 @@ def test_plan_gives_every_row_to_one_program(rows, sm_count):
             assert all(len(p.program_rows(prog)) for prog in range(p.grid)), "no idle program"
 
 
-def test_plan_only_where_measured():
-    cols = WIDTHS[0]
-
-    def plan(rows=100, cols=cols, itemsize=2, op="layer_norm", **kw):
+@pytest.mark.parametrize(("op", "cols"), CASES)
+def test_plan_only_where_measured(op, cols):
+    def plan(rows=100, cols=cols, itemsize=2, op=op, **kw):
         return plan_cute_backward(rows, cols, itemsize=itemsize, sm_count=kw.pop("sm_count", 132),
                                   arch=(9, 0), op=op, **kw)
 
@@ -53,7 +54,8 @@ def test_plan_only_where_measured():
     assert plan(cols=cols + 8) is None
     assert plan(itemsize=4) is None
     assert plan(heads=2) is None
-    assert plan(op="rms_norm") is None
+    other = "rms_norm" if op == "layer_norm" else "layer_norm"
+    assert (plan(op=other) is None) == (cols not in CUTE_BACKWARD.get(other, {}))
     rows = 2**31 // cols
     assert plan(rows=rows)
     assert plan(rows=rows + 1) is None
@@ -65,7 +67,7 @@ def test_plan_only_where_measured():
 @needs_cute
 def test_decision_picks_it_only_for_its_dtypes_and_when_allowed(monkeypatch):
     """On an H200; an H100 keeps cuTile's backward at 4096 (#38)."""
-    cols = WIDTHS[0]
+    cols = LN_WIDTH
     last = 1000 * cols - 1
 
     def pick(dtypes, max_offset=last, allow=True, device=H200):
@@ -86,7 +88,7 @@ def test_decision_picks_it_only_for_its_dtypes_and_when_allowed(monkeypatch):
 def test_backward_kernel_takes_it_only_where_the_call_allows():
     decision = dispatch.Decision(
         op="layer_norm", reason="", backward=plan_row_norm_backward(),
-        cute_backward=plan_cute_backward(1000, WIDTHS[0], itemsize=2, sm_count=132,
+        cute_backward=plan_cute_backward(1000, LN_WIDTH, itemsize=2, sm_count=132,
                                          arch=(9, 0), op="layer_norm"))
     plain = dict(has_residual=False, has_dres_in=False, has_offset=False, same_dtypes=True,
                  dense_aligned=True, max_offset=0)
@@ -103,7 +105,7 @@ def test_backward_kernel_takes_it_only_where_the_call_allows():
 def plan_row_norm_backward():
     from tilenorm.planner import plan_row_norm
 
-    return plan_row_norm(1000, WIDTHS[0], itemsize=2, sm_count=132, arch=(9, 0),
+    return plan_row_norm(1000, LN_WIDTH, itemsize=2, sm_count=132, arch=(9, 0),
                          direction="backward", op="layer_norm")
 
 
@@ -118,30 +120,34 @@ def test_every_variant_builds_for_hopper_and_blackwell():
 # --- GPU --------------------------------------------------------------------------------
 
 
-def _plan(rows, cols):
+def _plan(rows, cols, op):
     from tilenorm.device import device_info
 
     info = device_info(torch.cuda.current_device())
     return plan_cute_backward(rows, cols, itemsize=2, sm_count=info.sm_count, arch=info.arch,
-                              op="layer_norm")
+                              op=op, settings=SM90)
 
 
-def check_backward(m, n, dtype=torch.bfloat16, w_dtype=torch.float32, has_weight=True,
-                   has_bias=True, eps=1e-5):
+def check_backward(m, n, op="layer_norm", dtype=torch.bfloat16, w_dtype=torch.float32,
+                   has_weight=True, has_bias=None, eps=1e-5):
     """The kernel on poisoned dx and partial buffer against float64: every dx element and
-    partial slot written, dx / dgamma / dbeta accurate, a rerun bit-identical."""
+    partial slot written, dx / dgamma / dbeta accurate, a rerun bit-identical. A bias is
+    LayerNorm's by default (RMSNorm has none)."""
+    layer_norm = op == "layer_norm"
+    if has_bias is None:
+        has_bias = layer_norm
     g, seed = fresh_generator("cuda")
     x = torch.randn(m, n, generator=g, device="cuda").to(dtype)
     dy = torch.randn(m, n, generator=g, device="cuda").to(dtype)
     w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(w_dtype) if has_weight \
         else None
     b = torch.randn(n, generator=g, device="cuda").to(w_dtype) if has_bias else None
-    ref = float64_norm(x, w, b, eps, layer_norm=True, dy=dy)
-    mean, rstd = ref.mean.float(), ref.rstd.float()
-    plan = _plan(m, n)
+    ref = float64_norm(x, w, b, eps, layer_norm=layer_norm, dy=dy)
+    mean, rstd = (ref.mean.float() if layer_norm else None), ref.rstd.float()
+    plan = _plan(m, n, op)
     names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
     fn = cute.compiled_backward(cute.BackwardKey.of(
-        plan, names[dtype], None if w is None else names[w.dtype], has_bias, True),
+        plan, names[dtype], None if w is None else names[w.dtype], has_bias, layer_norm),
         torch.cuda.get_device_capability())
     groups = int(has_weight) + int(has_bias)
     outputs = []
@@ -166,24 +172,26 @@ def check_backward(m, n, dtype=torch.bfloat16, w_dtype=torch.float32, has_weight
 
 @gpu
 @needs_cute
-@pytest.mark.parametrize("n", WIDTHS)
+@pytest.mark.parametrize(("op", "n"), CASES)
 @pytest.mark.parametrize("m", [1, 7, 264, 1000, 32768])
-def test_matches_float64(m, n):
-    check_backward(m, n)
+def test_matches_float64(m, op, n):
+    check_backward(m, n, op)
+
+
+FEATURES = {"fp16": dict(dtype=torch.float16, w_dtype=torch.float16),
+            "bf16 weight": dict(w_dtype=torch.bfloat16),
+            "weight only": dict(has_bias=False),
+            "bias only": dict(has_weight=False, has_bias=True),
+            "no affine": dict(has_weight=False, has_bias=False)}
 
 
 @gpu
 @needs_cute
-@pytest.mark.parametrize("n", WIDTHS)
-@pytest.mark.parametrize("case", ["fp16", "bf16 weight", "weight only", "bias only",
-                                  "no affine"])
-def test_features_match_float64(case, n):
-    kw = {"fp16": dict(dtype=torch.float16, w_dtype=torch.float16),
-          "bf16 weight": dict(w_dtype=torch.bfloat16),
-          "weight only": dict(has_bias=False),
-          "bias only": dict(has_weight=False),
-          "no affine": dict(has_weight=False, has_bias=False)}[case]
-    check_backward(555, n, **kw)
+@pytest.mark.parametrize(("op", "n", "case"), [
+    (op, n, case) for op, n in CASES for case in FEATURES
+    if op == "layer_norm" or case not in ("weight only", "bias only")])
+def test_features_match_float64(op, n, case):
+    check_backward(555, n, op, **FEATURES[case])
 
 
 def _float64_layer_norm(x, w, b, eps, dy):
@@ -198,7 +206,7 @@ def test_public_op_runs_it_and_matches_float64(compiled, decide_as_class):
     """With the H200's settings, on any GPU: the H100's keep cuTile's backward (#38)."""
     decide_as_class("h200")
     g, seed = fresh_generator("cuda")
-    n = WIDTHS[0]
+    n = LN_WIDTH
     x = torch.randn(4, 300, n, generator=g, device="cuda", dtype=torch.bfloat16)
     w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).requires_grad_()
     b = (0.5 * torch.randn(n, generator=g, device="cuda")).requires_grad_()
@@ -218,12 +226,38 @@ def test_public_op_runs_it_and_matches_float64(compiled, decide_as_class):
 
 @gpu
 @needs_cute
+@pytest.mark.parametrize("n", sorted(CUTE_BACKWARD["rms_norm"]))
+def test_public_rms_norm_runs_it_and_matches_float64(n, decide_as_class):
+    """RMSNorm's entries through the public op with the H200's settings (the H100's keep
+    cuTile's backward): dx and dweight against float64, a second backward bit for bit."""
+    decide_as_class("h200")
+    g, seed = fresh_generator("cuda")
+    x = torch.randn(3, 700, n, generator=g, device="cuda", dtype=torch.bfloat16)
+    w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).requires_grad_()
+    dy = torch.randn_like(x)
+    grads = []
+    with tilenorm.experimental():
+        decision = tilenorm.explain(x, w)
+        assert decision.cute_backward is not None and "CuTe DSL" in str(decision)
+        for _ in range(2):
+            xg = x.clone().requires_grad_()
+            w.grad = None
+            tilenorm.rms_norm(xg, w).backward(dy)
+            grads.append((xg.grad, w.grad))
+    ref = float64_norm(x, w, None, 1e-6, dy=dy)
+    (dx, dw), (dx2, dw2) = grads
+    assert rel(dx, ref.dx) <= 1e-2 and rel(dw, ref.dweight) <= DGAMMA_TOL_FP32, seed
+    assert torch.equal(dx, dx2) and torch.equal(dw, dw2), seed
+
+
+@gpu
+@needs_cute
 def test_cuda_graph_replay_matches_eager_bit_for_bit(decide_as_class):
     """The kernel launches on torch's current stream, so a CUDA graph captures it (the
     H200's settings route it)."""
     decide_as_class("h200")
     g, _ = fresh_generator("cuda")
-    n = WIDTHS[0]
+    n = LN_WIDTH
     x = torch.randn(2048, n, generator=g, device="cuda", dtype=torch.bfloat16)
     w = 1 + 0.5 * torch.randn(n, generator=g, device="cuda")
     b = torch.randn(n, generator=g, device="cuda")
@@ -241,7 +275,7 @@ def test_strided_rows_take_the_cutile_backward_and_match_float64(decide_as_class
     instead, on the same decision (the H200's settings, which route the kernel)."""
     decide_as_class("h200")
     g, seed = fresh_generator("cuda")
-    n = WIDTHS[0]
+    n = LN_WIDTH
     x = torch.randn(300, n + 64, generator=g, device="cuda", dtype=torch.bfloat16)[:, :n]
     w = 1 + 0.5 * torch.randn(n, generator=g, device="cuda")
     b = torch.randn(n, generator=g, device="cuda")

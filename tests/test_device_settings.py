@@ -11,7 +11,12 @@ from tests.kernel_harness import H100, H200
 from tilenorm import dispatch
 from tilenorm.device import DeviceInfo
 from tilenorm.launch import aot, cute
-from tilenorm.planner import plan_cute_backward, plan_cute_fp8_forward, plan_row_norm
+from tilenorm.planner import (
+    is_persistent,
+    plan_cute_backward,
+    plan_cute_fp8_forward,
+    plan_row_norm,
+)
 from tilenorm.settings import (
     DEFAULT_DEVICE_CLASS,
     DEVICE_CLASSES,
@@ -121,25 +126,49 @@ def test_row_plans_made_inside_measuring_take_the_measured_settings():
 
 
 def test_the_h100_tables_differ_exactly_where_the_h100_measured_otherwise():
-    """The LayerNorm backward at 4096 columns leaves the CuTe DSL for cuTile's (#38); the
-    RMSNorm forward at 32768 keeps one CTA a row (#69) and at 65536 holds two rows a cluster
-    (#95, level on an H200: #98);
+    """The LayerNorm backward at 4096 columns leaves the CuTe DSL for cuTile's (#38), and the
+    H200's RMSNorm row backwards at 1024, 7168 and 8192 (#122, #125), forwards at 512 and
+    1024 and LayerNorm's cluster backward at 131072 (#122) are untimed there; the RMSNorm
+    forward at 32768 keeps one CTA a row (#69) and at 65536 holds two rows a cluster (#95,
+    level on an H200: #98); the LayerNorm forward at 32768-131072 keeps the one-shot
+    cluster forward where the H200 runs the persistent one (#103, #125);
     the FP8 row kernel of 2-byte x at 8192 columns runs at (512, 2, 2) (#82), at 4096 for
-    row and MX scaling at (256, 4, 2) (#95); a per-row copy's column amaxes come from the
-    CuTe row kernel at every width of both (#103, #120). FP8 x keeps its own entry (#88,
-    #95). fp32 x at
-    16384 takes 2-byte x's 32768 entry, one CTA a row. Nothing else differs."""
-    assert set(_differences(SM90, SM90_H100)) == {"cute_backward", "cute_forward",
-                                                  "cute_forward_fp32"}
-    h200, h100 = _entries(SM90.cute_backward), _entries(SM90_H100.cute_backward)
-    assert h200 == {**h100, ("layer_norm", 4096): (256, 2, 2)} and len(h200) == len(h100) + 1
+    row and MX scaling at (256, 4, 2) (#95), clamps nowhere (timed on the H200 only,
+    #125) and recomputes t at 16384 for block scaling only (the H200 for row and MX too,
+    #122); a per-row copy's column amaxes come from the CuTe row kernel at every width of
+    both (#103, #120), at row scaling's plan (#125). FP8 x keeps its own entry (#88, #95).
+    fp32 x at 16384 takes 2-byte x's 32768 entry, one CTA a row. Nothing else differs."""
+    assert set(_differences(SM90, SM90_H100)) == {"cute_backward", "cute_cluster_backward",
+                                                  "cute_forward", "cute_forward_fp32"}
+    assert SM90_H100.cute_backward == {}
+    assert _entries(SM90.cute_backward) == {("layer_norm", 4096): (256, 2, 2),
+                                            ("rms_norm", 1024): (128, 4, 4),
+                                            ("rms_norm", 7168): (448, 2, 1),
+                                            ("rms_norm", 8192): (512, 2, 1)}
+    h200, h100 = (_entries(SM90.cute_cluster_backward),
+                  _entries(SM90_H100.cute_cluster_backward))
+    assert h200 == {**h100, ("layer_norm", 131072): (8, 512, 2, 1)} and len(h200) == len(h100)
     h200, h100 = _entries(SM90.cute_forward), _entries(SM90_H100.cute_forward)
-    assert h100 == {**h200, ("rms_norm", 32768): (512, 1, 1),
-                    ("rms_norm", 65536): (256, 2, 4, 8)} and len(h100) == len(h200)
+    assert h100 == {**{k: v for k, v in h200.items()
+                       if k not in (("rms_norm", 512), ("rms_norm", 1024))},
+                    ("rms_norm", 32768): (512, 1, 1), ("rms_norm", 65536): (256, 2, 4, 8),
+                    ("layer_norm", 32768): (256, 2, 4, 4),
+                    ("layer_norm", 65536): (256, 1, 4, 4),
+                    ("layer_norm", 131072): (256, 1, 4, 8)}
+    assert len(h100) == len(h200) - 2
+    assert {k: v for k, v in h200.items() if is_persistent(v)} == {
+        ("layer_norm", 32768): (256, 1, 2, 4, 2), ("layer_norm", 65536): (256, 2, 1, 8, 3),
+        ("layer_norm", 131072): (256, 1, 1, 8, 2)}
     h200, h100 = _entries(SM90.cute_forward_fp32), _entries(SM90_H100.cute_forward_fp32)
     assert h100 == {**h200, ("rms_norm", 16384): (512, 1, 1)} and len(h100) == len(h200)
     assert set(_differences(SM90_FP8, SM90_FP8_H100)) == {"cute_forward",
-                                                          "cute_forward_scaling"}
+                                                          "cute_forward_scaling",
+                                                          "cute_forward_clamp",
+                                                          "cute_forward_recompute_t"}
+    assert SM90_FP8.cute_forward_clamp and SM90_FP8_H100.cute_forward_clamp == {}
+    assert SM90_FP8.cute_forward_recompute_t == {
+        scaling: {16384: (256, 2, 2)} for scaling in ("block", "row", "mx")}
+    assert SM90_FP8_H100.cute_forward_recompute_t == {"block": {16384: (256, 2, 2)}}
     for f in (SM90_FP8, SM90_FP8_H100):
         assert set(f.cute_forward_column_amax) == set(f.cute_forward)
     assert SM90_FP8_H100.cute_forward == {**SM90_FP8.cute_forward, 8192: (512, 2, 2)}
@@ -148,8 +177,8 @@ def test_the_h100_tables_differ_exactly_where_the_h100_measured_otherwise():
                                                   "mx": {4096: (256, 4, 2)}}
     assert SM90_FP8_H100.cute_forward_fp8_input[8192] == (256, 4, 2)
     row_h200, row_h100 = row_settings_for((9, 0), "h200"), row_settings_for((9, 0), "h100")
-    assert set(_differences(row_h200, row_h100)) == {"cute_backward", "cute_forward",
-                                                    "cute_forward_fp32"}
+    assert set(_differences(row_h200, row_h100)) == {"cute_backward", "cute_cluster_backward",
+                                                    "cute_forward", "cute_forward_fp32"}
 
 
 @pytest.mark.parametrize("settings", [SM90, SM90_H100])
@@ -184,6 +213,23 @@ def test_an_fp8_scaling_entry_replaces_the_width_entry_of_that_scaling_only():
             (256, 4, 2) if scaling in ("row", "mx") else (128, 4, 4))
     assert entry(plan("row", "h100", column_amax=True)) == (256, 4, 2)
     assert SM90_FP8_H100.forward_entry("row", 3072) is None
+
+
+def test_the_fp8_clamp_runs_on_the_h200_where_it_measured_faster():
+    """The CuTe FP8 row kernel of 2-byte x clamps before the conversion on the H200 at row
+    scaling's 4096 and 8192 columns and MX's 2048 and 8192, where it ran 2-4.5% faster (row
+    at 2048 slower, MX at 4096 level: bench/NOTES.md #125); nowhere else, and nowhere on
+    the H100 (untimed there)."""
+    from tilenorm.kernels.cute_row_norm_fp8 import SCALINGS
+
+    clamped = {("row", 4096), ("row", 8192), ("mx", 2048), ("mx", 8192)}
+    for device in DEVICE_CLASSES:
+        for cols in fp8_settings_for((9, 0), device).cute_forward:
+            for scaling in SCALINGS:
+                p = plan_cute_fp8_forward(8192, cols, itemsize=2, sm_count=132, arch=(9, 0),
+                                          scaling=scaling, device_class=device)
+                assert p.clamp == (device == "h200" and (scaling, cols) in clamped), (
+                    device, scaling, cols)
 
 
 def test_the_planner_takes_the_class_it_is_given():
@@ -257,11 +303,12 @@ def test_ahead_of_time_builds_cover_every_class():
     backward = {(k.layer_norm, k.cols, (k.threads, k.stages, k.ctas_per_sm))
                 for k in cute.aot_keys()}
     forward = {(k.layer_norm, k.cols, (k.threads, k.rows_per_cta, k.ctas_per_sm)
-                + ((k.cluster,) if k.cluster > 1 else ())) for k in cute.aot_forward_keys()}
+                + ((k.cluster,) if k.cluster > 1 else ()) + ((k.stages,) if k.persistent else ()))
+               for k in cute.aot_forward_keys()}
     cluster = {(k.layer_norm, k.cols, (k.cluster, k.threads, k.stages, k.ctas_per_sm))
                for k in cute.aot_cluster_backward_keys()}
-    fp8 = {(k.dtype, k.scaling, k.cols, (k.threads, k.stages, k.ctas_per_sm), k.column_amax)
-           for k in cute.aot_fp8_keys() if not k.recompute_t}
+    fp8 = {(k.dtype, k.scaling, k.cols, (k.threads, k.stages, k.ctas_per_sm), k.column_amax,
+            k.clamp, k.recompute_t) for k in cute.aot_fp8_keys()}
     transposes = {k.cols for k in cute.aot_fp8_transpose_keys()}
     for device in DEVICE_CLASSES:
         s, f = settings_for((9, 0), device), fp8_settings_for((9, 0), device)
@@ -273,14 +320,25 @@ def test_ahead_of_time_builds_cover_every_class():
             assert (op == "layer_norm", cols, entry) in cluster, (device, op, cols)
         for cols in f.cute_forward:
             for scaling in SCALINGS:
-                entry = f.forward_entry(scaling, cols)
-                assert ("bfloat16", scaling, cols, entry, False) in fp8, (device, scaling, cols)
+                entry, clamp = f.forward_entry(scaling, cols), f.forward_clamp(scaling, cols)
+                assert ("bfloat16", scaling, cols, entry, False, clamp, False) in fp8, (
+                    device, scaling, cols)
+                recompute_t = f.cute_forward_recompute_t.get(scaling, {}).get(cols)
+                if recompute_t:
+                    assert ("bfloat16", scaling, cols, recompute_t, False, clamp, True) in fp8
             if cols in f.cute_forward_column_amax:
-                entry = f.forward_entry("row", cols)
-                assert ("bfloat16", "row", cols, entry, True) in fp8, (device, cols)
+                # Row scaling's plan, recompute_t included (bench/NOTES.md #125).
+                recompute_t = f.cute_forward_recompute_t.get("row", {}).get(cols)
+                entry = recompute_t or f.forward_entry("row", cols)
+                assert ("bfloat16", "row", cols, entry, True, False,
+                        recompute_t is not None) in fp8, (device, cols)
             assert cols in transposes
         for cols, entry in f.cute_forward_fp8_input.items():
-            assert ("float8_e4m3fn", "row", cols, entry, False) in fp8, (device, cols)
+            assert ("float8_e4m3fn", "row", cols, entry, False, False, False) in fp8, (
+                device, cols)
+    # MX at 2048 columns, (128, 4, 6) on both classes: the H200's clamps, the H100's not.
+    assert {k.clamp for k in cute.aot_fp8_keys()
+            if (k.dtype, k.scaling, k.cols) == ("bfloat16", "mx", 2048)} == {False, True}
     assert len(cute.aot_fp8_keys()) == len(set(cute.aot_fp8_keys())), "each variant once"
     exported = {p.config for p in aot.plans("backward", "layer_norm")}
     for device in DEVICE_CLASSES:

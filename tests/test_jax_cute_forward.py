@@ -49,7 +49,8 @@ pytestmark = needs_cute
 FAKE_H100 = DeviceInfo(index=0, name="made-up H100", sm_count=132, arch=(9, 0),
                        l2_bytes=50 << 20)
 ARCH = "sm_90a"
-WIDTH = min(SM90.cute_forward["rms_norm"])
+#: The narrowest width both ops route (RMSNorm's 512 and 1024 are RMSNorm's alone).
+WIDTH = min(set(SM90.cute_forward["rms_norm"]) & set(SM90.cute_forward["layer_norm"]))
 BF16, FP16, FP32 = jnp.bfloat16, jnp.float16, jnp.float32
 #: What the entry's own argument checks say (the DSL's messages): none may reach XLA.
 ARGUMENT_ERRORS = ("Mismatched", "Misaligned", "Expects", "Out of bound", "TypeError",
@@ -58,7 +59,8 @@ ARGUMENT_ERRORS = ("Mismatched", "Misaligned", "Expects", "Out of bound", "TypeE
 
 def _key(op="rms_norm", cols=WIDTH, dtype="bfloat16", weight="float32", bias=False,
          offset=False, residual=False, rows=9) -> tuple:
-    plan = plan_cute_forward(rows, cols, itemsize=2, arch=(9, 0), op=op)
+    plan = plan_cute_forward(rows, cols, itemsize=2, arch=(9, 0), op=op,
+                             resident_clusters=lambda *shape: RESIDENT_CLUSTERS)
     if residual:  # what a call with a fused residual runs (dispatch.forward_kernel)
         plan = plan.with_residual()
     return plan, cute.ForwardKey.of(plan, dtype, weight, bias, op == "layer_norm", offset,
@@ -264,16 +266,17 @@ def test_covers_keeps_cutile_where_no_library_can_be_built(fake_h100, monkeypatc
     assert decision.cute_forward is None and "no C++ compiler" in decision.reason
 
 
-#: (op, width) of every cluster forward entry: rows held across a cluster of CTAs.
+#: (op, width) of every cluster forward entry: rows held across a cluster of CTAs, by a
+#: one-shot grid or a persistent one (LayerNorm's from 32768).
 CLUSTER_ROUTED = [(op, cols) for op, widths in SM90.cute_forward.items()
-                  for cols, entry in widths.items() if len(entry) == 4]
+                  for cols, entry in widths.items() if len(entry) >= 4]
 
 
 @pytest.mark.parametrize(("op", "cols"), CLUSTER_ROUTED)
 def test_covers_takes_the_cluster_kernels_where_torch_does(fake_h100, monkeypatch, op, cols):
     """Where the torch side runs the cluster forward (and the cluster backward, RMSNorm's and
-    LayerNorm's, on the device's co-resident clusters), so does JAX once its family may run;
-    explain names them."""
+    LayerNorm's, on the device's co-resident clusters), so does JAX once its family may run,
+    the persistent one on those clusters too; explain names them."""
     _records(monkeypatch, jax_forward=True)
     rows = -(-kernel_dispatch.CUTE_FORWARD_MIN_BYTES // (2 * cols))  # the torch side's least x
     problem = _problem(rows, cols=cols, allow=True, op=op)
@@ -281,7 +284,11 @@ def test_covers_takes_the_cluster_kernels_where_torch_does(fake_h100, monkeypatc
     decision = kernels.covers(problem)
     assert decision.cute_forward == torch_side.cute_forward and decision.cute_forward.cluster > 1
     plan = decision.cute_forward
-    assert plan.grid == -(-rows // plan.rows_per_cta) * plan.cluster
+    groups = -(-rows // plan.rows_per_cta)
+    assert plan.grid == (min(groups, RESIDENT_CLUSTERS) if plan.persistent
+                         else groups) * plan.cluster
+    assert plan.persistent == (len(SM90.cute_forward[op][cols]) == 5)
+    forward_text = f"{kernel_dispatch.CUTE_CLUSTER_FORWARD_NAME}: {plan.describe()}"
     assert kernel_dispatch.CUTE_CLUSTER_FORWARD_NAME in decision.kernels
     if cols in SM90.cute_cluster_backward[op]:
         plan = decision.cute_backward
@@ -294,7 +301,7 @@ def test_covers_takes_the_cluster_kernels_where_torch_does(fake_h100, monkeypatc
     else:
         assert decision.cute_backward is None
     text = str(decision)
-    assert f"{kernel_dispatch.CUTE_CLUSTER_FORWARD_NAME}: CuTe DSL cluster forward" in text
+    assert forward_text in text and "cluster forward" in forward_text
     # the family not validated and experimental kernels off: cuTile's kernels, saying why
     _records(monkeypatch, jax_forward=False)
     off = kernels.covers(_problem(rows, cols=cols, op=op))
@@ -354,7 +361,7 @@ def test_explain_names_the_cluster_kernels(fake_h100, monkeypatch, cols, op):
         tj.set_kernel_path(previous)
     assert d.uses_kernel
     text = str(d)
-    forward = (kernel_dispatch.CUTE_CLUSTER_FORWARD_NAME if len(SM90.cute_forward[op][cols]) == 4
+    forward = (kernel_dispatch.CUTE_CLUSTER_FORWARD_NAME if len(SM90.cute_forward[op][cols]) >= 4
                else kernel_dispatch.CUTE_FORWARD_NAME)
     for name in (forward, kernel_dispatch.CUTE_CLUSTER_BACKWARD_NAME):
         assert name in d.kernels.kernels and name in text

@@ -439,50 +439,59 @@ class CuteForwardPlan:
     ctas_per_sm: int
     grid: int
     cluster: int = 1
-    #: The persistent cluster forward: ``grid / cluster`` co-resident clusters, cluster
-    #: ``c`` taking rows ``c, c + grid / cluster, ...`` one at a time (rows_per_cta 1).
-    persistent: bool = False
+    #: The persistent cluster forward's ring of row groups in shared memory (0: the one-shot
+    #: grid): ``grid / cluster`` co-resident clusters, cluster ``c`` taking row groups ``c,
+    #: c + grid / cluster, ...`` of ``rows_per_cta`` rows.
+    stages: int = 0
+
+    @property
+    def persistent(self) -> bool:
+        return self.stages > 0
 
     @classmethod
     def of(cls, rows: int, cols: int, entry: tuple[int, ...],
            resident_clusters: int | None = None) -> CuteForwardPlan:
         """The plan of a settings table's (threads, rows a CTA, CTAs per SM[, cluster[,
-        persistent]]) ``entry``; a persistent one needs the clusters of its shape the device
-        holds at once (:func:`tilenorm.device.max_active_clusters`): a persistent grid of
-        more would run its last clusters after the others."""
+        stages]]) ``entry``; a persistent one (``stages``, its ring of row groups) needs the
+        clusters of its shape the device holds at once
+        (:func:`tilenorm.device.max_active_clusters`): a persistent grid of more would run
+        its last clusters after the others."""
         threads, rows_per_cta, ctas_per_sm, *rest = entry
         cluster = rest[0] if rest else 1
-        persistent = is_persistent(entry)
         if rows < 1 or rows_per_cta < 1:
             raise ValueError(f"rows and rows_per_cta must be positive, got {rows}, "
                              f"{rows_per_cta}")
-        if not persistent:
+        if not is_persistent(entry):
             return cls(rows=rows, cols=cols, threads=threads, rows_per_cta=rows_per_cta,
                        ctas_per_sm=ctas_per_sm, grid=cdiv(rows, rows_per_cta) * cluster,
                        cluster=cluster)
-        if cluster < 2 or rows_per_cta != 1:
-            raise ValueError(f"a persistent forward holds one row a cluster of 2 or more "
-                             f"CTAs, got {entry}")
+        stages = entry[4]
+        if cluster < 2 or isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+            raise ValueError(f"a persistent forward holds a row across a cluster of 2 or more "
+                             f"CTAs, a ring of 1 or more row groups: got {entry}")
         if resident_clusters is None or resident_clusters < 1:
             raise ValueError("a persistent forward's grid needs the clusters co-resident on "
                              f"the device, got {resident_clusters}")
-        clusters = min(rows, resident_clusters)
-        return cls(rows=rows, cols=cols, threads=threads, rows_per_cta=1,
+        clusters = min(cdiv(rows, rows_per_cta), resident_clusters)
+        return cls(rows=rows, cols=cols, threads=threads, rows_per_cta=rows_per_cta,
                    ctas_per_sm=ctas_per_sm, grid=clusters * cluster, cluster=cluster,
-                   persistent=True)
+                   stages=stages)
 
-    def program_rows(self, program: int) -> range:
+    def program_rows(self, program: int) -> list[int] | range:
         if self.persistent:
-            return range(program // self.cluster, self.rows, self.grid // self.cluster)
+            clusters, r = self.grid // self.cluster, self.rows_per_cta
+            return [row for group in range(program // self.cluster, cdiv(self.rows, r),
+                                           clusters)
+                    for row in range(group * r, min(group * r + r, self.rows))]
         start = program // self.cluster * self.rows_per_cta
         return range(start, min(start + self.rows_per_cta, self.rows))
 
     @property
     def entry(self) -> tuple[int, ...]:
         """The settings entry of this plan: (threads, rows a CTA, CTAs per SM, cluster[,
-        True where persistent])."""
+        stages where persistent])."""
         entry = (self.threads, self.rows_per_cta, self.ctas_per_sm, self.cluster)
-        return (*entry, True) if self.persistent else entry
+        return (*entry, self.stages) if self.persistent else entry
 
     def with_residual(self) -> CuteForwardPlan:
         """The plan a call with a fused residual runs (:func:`residual_entry`)."""
@@ -491,10 +500,11 @@ class CuteForwardPlan:
 
     def describe(self) -> str:
         if self.persistent:
+            rows = "a row" if self.rows_per_cta == 1 else f"{self.rows_per_cta} rows"
             return (f"CuTe DSL persistent cluster forward, grid {self.grid}: "
                     f"{self.grid // self.cluster} clusters of {self.cluster} CTAs of "
-                    f"{self.threads} threads ({self.ctas_per_sm} per SM), a row at a time, "
-                    f"the next one's slices in flight, the parameters staged once")
+                    f"{self.threads} threads ({self.ctas_per_sm} per SM), {rows} at a time, "
+                    f"a ring of {self.stages} in flight, the parameters staged once")
         if self.cluster > 1:
             rows = "a row" if self.rows_per_cta == 1 else f"{self.rows_per_cta} rows"
             return (f"CuTe DSL cluster forward, one-shot grid {self.grid}: {rows} across a "
@@ -506,8 +516,8 @@ class CuteForwardPlan:
 
 def is_persistent(entry: tuple[int, ...]) -> bool:
     """Whether a ``cute_forward`` entry is the persistent cluster forward's: a fifth element,
-    True."""
-    return len(entry) > 4 and bool(entry[4])
+    its ring of row groups."""
+    return len(entry) > 4
 
 
 def residual_entry(cols: int, entry: tuple[int, ...]) -> tuple[int, ...]:
@@ -516,8 +526,8 @@ def residual_entry(cols: int, entry: tuple[int, ...]) -> tuple[int, ...]:
     settings' ``_cluster_forward``) where ``entry`` holds several rows a cluster of a row that
     spans two such slices or more, else ``entry``. A residual doubles what a CTA stages: two
     rows a cluster of 8 at 65536 columns then keep a spill slot and run at 94% of copy where
-    one row a cluster of 4 runs at 101% (H100, #95). A persistent entry (a fifth element,
-    True) runs the one-shot kernel with a residual too: the persistent one takes none."""
+    one row a cluster of 4 runs at 101% (H100, #95). A persistent entry (a fifth element)
+    runs the one-shot kernel with a residual too: the persistent one takes none."""
     if is_persistent(entry):  # the persistent kernel takes no residual
         return _cluster_forward(cols)
     several_rows = len(entry) == 4 and entry[1] > 1 and entry[3] > 1
@@ -567,11 +577,14 @@ class CuteFp8ForwardPlan(CuteRowPlan):
     recompute_t: bool = False
     #: The kernel's ``column_amax``: per-program column amaxes for a per-row scaling's copy.
     column_amax: bool = False
+    #: The kernel's ``clamp``: each value clamped to +-fp8_max before the conversion.
+    clamp: bool = False
 
     def describe(self) -> str:
         return (f"CuTe DSL, {self._launch()}"
                 + (", t = x * w recomputed at each use" if self.recompute_t else "")
-                + (", column amaxes kept" if self.column_amax else ""))
+                + (", column amaxes kept" if self.column_amax else "")
+                + (", clamped before the conversion" if self.clamp else ""))
 
 
 #: FP8 x's elements in a 16-byte vector of the CuTe DSL FP8 row kernel: a group of its
@@ -591,11 +604,14 @@ def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
     ``cute_forward_fp8_input``), other element sizes, FP8 groups smaller than a 16-byte
     vector, and offsets past 32 bits (the kernel indexes with 32). For 2-byte x the
     settings' ``cute_forward_recompute_t`` entry of the scaling and width, where there is
-    one, takes the place of the scaling's ``forward_entry``, with ``recompute_t``.
-    ``column_amax`` (a per-row scaling's transposed copy): only 2-byte x (the CuTe copy
-    that takes them reads 2-byte x) at the widths of the settings'
-    ``cute_forward_column_amax``, at row scaling's ``forward_entry``. The FP8 settings are
-    ``arch``'s and ``device_class``'s."""
+    one, takes the place of the scaling's ``forward_entry``, with ``recompute_t``, and the
+    kernel clamps where the settings' ``cute_forward_clamp`` says. ``column_amax`` (a
+    per-row scaling's transposed copy): only 2-byte x (the CuTe copy that takes them reads
+    2-byte x) at the widths of the settings' ``cute_forward_column_amax``, at the plan of
+    row scaling without it, ``recompute_t`` included (the same launch config, so the row's
+    sums of squares fold in the same order and q has the same bits: bench/NOTES.md #125),
+    without ``clamp`` (untimed there; its q is the same bits either way). The FP8 settings
+    are ``arch``'s and ``device_class``'s."""
     settings = fp8_settings_for(arch, device_class)
     if column_amax:
         if itemsize != 2 or scaling != "row" or cols not in settings.cute_forward_column_amax:
@@ -603,9 +619,9 @@ def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
         plan = plan_cute_fp8_forward(rows, cols, itemsize=itemsize, sm_count=sm_count,
                                      arch=arch, scaling=scaling, max_offset=max_offset,
                                      device_class=device_class)
-        if plan is None or plan.recompute_t:
+        if plan is None:
             return None
-        return dataclasses.replace(plan, column_amax=True)
+        return dataclasses.replace(plan, column_amax=True, clamp=False)
     if max_offset is None:
         max_offset = rows * cols - 1
     if rows < 1 or max_offset > MAX_INT32_OFFSET:
@@ -620,7 +636,8 @@ def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
     if entry is None or itemsize != 2:
         return None
     return dataclasses.replace(CuteFp8ForwardPlan.of(rows, cols, entry, sm_count),
-                               recompute_t=recompute_t is not None)
+                               recompute_t=recompute_t is not None,
+                               clamp=settings.forward_clamp(scaling, cols))
 
 
 @dataclass(frozen=True)

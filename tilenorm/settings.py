@@ -115,8 +115,13 @@ class RowNormSettings:
     #: (threads, stages, CTAs per SM). Each thread holds ``stages`` rows of its 16-byte
     #: vectors, so the next rows' loads are in flight while a row is reduced, which a cuTile
     #: loop cannot do: LayerNorm at 32768 x 4096 on an H200, 90.0% -> 98.2% of copy bandwidth
-    #: for the row kernel (#38). Widths absent here were not measured to gain.
-    cute_backward: dict = field(default_factory=lambda: {"layer_norm": {4096: (256, 2, 2)}})
+    #: for the row kernel (#38). RMSNorm at 8192 columns on an H200: (512, 2, 1) 94% of copy
+    #: against cuTile's 89% (the other layouts 56-79%, #122); at 1024, (128, 4, 4) 95% against
+    #: cuTile's 93% (Quack's 95%), at 7168, (448, 2, 1) 89% against 87% (#125). Widths absent
+    #: here were not measured to gain.
+    cute_backward: dict = field(default_factory=lambda: {
+        "layer_norm": {4096: (256, 2, 2)},
+        "rms_norm": {1024: (128, 4, 4), 7168: (448, 2, 1), 8192: (512, 2, 1)}})
     #: Backwards of rows too wide for one CTA that a cluster of CTAs holds, reading x and dy
     #: once, per op and width: (CTAs a cluster, threads, row stages in shared memory, CTAs per
     #: SM), the weight in registers. Through the op on an H100 (bf16, % of copy, the
@@ -124,17 +129,18 @@ class RowNormSettings:
     #: 131072, LayerNorm 86 / 84 / 75%, where the two-pass column-split backward held ~60%
     #: (#87; 32768's (2, 512, 2, 1) was the probe's best, #81). Every width is past
     #: ``max_single_pass_bytes["backward"]``: the cluster kernel replaces the column split,
-    #: nothing else. LayerNorm takes RMSNorm's entries, none tuned for it (the one-CTA CuTe
-    #: backward covers 4096 only, #38). RMSNorm at 16384 columns runs across 2 CTAs: 92% of
-    #: an H100's copy where cuTile's one-pass backward runs at 84% (#95), 93% against 86% on
-    #: an H200 (#98). At 12288 columns (RMSNorm, LayerNorm) and LayerNorm's 16384, rows
-    #: past cuTile's one-pass limit, 2 CTAs a row: on an H100 RMSNorm 94% against 89%,
-    #: LayerNorm 91 / 90% against the column split's 60 / 61% (#106, untimed on an H200).
+    #: nothing else. LayerNorm takes RMSNorm's entries but at 131072, where 512 threads a CTA
+    #: run at 69% of an H200's copy against 256's 64% (RMSNorm there: 75 against 76%, #122).
+    #: RMSNorm at 16384 columns runs across 2 CTAs: 92% of an H100's copy where cuTile's
+    #: one-pass backward runs at 84% (#95), 93% against 86% on an H200 (#98). At 12288
+    #: columns (RMSNorm, LayerNorm) and LayerNorm's 16384, rows past cuTile's one-pass limit,
+    #: 2 CTAs a row: on an H100 RMSNorm 94% against 89%, LayerNorm 91 / 90% against the
+    #: column split's 60 / 61% (#106, untimed on an H200).
     cute_cluster_backward: dict = field(default_factory=lambda: {
         "rms_norm": {12288: (2, 256, 2, 2), 16384: (2, 256, 2, 2), 32768: (2, 512, 2, 1),
                      65536: (8, 256, 2, 2), 131072: (8, 256, 2, 1)},
         "layer_norm": {12288: (2, 256, 2, 2), 16384: (2, 256, 2, 2), 32768: (2, 512, 2, 1),
-                       65536: (8, 256, 2, 2), 131072: (8, 256, 2, 1)}})
+                       65536: (8, 256, 2, 2), 131072: (8, 512, 2, 1)}})
     #: Forwards the CuTe DSL kernel runs instead of cuTile's, per op and row width:
     #: (threads, rows a CTA, CTAs per SM) of its one-shot grid, each CTA loading its rows
     #: whole before reducing them, the hardware handing CTAs to SMs as they free up: 99.5-99.8%
@@ -150,18 +156,28 @@ class RowNormSettings:
     #: columns one row a CTA of 128 threads (H200 98% of copy, cuTile's 92%); at 16384 a row
     #: across 2 CTAs (H200 98%, one CTA 89%), at 32768 too (H200 97%, one CTA 92%);
     #: LayerNorm at 32768 two rows a cluster of 4, reading the parameters once for both
-    #: (H200 79% against 77%). At 12288 columns a row across 2 CTAs: on an H100 RMSNorm
-    #: 100% against cuTile's 92%, LayerNorm 91% against 89% (#106, untimed on an H200); at
-    #: LayerNorm's 7168 the CuTe forward spills or loses (50-96% against cuTile's 96%).
+    #: (H200 79% against 77%; the H100's entry, :data:`SM90_H100`). At 12288 columns a row
+    #: across 2 CTAs: on an H100 RMSNorm 100% against cuTile's 92%, LayerNorm 91% against
+    #: 89% (#106, untimed on an H200); at LayerNorm's 7168 the CuTe forward spills or loses
+    #: (50-96% against cuTile's 96%). LayerNorm at 32768 / 65536 / 131072 runs the persistent
+    #: cluster forward: entries of five, (threads, rows a group, CTAs an SM, cluster, ring of
+    #: row groups), the clusters the device holds at once each taking every so many row
+    #: groups, the fp32 parameters staged once a CTA where the one-shot grid reads them from
+    #: L2 for every row group (#101, #123): bf16 x with fp32 weight and bias on an H200 at
+    #: 88-90 / 84-85 / 88-89% of copy where the one-shot entries ran at 79-81 / 74-75 /
+    #: 65-66% (#125). A residual call runs the one-shot forward (``residual_entry``).
+    #: RMSNorm at 512 and 1024 columns, ~32 KB of loads in flight an SM: on an H200 98 / 99%
+    #: of copy against cuTile's 94 / 94% (at 256 and 2048 within 1%: not taken; #122).
     #: Widths absent here were not measured to gain.
     cute_forward: dict = field(default_factory=lambda: {
-        "rms_norm": {4096: (128, 2, 4), 5120: (128, 1, 4), 7168: (128, 1, 4),
-                     8192: (256, 2, 2), 12288: (256, 1, 4, 2), 16384: (256, 1, 4, 2),
-                     32768: _cluster_forward(32768),
+        "rms_norm": {512: (64, 2, 16), 1024: (128, 2, 8), 4096: (128, 2, 4),
+                     5120: (128, 1, 4), 7168: (128, 1, 4), 8192: (256, 2, 2),
+                     12288: (256, 1, 4, 2), 16384: (256, 1, 4, 2), 32768: _cluster_forward(32768),
                      65536: _cluster_forward(65536), 131072: _cluster_forward(131072)},
         "layer_norm": {4096: (128, 2, 4), 5120: (128, 1, 4), 8192: (256, 2, 2),
-                       12288: (256, 1, 4, 2), 16384: (512, 2, 1), 32768: (256, 2, 4, 4),
-                       65536: _cluster_forward(65536), 131072: _cluster_forward(131072)}})
+                       12288: (256, 1, 4, 2), 16384: (512, 2, 1),
+                       32768: (256, 1, 2, 4, 2), 65536: (256, 2, 1, 8, 3),
+                       131072: (256, 1, 1, 8, 2)}})
     #: ``cute_forward`` and ``cute_cluster_backward`` for 4-byte x (fp32; the tables above
     #: are 2-byte x's, bf16 and fp16). Each entry is the 2-byte entry of twice the width: the
     #: same bytes a row, a CTA, a thread and in shared memory, four elements to a 16-byte
@@ -208,22 +224,39 @@ class RowNormSettings:
 #: no other device is named. The default for every device not of another class.
 SM90 = RowNormSettings()
 
+#: RMSNorm forward widths whose CuTe entry only an H200 measured (#122): the H100's cuTile
+#: forward is at 99-100% of its copy there (#103).
+_H200_ONLY_FORWARD = (512, 1024)
+
 #: Hopper at the H100's bandwidth: the H200's settings but where the H100 measured another
-#: choice. The LayerNorm backward at 4096 columns keeps cuTile's: the CuTe DSL backward
-#: runs at 94% of copy on an H100 where cuTile's runs at 101% (#38). The RMSNorm forward
-#: at 32768 columns keeps one CTA a row, measured on the H100 (93.5-101.5% of copy, #69; the
-#: cluster one is untimed there). The RMSNorm cluster forward at 65536 columns holds two
-#: rows a cluster of 8: 102% of an H100's copy against 99% (#95), level on an H200 (96% both,
-#: #98). fp32 at 16384 columns takes the 2-byte entry of 32768, one CTA a row.
+#: choice or none. Every backward keeps cuTile's where the H200 runs the CuTe row backward:
+#: LayerNorm's at 4096 columns runs at 94% of copy on an H100 where cuTile's runs at 101%
+#: (#38), RMSNorm's at 1024, 7168 and 8192 are the H200's alone (#122, #125); LayerNorm's
+#: cluster backward at 131072 keeps 256 threads, the layout the H100 measured (#87). The
+#: RMSNorm forward at 32768 columns keeps one CTA a row, measured on the H100 (93.5-101.5%
+#: of copy, #69; the cluster one is untimed there). The RMSNorm cluster forward at 65536
+#: columns holds two rows a cluster of 8: 102% of an H100's copy against 99% (#95), level
+#: on an H200 (96% both, #98). The LayerNorm forward at 32768 / 65536 / 131072 keeps the
+#: one-shot cluster forward: 97 / 93 / 88% of an H100's copy with fp32 weight and bias,
+#: where the first persistent kernel ran slower at every width (#103). What the H200's
+#: persistent entries (#125) win back is the H200's own loss: the one-shot grid reads the
+#: fp32 parameters from L2 every row group, and the H200 reached the H100's bytes a second
+#: there, not its share of copy (#98, #101); the rebuilt kernel (#123) is untimed on an
+#: H100. fp32 at 16384 columns takes the 2-byte entry of 32768, one CTA a row.
 SM90_H100 = dataclasses.replace(
     SM90,
-    cute_backward={
-        **SM90.cute_backward,
-        "layer_norm": {cols: entry for cols, entry in SM90.cute_backward["layer_norm"].items()
-                       if cols != 4096}},
+    cute_backward={},
+    cute_cluster_backward={**SM90.cute_cluster_backward,
+                           "layer_norm": {**SM90.cute_cluster_backward["layer_norm"],
+                                          131072: (8, 256, 2, 1)}},
     cute_forward={**SM90.cute_forward,
-                  "rms_norm": {**SM90.cute_forward["rms_norm"], 32768: (512, 1, 1),
-                               65536: (256, 2, 4, 8)}},
+                  "rms_norm": {**{cols: entry for cols, entry
+                                  in SM90.cute_forward["rms_norm"].items()
+                                  if cols not in _H200_ONLY_FORWARD},
+                               32768: (512, 1, 1), 65536: (256, 2, 4, 8)},
+                  "layer_norm": {**SM90.cute_forward["layer_norm"], 32768: (256, 2, 4, 4),
+                                 65536: _cluster_forward(65536),
+                                 131072: _cluster_forward(131072)}},
     cute_forward_fp32={**SM90.cute_forward_fp32,
                        "rms_norm": {**SM90.cute_forward_fp32["rms_norm"], 16384: (512, 1, 1)}})
 

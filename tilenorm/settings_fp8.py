@@ -72,12 +72,28 @@ class Fp8Settings:
     #: there), 83.9% -> 90.0% of copy on an H100; row scaling and 8192 columns ran slower
     #: with it (#78). The entry takes every variant: an fp32 weight, the offset or fp16 x
     #: still spill a little here (2-40 stores against the old route's 3-74) and are untimed.
+    #: On an H200 row and MX scaling at 16384 gain too: 92 / 90% of copy against (512, 4, 1)'s
+    #: 89 / 88% (#122); a per-row scaling's transposed copy takes the same kernel with its
+    #: column maxima (``plan_cute_fp8_forward``; on sm_90a without spills with a bf16 weight
+    #: or none, bench/NOTES.md #125).
     cute_forward_recompute_t: dict = field(default_factory=lambda: {
-        "block": {16384: (256, 2, 2)}})
+        scaling: {16384: (256, 2, 2)} for scaling in ("block", "row", "mx")})
     #: Per scaling of the row kernel, widths of ``cute_forward`` that run at their own
     #: (threads, stages, CTAs per SM), the rest of the features as ``cute_forward``'s: where
     #: one device ranks the scalings' thread layouts otherwise (#95).
     cute_forward_scaling: dict = field(default_factory=dict)
+    #: Per scaling of the row kernel, widths of ``cute_forward`` whose kernel of 2-byte x
+    #: takes the kernel's ``clamp`` (each value clamped to +-fp8_max before the saturating
+    #: conversion: the same bits at two FMNMX.NAN an element). The H200, bf16 x and weight,
+    #: E4M3, each scaling's entry, the clamp against the kernel without it: row scaling +4.5%
+    #: at 4096 and +3.8% at 8192 columns, MX +4% at 2048 and +2-2.5% at 8192; row -2-3% at
+    #: 2048 and MX -0.5% at 4096 keep the kernel without it (bench/NOTES.md #125). On
+    #: sm_90a the clamped variants take at most 2 registers more than those without it and
+    #: spill no more: none with a 2-byte weight or none. The other scalings, 16384 columns,
+    #: FP8 x and the row kernel keeping column amaxes (the same bits as the row kernel's
+    #: either way) are untimed with it.
+    cute_forward_clamp: dict = field(default_factory=lambda: {
+        "row": (4096, 8192), "mx": (2048, 8192)})
     #: The CuTe DSL transposed copy of "row", "block" and "mx"
     #: (tilenorm/kernels/cute_fp8_transpose.py), which runs instead of cuTile's
     #: ``fp8_quantize_transposed`` (128 registers, 206 for "row": #60) for RMSNorm of 2-byte
@@ -124,6 +140,11 @@ class Fp8Settings:
             return None
         return self.cute_forward_scaling.get(scaling, {}).get(cols, self.cute_forward[cols])
 
+    def forward_clamp(self, scaling: str, cols: int) -> bool:
+        """Whether the row kernel of 2-byte x at ``scaling`` and ``cols`` takes ``clamp``
+        (``cute_forward_clamp``)."""
+        return cols in self.cute_forward_clamp.get(scaling, ())
+
 
 #: Hopper at the H200's bandwidth (:data:`tilenorm.settings.SM90`), the default.
 SM90_FP8 = Fp8Settings()
@@ -137,10 +158,14 @@ SM90_FP8 = Fp8Settings()
 #: (``cute_forward_fp8_input``) keeps (256, 4, 2) at 8192, its own entry: (512, 2, 2) and
 #: (512, 4, 1) run at 75% and 68% of copy there against its 89% (#88, #95). At 4096 columns
 #: row and MX scaling run at (256, 4, 2), 97% and 96% of copy against (128, 4, 4)'s 90% and
-#: 89%, where block scaling ranks them 88% and 90% and keeps (128, 4, 4) (#95).
+#: 89%, where block scaling ranks them 88% and 90% and keeps (128, 4, 4) (#95). No
+#: ``clamp``: timed on the H200 only (#125). ``recompute_t`` for block scaling only: row
+#: scaling at 16384 ran slower with it on an H100 (#78), MX is untimed there.
 SM90_FP8_H100 = dataclasses.replace(
     SM90_FP8, cute_forward={**SM90_FP8.cute_forward, 8192: (512, 2, 2)},
-    cute_forward_scaling={scaling: {4096: (256, 4, 2)} for scaling in ("row", "mx")})
+    cute_forward_recompute_t={"block": {16384: (256, 2, 2)}},
+    cute_forward_scaling={scaling: {4096: (256, 4, 2)} for scaling in ("row", "mx")},
+    cute_forward_clamp={})
 _HOPPER = DeviceTables({"h200": SM90_FP8, "h100": SM90_FP8_H100})
 
 

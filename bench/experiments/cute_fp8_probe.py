@@ -13,13 +13,13 @@ the copy bandwidth of the same run.
 
     TILENORM_EXPERIMENTAL=1 python bench/experiments/cute_fp8_probe.py --out probe.json
 
-``--compile-only sm_90a`` needs no GPU: it compiles the shipped kernel (and ``--variant``'s)
-at ``--configs`` for ``--scalings`` and prints each cubin's registers and spills.
+``--compile-only sm_90a`` needs no GPU: it compiles the kernel without flags ("shipped") and
+``--variant``'s at ``--configs`` for ``--scalings`` and prints each cubin's registers and
+spills.
 
-``--variant``: the kernel's ``recompute_t`` flag (recompute-t) or a kernel class of
-bench/experiments/cute_fp8_variants.py (clamp: the clamp before the FP8 conversion that
-7d44bfc dropped, #117), compiled afresh and timed right after the shipped kernel at the
-same configuration.
+``--variant``: the kernel's ``recompute_t`` flag (recompute-t) or its ``clamp`` (clamp: each
+value clamped to +-fp8_max before the FP8 conversion, #117, #125), compiled and timed right
+after the kernel without it at the same configuration.
 """
 
 from __future__ import annotations
@@ -54,31 +54,15 @@ CONFIGS = {
     16384: [(512, 2, 2), (512, 4, 1), (1024, 2, 1), (256, 2, 2), (1024, 4, 1)],
 }
 SCALINGS = ("row", "block", "mx", "delayed", "amax")
-#: ``--variant`` of the kernel's own ``recompute_t`` flag (#74; #58's LeanBlockScales, once
-#: timed here, is the kernel's block path since #100); the other names are classes of
-#: bench/experiments/cute_fp8_variants.py.
-RECOMPUTE_T = "recompute-t"
-#: cute_fp8_variants.VARIANTS' names, listed here: that module imports the CuTe DSL.
-CLASS_VARIANTS = ("clamp",)
+#: ``--variant``: name -> the kernel's flag it sets, ``recompute_t`` (#74; #58's
+#: LeanBlockScales, once timed here, is the kernel's block path since #100) or ``clamp``
+#: (#117, #125).
+VARIANTS = {"recompute-t": "recompute_t", "clamp": "clamp"}
 
 
-def variant_of(key: cute.Fp8ForwardKey, variant: str | None
-               ) -> tuple[cute.Fp8ForwardKey, str | None]:
-    """``key`` as ``variant`` (None: the kernel's own) compiles it, and the name of its
-    kernel class in cute_fp8_variants.py (None: the kernel's)."""
-    if variant == RECOMPUTE_T:
-        return dataclasses.replace(key, recompute_t=True), None
-    return key, variant
-
-
-def compile_key(key: cute.Fp8ForwardKey, arch: str | None = None, kernel_class: str | None = None,
-                **kwargs):
-    """``cute.compile_fp8_forward`` of ``key``, with ``kernel_class``'s kernel where given."""
-    if kernel_class is None:
-        return cute.compile_fp8_forward(key, arch, **kwargs)
-    from bench.experiments.cute_fp8_variants import compile_variant
-
-    return compile_variant(kernel_class, key, arch, **kwargs)
+def variant_of(key: cute.Fp8ForwardKey, variant: str | None) -> cute.Fp8ForwardKey:
+    """``key`` as ``variant`` (None: the kernel's own) compiles it."""
+    return dataclasses.replace(key, **{VARIANTS[variant]: True}) if variant else key
 
 
 def outputs(m: int, n: int, scaling: str, grid: int, row_major_blocks: bool = False
@@ -134,10 +118,9 @@ def check(out: dict, x: torch.Tensor, w: torch.Tensor, scaling: str, scale: torc
     return testing.fp8_rounding_excess(q, scale_inv, scaling, ref.y, FP8)
 
 
-def run(key: cute.Fp8ForwardKey, x, w, scale, grid, row_major_blocks: bool = False,
-        kernel_class: str | None = None):
-    fn = (compile_key(key, kernel_class=kernel_class, row_major_block_scales=row_major_blocks)
-          if row_major_blocks or kernel_class
+def run(key: cute.Fp8ForwardKey, x, w, scale, grid, row_major_blocks: bool = False):
+    fn = (cute.compile_fp8_forward(key, row_major_block_scales=row_major_blocks)
+          if row_major_blocks
           else cute.compiled_fp8_forward(key, torch.cuda.get_device_capability()))
     out = outputs(*x.shape, key.scaling, grid, row_major_blocks)
 
@@ -155,8 +138,8 @@ def measure(m: int, n: int, scaling: str, config, info, record: dict, x, w, scal
     key = cute.Fp8ForwardKey(m if static_rows else None, "bfloat16", "bfloat16",
                              "float8_e4m3fn", scaling, False, n, threads, stages, ctas)
     t0 = time.time()
-    key, kernel_class = variant_of(key, variant)
-    launch, out = run(key, x, w, scale, grid, row_major_blocks, kernel_class)
+    key = variant_of(key, variant)
+    launch, out = run(key, x, w, scale, grid, row_major_blocks)
     compile_s = time.time() - t0
     launch()
     torch.cuda.synchronize()
@@ -207,7 +190,7 @@ def op_row(m, n, scaling, record, x, w, scale) -> None:
 
 def compile_only(arch: str, shapes, configs: dict, scalings: list[str],
                  variant: str | None) -> None:
-    """Compile the shipped kernel and ``variant`` at each shape's configurations for
+    """Compile the kernel without flags and ``variant`` at each shape's configurations for
     ``arch`` without a GPU and print registers, stack bytes and spill stores / loads
     (``STL`` / ``LDL`` in the SASS): what two CTAs of 256 threads at 16384 columns (128
     registers a thread) need (issue 19)."""
@@ -222,11 +205,11 @@ def compile_only(arch: str, shapes, configs: dict, scalings: list[str],
                 shipped = cute.Fp8ForwardKey(None, "bfloat16", "bfloat16", "float8_e4m3fn",
                                              scaling, False, n, *config)
                 for name in ("shipped", variant) if variant else ("shipped",):
-                    key, kernel_class = variant_of(shipped, None if name == "shipped" else name)
+                    key = variant_of(shipped, None if name == "shipped" else name)
                     with tempfile.TemporaryDirectory() as tmp:
                         try:
                             with keeping_cubins(tmp):
-                                compile_key(key, arch, kernel_class)
+                                cute.compile_fp8_forward(key, arch)
                             r = cubin_resources(sorted(Path(tmp).rglob("*.cubin"))[0], tool)[0]
                         except Exception as e:
                             print(f"{m}x{n:<6} {str(config):>14} {scaling:>8} {name:>22} "
@@ -249,10 +232,10 @@ def main() -> None:
                         help="the scalings run with each shape's best row configuration")
     parser.add_argument("--row-major-blocks", action="store_true",
                         help="also time block scaling with row-major scales (NOTES #57)")
-    parser.add_argument("--variant", choices=[RECOMPUTE_T, *CLASS_VARIANTS],
+    parser.add_argument("--variant", choices=list(VARIANTS),
                         help="also time this kernel variant: recompute-t (the kernel's "
-                             "recompute_t, NOTES #74) or a class of cute_fp8_variants.py "
-                             "(clamp: the clamp 7d44bfc dropped, NOTES #117)")
+                             "recompute_t, NOTES #74) or clamp (its clamp before the FP8 "
+                             "conversion, NOTES #117, #125)")
     parser.add_argument("--variant-configs", type=json.loads,
                         help='JSON {"cols": [[threads, stages, ctas], ...]}: time --variant '
                              "at these instead of the shipped kernel's best row configuration")

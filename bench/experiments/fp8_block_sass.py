@@ -13,7 +13,7 @@ for the trees ``--static-rows`` names (every tree without a list) the bench shap
     python bench/experiments/fp8_block_sass.py [--widths 2048,4096,8192]
         [--scalings row,block,mx] [--trees this,f313ab5=../f313ab5]
         [--static-rows [f313ab5,...]] [--sass-dir DIR]   # also keep each variant's SASS
-        [--variants clamp]   # also kernel classes of cute_fp8_variants.py, from this tree
+        [--variants clamp,no-clamp]   # also the kernel's clamp set / cleared, this tree
     python bench/experiments/fp8_block_sass.py --emulate   # the CPU bit-identity checks
 
 ``--trees`` compiles each kernel from the named source trees (``git worktree add
@@ -53,6 +53,8 @@ KINDS = ("SHFL.BFLY", "SHFL.IDX", "FMNMX.NAN", "FMNMX", "FSEL", "FMUL", "FFMA", 
 _INS = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;\s*/\*")
 _CONTROL = re.compile(r"^\s+/\*\s*0x([0-9a-f]{16})\s*\*/\s*$")
 ROOT = Path(__file__).resolve().parents[2]
+#: ``--variants``: name -> the kernel's ``clamp`` in place of the route's (#117, #125).
+VARIANTS = {"clamp": True, "no-clamp": False}
 
 
 def parse_sass(sass: str) -> list[tuple[int, str, str]]:
@@ -96,22 +98,23 @@ def main_loop(ins: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
 def kinds(ins) -> collections.Counter:
     counts = collections.Counter()
     for _, op, _ in ins:
-        # FMNMX.NAN (a clamp's, NaN kept: the cut of 7d44bfc, #117) before plain FMNMX
+        # FMNMX.NAN (the kernel's clamp, NaN kept: #117, #125) before plain FMNMX
         kind = next((k for k in KINDS if op == k or op.startswith(k + ".")), "other")
         counts[kind] += 1
     return counts
 
 
 def compile_sass(scaling: str, cols: int, tree: str | None = None, rows: int | None = None,
-                 x: str = "bfloat16", group: int = 0, variant: str | None = None
-                 ) -> tuple[dict, str]:
+                 x: str = "bfloat16", group: int = 0, variant: str | None = None,
+                 config: tuple[int, int, int] | None = None) -> tuple[dict, str]:
     """Resources and SASS of the row kernel of bf16 (or FP8, ``group``) x and a bf16 weight
     at ``scaling`` and ``cols`` as the planner routes it on an H200 (its table's entry, or
-    ``recompute_t``'s), compiled from ``tree`` (a source tree, in a process of its own;
-    None: this one) for ``rows`` (None: any count); ``variant`` a kernel class of
-    cute_fp8_variants.py in the kernel's place."""
+    ``recompute_t``'s, and its ``clamp``; ``config``, (threads, stages, CTAs per SM), in its
+    place), compiled from ``tree`` (a source tree, in a process of its own; None: this one)
+    for ``rows`` (None: any count); ``variant`` a name of :data:`VARIANTS`, the kernel's
+    ``clamp`` as it says in the route's place."""
     spec = {"scaling": scaling, "cols": cols, "rows": rows, "x": x, "group": group,
-            "variant": variant}
+            "variant": variant, "config": config}
     if tree is not None:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "out.json"
@@ -124,27 +127,29 @@ def compile_sass(scaling: str, cols: int, tree: str | None = None, rows: int | N
 
 
 def _compile_here(scaling: str, cols: int, rows: int | None, x: str, group: int,
-                  variant: str | None = None) -> tuple[dict, str]:
+                  variant: str | None = None, config: list[int] | None = None
+                  ) -> tuple[dict, str]:
     from bench.kernel_resources import cubin_resources, cuobjdump, keeping_cubins
     from tilenorm.launch import cute
     from tilenorm.settings_fp8 import SM90_FP8
 
     cute.available()
-    # The planner's route (plan_cute_fp8_forward): recompute_t's entry where it has one.
+    # The planner's route (plan_cute_fp8_forward): recompute_t's entry where it has one, the
+    # clamp where the table has it (trees before the clamp have neither table nor flag).
     recompute_t = None if group else SM90_FP8.cute_forward_recompute_t.get(scaling, {}).get(cols)
-    config = (SM90_FP8.cute_forward_fp8_input[cols] if group
-              else recompute_t or SM90_FP8.forward_entry(scaling, cols))
+    if config is None:
+        config = (SM90_FP8.cute_forward_fp8_input[cols] if group
+                  else recompute_t or SM90_FP8.forward_entry(scaling, cols))
+    routed = hasattr(SM90_FP8, "forward_clamp") and not group and SM90_FP8.forward_clamp(
+        scaling, cols)
+    clamp = VARIANTS[variant] if variant else routed
     key = cute.Fp8ForwardKey(rows, x, "bfloat16", "float8_e4m3fn", scaling, False, cols,
                              *config, recompute_t=recompute_t is not None,
-                             **({"group": group} if group else {}))
+                             **({"group": group} if group else {}),
+                             **({"clamp": True} if clamp else {}))
     with tempfile.TemporaryDirectory() as tmp:
         with keeping_cubins(tmp):
-            if variant is None:
-                cute.compile_fp8_forward(key, "sm_90a")
-            else:
-                from bench.experiments.cute_fp8_variants import compile_variant
-
-                compile_variant(variant, key, "sm_90a")
+            cute.compile_fp8_forward(key, "sm_90a")
         return cubin_resources(sorted(Path(tmp).rglob("*.cubin"))[0], cuobjdump())
 
 
@@ -171,8 +176,8 @@ def rows_of(label: str, cols: int, static: list[str] | None) -> int | None:
 
 def report(widths, scalings, trees: dict, static: list[str] | None,
            sass_dir: str | None, variants: list[str] = ()) -> None:
-    """The table; ``variants`` (kernel classes of cute_fp8_variants.py, compiled from this
-    tree, labelled by name) after the trees of each width and scaling."""
+    """The table; ``variants`` (names of :data:`VARIANTS`, compiled from this tree,
+    labelled by name) after the trees of each width and scaling."""
     head = (f"{'cols':>5} {'scaling':>7} {'tree':>10} {'regs':>4} {'stack':>5} "
             f"{'STL/LDL':>7} {'total':>5} {'loop':>5} {'stall':>5} "
             + " ".join(f"{k:>9}" for k in KINDS) + f" {'other':>5}")
@@ -338,8 +343,9 @@ def main() -> None:
                         help="tree labels compiled for the shapes' row count (none: every tree)")
     parser.add_argument("--sass-dir")
     parser.add_argument("--variants", default="",
-                        help="kernel classes of cute_fp8_variants.py (e.g. clamp), compiled "
-                             "from this tree and reported after the trees")
+                        help="clamp, no-clamp: the kernel's clamp set or cleared in the "
+                             "route's place, compiled from this tree and reported after "
+                             "the trees")
     parser.add_argument("--emulate", action="store_true")
     # One compile in another tree (compile_sass's child process).
     parser.add_argument("--compile", help=argparse.SUPPRESS)

@@ -7,22 +7,24 @@ loop's instructions attributed to what they do, by a register data-flow walk of 
 E4M3 q, row scaling (``--scalings``: others, bf16 x's), a runtime row count (or the bench
 shapes', ``--static-rows`` as fp8_block_sass.py's), the H200 tables' (threads, stages, CTAs
 per SM):
-``cute_forward_fp8_input`` for FP8 x, ``forward_entry`` for bf16 x; from this source tree
-or from others (``--trees``, as ``fp8_block_sass.py``'s: the loops of old commits,
-bench/NOTES.md #117).
+``cute_forward_fp8_input`` for FP8 x (``--entries``, as bench_fp8.py's variants of that
+table, in their place), ``forward_entry`` for bf16 x; from this source tree or from others
+(``--trees``, as ``fp8_block_sass.py``'s: the loops of old commits, bench/NOTES.md #117).
 
     python bench/experiments/fp8_input_sass.py [--widths 4096,8192] [--x fp8,bf16]
         [--group 128] [--scalings row,mx] [--trees this,f313ab5=scratch/f313ab5]
         [--static-rows [f313ab5,...]] [--sass-dir DIR]
+        [--entries '{"4096": [128, 6, 4]}']
     python bench/experiments/fp8_input_sass.py --emulate   # the CPU bit-identity checks
 
 Categories: ``convert`` (FP8 -> f16x2 -> fp32: F2FP.F16.E4M3.UNPACK_B, HADD2.F32),
 ``widen x`` / ``widen w`` (bf16 -> fp32 by shift / permute), ``dequant`` (fp32(x) times
 its multiplier), ``x*w``, ``sum sq`` (the FFMA chain), ``amax t`` (max |t|), ``quantize``
-(t * rstd * scale, the clamp older trees had, the saturating conversion and its byte
-packing), ``reduce`` (warp shuffles, shared memory, the barrier, the cross-warp sums),
-``rstd, scale`` (rsqrt, the IEEE divisions with their checks and slow-path calls), the
-loads and stores, and the integer work that forms each load's and store's address
+(t * rstd * scale, the clamp where the route has it, the saturating conversion and its
+byte packing), ``reduce`` (warp shuffles and ``REDUX``, shared memory, the barrier, the
+cross-warp sums), ``rstd, scale`` (rsqrt, the IEEE divisions with their checks and
+slow-path calls), the loads and stores (``load w``: the fp32 weight read from shared memory
+each row), and the integer work that forms each load's and store's address
 (``addr: x``, ``addr: mult``, ...; ``addr: row`` where a value feeds several), ``control``
 (branches, predicates, the rest).
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import re
 import sys
 from pathlib import Path
@@ -53,7 +56,7 @@ from bench.experiments.fp8_block_sass import (  # noqa: E402
 )
 
 CATEGORIES = ("convert", "widen x", "widen w", "dequant", "x*w", "sum sq", "amax t",
-              "quantize", "reduce", "rstd, scale", "load x", "load mult", "store q",
+              "quantize", "reduce", "rstd, scale", "load x", "load mult", "load w", "store q",
               "store rstd/scale", "addr: x", "addr: mult", "addr: q", "addr: rstd/scale",
               "addr: row", "control")
 _REG = re.compile(r"\b(U?R\d+|U?RZ)\b")
@@ -109,6 +112,8 @@ def categories(loop: list[tuple[int, str, str]]) -> list[str]:
     parsed = [split(text) for _, _, text in loop]
     defined = {d for _, ds, _ in parsed for d in ds}
     tags: dict[str, str] = {}
+    writer: dict[str, int] = {}  # the instruction that last wrote each register
+    weight_loads: set[int] = set()  # the LDS whose values x * w takes
     cats: list[str] = [""] * len(parsed)
     for _ in range(2):
         for i, (op, dests, srcs) in enumerate(parsed):
@@ -139,22 +144,27 @@ def categories(loop: list[tuple[int, str, str]]) -> list[str]:
             elif base == "FMUL" and "mult" in st and "x" in st:
                 cat, tag = "dequant", "xd"
             elif base == "FMUL" and ("x" in st or "xd" in st) and (
-                    "w" in st or "live-in" in st):
+                    "w" in st or "live-in" in st or "lds" in st):
                 cat, tag = "x*w", "t"
+                weight_loads |= {writer[r] for r, g in zip(srcs, st, strict=True)
+                                 if g == "lds" and r in writer}
             elif base == "FMUL" and "t" in st:
                 cat, tag = "quantize", "y1"
             elif base == "FMUL" and "y1" in st:
                 cat, tag = "quantize", "y"
             elif op.startswith("FMNMX.NAN") and "y" in st:
-                cat, tag = "quantize", "y"  # the clamp to +-fp8_max 7d44bfc dropped
+                cat, tag = "quantize", "y"  # the kernel's clamp to +-fp8_max (#125)
             elif base == "FFMA" and ("sq" in st or (len(srcs) >= 2 and srcs[0] == srcs[1]
                                                     and st[0] in ("x", "xd"))):
                 cat, tag = "sum sq", "sq"
             elif base == "FMNMX" and op == "FMNMX" and ("t" in st or "amax" in st) and (
                     "|" in text):
                 cat, tag = "amax t", "amax"
-            elif base in ("SHFL", "STS", "LDS", "BAR") or (
-                    base in ("FADD", "FMNMX") and op in ("FADD", "FMNMX")):
+            elif base == "LDS":  # the reduction's, or the weight's (below)
+                cat, tag = "reduce", "lds"
+            elif base in ("SHFL", "STS", "BAR", "REDUX") or (
+                    base in ("FADD", "FMNMX") and op in ("FADD", "FMNMX")) or (
+                    base == "MOV" and st == ["red"]):
                 cat, tag = "reduce", "red"
             elif base in ("MUFU", "FCHK", "FSETP", "FSEL", "FFMA", "FMUL", "CALL", "BSSY",
                           "BSYNC", "FADD") or op.startswith("FMNMX.NAN"):
@@ -163,7 +173,10 @@ def categories(loop: list[tuple[int, str, str]]) -> list[str]:
                 cat = "store q" if ".128" in op or ".64" in op else "store rstd/scale"
             for d in dests:
                 tags[d] = tag
+                writer[d] = i
             cats[i] = cat
+    for i in weight_loads:
+        cats[i] = "load w"
     # Address slices: the integer instructions each load's or store's address depends on.
     users: dict[int, set[str]] = collections.defaultdict(set)
     last_def: dict[str, int] = {}
@@ -204,17 +217,22 @@ def categories(loop: list[tuple[int, str, str]]) -> list[str]:
 
 
 def report(widths, xs, group: int, scalings, trees: dict, static: list[str] | None,
-           sass_dir: str | None) -> None:
+           sass_dir: str | None, entries: dict | None = None) -> None:
+    """The table; ``entries`` {cols: (threads, stages, CTAs per SM)} in place of the FP8-x
+    table's."""
     rows = []
     for cols in widths:
         for x in xs:
             for scaling in scalings if x == "bf16" else ["row"]:
+                config = (entries or {}).get(cols) if x == "fp8" else None
                 for label, tree in trees.items():
                     r, sass = compile_sass(
                         scaling, cols, tree, rows_of(label, cols, static),
-                        "float8_e4m3fn" if x == "fp8" else "bfloat16", group if x == "fp8" else 0)
+                        "float8_e4m3fn" if x == "fp8" else "bfloat16", group if x == "fp8" else 0,
+                        config=config)
+                    at = f"{cols}:{','.join(map(str, config))}" if config else str(cols)
                     name = " ".join(n for n in (label if len(trees) > 1 else "", x,
-                                                scaling if len(scalings) > 1 else "", str(cols))
+                                                scaling if len(scalings) > 1 else "", at)
                                     if n)
                     if sass_dir:
                         Path(sass_dir).mkdir(parents=True, exist_ok=True)
@@ -265,7 +283,8 @@ def emulate() -> None:
     an fp32 exactly (so cvt.rn.f16x2.e4m3x2 then f16 -> fp32 is the exact widening), and
     the product fp32(x) * s rounded once to fp32 (NumPy float32 multiply: IEEE
     round-to-nearest-even, subnormals kept, as PTX mul.rn.f32 without .ftz) is the same
-    bits however the multiplier reaches the multiply."""
+    bits however the multiplier reaches the multiply; (2) the row kernel's folds of the sum
+    of squares and max|t| give the same outputs (:func:`emulate_folds`)."""
     v = e4m3_values()
     finite = ~np.isnan(v)
     as_f16 = v.astype(np.float16)
@@ -283,47 +302,78 @@ def emulate() -> None:
     same = (prod.view(np.uint32) == ref.view(np.uint32)) | (np.isnan(prod) & np.isnan(ref))
     assert same.all(), "fp32(x) * s is not the once-rounded exact product"
     cases = emulate_folds(rng)
-    print(f"folds from warp 0 / |t[0]|: {cases} rows, the same sum, scale and amax bits")
+    print(f"folds from 0, from warp 0 / |t[0]| (2-byte x) and as unsigned maxima (FP8 x): "
+          f"{cases} rows, the same sum, scale and program amax bits")
     print(f"bit-identical: {prod.size} products ({v.size} E4M3 bytes x {s.size} "
           f"multipliers), fp32 multiply = exact product rounded once")
 
 
-def fold_outputs(t: np.ndarray, rstd: np.float32, seeded: bool) -> tuple:
-    """(sum of squares, scale, fmax(0, amax)) of one row of t ((warps, 32, per_thread)
-    fp32, x = t here) as the row kernel folds them: ``seeded`` the folds from 0 (before), else
-    the thread's max from |t[0]| and the cross-warp folds from warp 0's partials."""
+#: The row kernel's folds of a row's max|t|: ``zero`` every fold from 0, ``first`` 2-byte
+#: x's (the thread's from |t[0]|, the warps' from warp 0's partial, fmax throughout),
+#: ``unsigned`` FP8 x's (the thread's fmax from +0, the warp's and the warps' maxima one
+#: ``redux.sync.max.u32`` each of the bits, lane i reading warp i % warps's partial).
+FOLDS = ("zero", "first", "unsigned")
+
+
+def _redux_max(v: np.ndarray, axis: int) -> np.ndarray:
+    """``redux.sync.max.u32`` over ``axis`` of fp32 values, as the kernel's ``_warp_max``
+    takes them (+0, positive numbers, +inf: no NaN, no sign bit)."""
+    bits = v.view(np.uint32)
+    assert (bits <= np.float32(np.inf).view(np.uint32)).all(), "a NaN or a sign bit"
+    return bits.max(axis=axis).view(np.float32)
+
+
+def fold_outputs(t: np.ndarray, rstd: np.float32, fold: str) -> tuple:
+    """(sum of squares, scale, fmax(0, amax), amax, max|t|) of one row of t ((warps, 32,
+    per_thread) fp32, x = t here) as the row kernel folds them (:data:`FOLDS`); the sum of
+    squares is folded from 0 for ``zero``, else from warp 0's partial."""
     f32 = np.float32
+    warps = t.shape[0]
     sq = np.full(t.shape[:2], f32(0), f32)
     for i in range(t.shape[2]):
         sq = (sq + t[:, :, i] * t[:, :, i]).astype(f32)  # the FFMA chain from +0
-    m = np.zeros(t.shape[:2], f32) if seeded else np.abs(t[:, :, 0])
-    for i in range(0 if seeded else 1, t.shape[2]):
+    m = np.abs(t[:, :, 0]) if fold == "first" else np.zeros(t.shape[:2], f32)
+    for i in range(1 if fold == "first" else 0, t.shape[2]):
         m = np.fmax(m, np.abs(t[:, :, i]))
     for off in (16, 8, 4, 2, 1):  # the warps' butterflies
         lane = np.arange(32) ^ off
         sq = (sq + sq[:, lane]).astype(f32)
-        m = np.fmax(m, m[:, lane])
+        if fold != "unsigned":
+            m = np.fmax(m, m[:, lane])
     ws, wm = sq[:, 0], m[:, 0]
-    total, tmax = (f32(0), f32(0)) if seeded else (ws[0], wm[0])
-    for w in range(0 if seeded else 1, len(ws)):
-        total, tmax = f32(total + ws[w]), np.fmax(tmax, wm[w])
+    if fold == "unsigned":
+        wm = _redux_max(m, 1)
+    total, tmax = (f32(0), f32(0)) if fold == "zero" else (ws[0], wm[0])
+    for w in range(0 if fold == "zero" else 1, warps):
+        total = f32(total + ws[w])
+        if fold != "unsigned":
+            tmax = np.fmax(tmax, wm[w])
+    if fold == "unsigned":
+        tmax = _redux_max(wm[np.arange(32) % warps], 0)
     amax = f32(tmax * rstd)
     scale = f32(1)
     if amax > 0 and amax <= f32(FLOAT32_MAX):
         scale = min(f32(f32(448) / amax), f32(FLOAT32_MAX))
-    return total, scale, np.fmax(f32(0), amax)
+    return total, scale, np.fmax(f32(0), amax), amax, tmax
 
 
 FLOAT32_MAX = 3.4028234663852886e38
 
 
-def emulate_folds(rng: np.random.Generator) -> int:
-    """The row folds before and after ff2c767 and its follow-up: the same sum of squares,
-    scale and program amax bits, rows with zeros, -0, NaN (whole threads, warps, rows of
-    it), infinities, subnormals."""
+def _same(u, v) -> bool:
+    u, v = np.float32(u), np.float32(v)
+    return bool(u.view(np.uint32) == v.view(np.uint32) or (np.isnan(u) and np.isnan(v)))
+
+
+def emulate_folds(rng: np.random.Generator, rows: int = 3000) -> int:
+    """The row folds (:data:`FOLDS`) over ``rows`` random rows with zeros, -0, NaN (whole
+    threads, warps, rows of it), infinities, subnormals, and rstd NaN and infinite: the same
+    sum of squares, scale and program amax (fmax(0, amax), delayed's and amax's running
+    maximum) bits; and the same max|t| and amax bits unless every |t| of the row is NaN,
+    where ``first`` ends with max|t| NaN and ``unsigned`` with +0 (amax 0 * rstd)."""
     cases = 0
-    for _ in range(3000):
-        warps, per = int(rng.choice([1, 2, 4, 8])), int(rng.choice([8, 16, 32]))
+    for _ in range(rows):
+        warps, per = int(rng.choice([1, 2, 4, 8, 16])), int(rng.choice([8, 16, 32, 64]))
         kind = rng.integers(5)
         t = rng.standard_normal((warps, 32, per)).astype(np.float32)
         if kind == 1:
@@ -337,18 +387,20 @@ def emulate_folds(rng: np.random.Generator) -> int:
             else:
                 t[:] = np.nan
         elif kind == 3:
-            t = rng.choice(np.array([0.0, -0.0, 1e-45, -1e-45, np.inf, -np.inf, 448.0],
+            t = rng.choice(np.array([0.0, -0.0, 1e-45, -1e-45, np.inf, -np.inf, 448.0, np.nan],
                                     np.float32), t.shape)
         elif kind == 4:
             t = (t * np.float32(1e-40)).astype(np.float32)
-        rstd = np.float32(rng.choice([1.0, 0.5, 1e30, np.inf]))
+        rstd = np.float32(rng.choice([1.0, 0.5, 1e30, np.inf, np.nan, -np.inf]))
         with np.errstate(all="ignore"):
-            a = fold_outputs(t, rstd, True)
-            b = fold_outputs(t, rstd, False)
-        for u, v in zip(a, b, strict=True):
-            u, v = np.float32(u), np.float32(v)
-            if not (u.view(np.uint32) == v.view(np.uint32) or (np.isnan(u) and np.isnan(v))):
-                raise SystemExit(f"folds differ: {a} {b}")
+            out = {fold: fold_outputs(t, rstd, fold) for fold in FOLDS}
+        all_nan = bool(np.isnan(t).all())
+        for fold in FOLDS:
+            for n, (u, v) in enumerate(zip(out["first"], out[fold], strict=True)):
+                if (n < 3 or not all_nan) and not _same(u, v):
+                    raise SystemExit(f"{fold} folds differ: {out['first']} {out[fold]}")
+        if all_nan and not (np.isnan(out["first"][4]) and _same(out["unsigned"][4], 0.0)):
+            raise SystemExit(f"a row all NaN: max|t| {out['first'][4]}, {out['unsigned'][4]}")
         cases += 1
     return cases
 
@@ -363,6 +415,9 @@ def main() -> None:
     parser.add_argument("--static-rows", nargs="?", const="",
                         help="tree labels compiled for the shapes' row count (none: every tree)")
     parser.add_argument("--sass-dir")
+    parser.add_argument("--entries", default="{}",
+                        help='FP8 x\'s (threads, stages, CTAs per SM) by width, JSON: '
+                             '\'{"4096": [128, 6, 4]}\'')
     parser.add_argument("--emulate", action="store_true")
     args = parser.parse_args()
     if args.emulate:
@@ -370,7 +425,7 @@ def main() -> None:
         return
     report([int(w) for w in args.widths.split(",")], args.x.split(","), args.group,
            args.scalings.split(","), parse_trees(args.trees), static_labels(args.static_rows),
-           args.sass_dir)
+           args.sass_dir, {int(c): tuple(v) for c, v in json.loads(args.entries).items()})
 
 
 if __name__ == "__main__":

@@ -136,21 +136,6 @@ class ClusterRowNormBackward(ClusterRowKernel):
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def _widen(self, v: cute.Tensor):
-        """This thread's vector ``v`` (x's dtype, in registers) in fp32. bf16 by integer ops
-        on its 32-bit words, a shift and a mask a pair of elements (an fp32 is a bf16 and 16
-        zero bits below): the DSL's conversion spends three a pair, two of them moving the
-        high half down and back (bench/NOTES.md #119). Exact either way."""
-        if const_expr(self.dtype is not cutlass.BFloat16):
-            return v.load().to(Float32)
-        words = cute.recast_tensor(v, Int32)
-        bits = cute.make_rmem_tensor((self.vec,), Int32)
-        for k in cutlass.range_constexpr(self.vec // 2):
-            bits[2 * k] = words[k] << 16
-            bits[2 * k + 1] = words[k] & Int32(-65536)
-        return cute.recast_tensor(bits, Float32).load()
-
-    @cute.jit
     def _scale(self, dy, w: cute.Tensor | None, k: int, offset: Float32):
         """``dy * (w + offset)`` of this thread's vector ``k`` (the weight held in
         registers); ``dy`` without a weight."""

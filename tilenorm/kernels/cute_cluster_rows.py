@@ -1,7 +1,8 @@
 """What the CuTe DSL cluster kernels (cute_cluster_norm_forward.py,
 cute_cluster_norm_backward.py) share: a row split into one slice a cluster CTA, the
-cluster-size limit, and the push of each warp's partials of a row to every CTA of the
-cluster (with the fixed-order sum of them that both kernels' row sums use).
+cluster-size limit, the push of each warp's partials of a row to every CTA of the cluster
+and the fixed-order sums of them that the kernels' row sums use, and bf16 widened by integer
+ops.
 
 Apart from cute_rows.py, which the FP8 and JAX families pin too (tilenorm/validation.py):
 a change here re-validates only the cluster kernels' family.
@@ -9,13 +10,12 @@ a change here re-validates only the cluster kernels' family.
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Callable
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -38,6 +38,7 @@ class ClusterRowKernel(RowKernel):
     """A kernel holding a row across a cluster of ``cluster`` CTAs: CTA ``r`` takes columns
     ``[r * slice, (r + 1) * slice)``, each thread ``reps`` 16-byte vectors of its slice."""
 
+    dtype: type
     cols: int
     warps: int
     cluster: int
@@ -67,6 +68,21 @@ class ClusterRowKernel(RowKernel):
     def _slice_view(self, row: cute.Tensor, rank: Int32, tidx: Int32) -> cute.Tensor:
         """This thread's (vec, reps) elements of cluster CTA ``rank``'s slice of a row."""
         return self._thread_view(cute.zipped_divide(row, (self.slice,))[(None, rank)], tidx)
+
+    @cute.jit
+    def _widen(self, v: cute.Tensor):
+        """This thread's vector ``v`` (x's dtype, in registers) in fp32. bf16 by integer ops
+        on its 32-bit words, a shift and a mask a pair of elements (an fp32 is a bf16 and 16
+        zero bits below): the DSL's conversion spends three a pair, two of them moving the
+        high half down and back (bench/NOTES.md #119). Exact either way."""
+        if const_expr(self.dtype is not cutlass.BFloat16):
+            return v.load().to(Float32)
+        words = cute.recast_tensor(v, Int32)
+        bits = cute.make_rmem_tensor((self.vec,), Int32)
+        for k in cutlass.range_constexpr(self.vec // 2):
+            bits[2 * k] = words[k] << 16
+            bits[2 * k + 1] = words[k] & Int32(-65536)
+        return cute.recast_tensor(bits, Float32).load()
 
     @cute.jit
     def _push_warp_values(self, values: list, slots: cute.Tensor, mbar, phase: Int32,
@@ -107,24 +123,48 @@ class ClusterRowKernel(RowKernel):
 
     @cute.jit
     def _push_sums_lanes(self, parts: list, slots: cute.Tensor, mbar, phase: Int32,
-                         rank: Int32, lane: Int32, warp: Int32) -> list:
+                         rank: Int32, lane: Int32, warp: Int32,
+                         ranked: cutlass.Constexpr = False) -> list:
         """:meth:`_push_sums` with the slots added across the warp's lanes instead of by
-        every lane in turn: ``group`` runs of ``per`` adjacent slots (:meth:`lane_runs`),
-        lane ``l`` adding run ``l % group`` in order, then a butterfly over ``group`` lanes
-        adding the runs (a fixed tree; a warp wider than ``group`` repeats it). Every lane,
-        every CTA of the cluster and every rerun gets the same bits: each butterfly level
-        adds the same two values in either order, and an IEEE add is commutative. A sum
-        costs a lane ``per`` reads and adds and log2(group) shuffles and adds a row, where
-        the loop over the slots costs it a read and an add a slot (64 at 65536 columns;
-        bench/NOTES.md #119)."""
+        every lane in turn (:meth:`_lane_sum`, ``ranked`` as there). Every lane, every CTA
+        of the cluster and every rerun gets the same bits."""
         self._push_warp_values([cute.arch.warp_reduction(part, operator.add)
                                 for part in parts], slots, mbar, phase, rank, lane, warp)
-        group, per = self.lane_runs()
-        first = (lane % group) * per
-        return [cute.arch.warp_reduction(
-                    functools.reduce(operator.add, [slots[first + i, j] for i in range(per)]),
-                    operator.add, threads_in_group=group)
+        return [self._lane_sum(lambda slot, j=j: slots[slot, j], lane, ranked)
                 for j in range(len(parts))]
+
+    def _lane_sum(self, term: Callable[[int], Float32], lane: Int32,
+                  ranked: bool = False) -> Float32:
+        """The sum of ``term(slot)`` over the cluster * warps slots spread over a warp's
+        lanes: lane ``l`` adds run ``l % group`` of ``per`` adjacent slots in order
+        (:meth:`_run_sum`), then the lanes' runs are combined, every lane getting the total.
+
+        - ``ranked``: :meth:`_fixed_order_sum`'s tree, so the same bits as it: the runs are
+          the ranks' (``group`` = cluster, ``per`` = warps), and every lane adds lanes 0 to
+          ``cluster - 1``'s runs in rank order by shuffles. A lane's cost a sum: ``warps``
+          reads and adds, ``cluster`` shuffles and adds, where the fixed-order sum costs a
+          read and an add a slot (64 at clusters of 8, bench/NOTES.md #123).
+        - else the runs of :meth:`lane_runs`, added by a butterfly over ``group`` lanes (a
+          warp wider than ``group`` repeats it): another fixed tree, each butterfly level
+          adding the same two values in either order (an IEEE add is commutative); ``per``
+          reads and adds and log2(group) shuffles and adds (#119)."""
+        group, per = (self.cluster, self.warps) if ranked else self.lane_runs()
+        own = self._run_sum(term, (lane % group) * per, per)
+        if not ranked:
+            return cute.arch.warp_reduction(own, operator.add, threads_in_group=group)
+        total = cute.arch.shuffle_sync(own, 0)
+        for r in range(1, group):
+            total = total + cute.arch.shuffle_sync(own, r)
+        return total
+
+    @staticmethod
+    def _run_sum(term: Callable[[int], Float32], first, per: int) -> Float32:
+        """``term(first) + term(first + 1) + ... + term(first + per - 1)``, added in that
+        order: a rank's warps in both trees."""
+        total = term(first)
+        for i in range(1, per):
+            total = total + term(first + i)
+        return total
 
     def _fixed_order_sum(self, term: Callable[[int], Float32]) -> Float32:
         """The sum of ``term(slot)`` over the cluster * warps slots in a fixed tree: each
@@ -132,8 +172,6 @@ class ClusterRowKernel(RowKernel):
         independent, so the adds overlap). Unrolled as the kernel is traced."""
         total = None
         for r in range(self.cluster):
-            own = term(r * self.warps)
-            for i in range(1, self.warps):
-                own = own + term(r * self.warps + i)
+            own = self._run_sum(term, r * self.warps, self.warps)
             total = own if total is None else total + own
         return total

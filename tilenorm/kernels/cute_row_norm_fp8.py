@@ -18,13 +18,23 @@ Rounding is monotonic and ``rstd > 0``, so the largest ``|y|`` of any set of ele
 exactly ``max|t| * rstd`` rounded once: the row's sum of squares and its ``max|t|`` (or its
 blocks') go through one reduction together, and every scale is an exact function of the
 amax of the stored y, as in the cuTile kernel (``_scale_of``, ``_mx_exponent``). Every
-amax skips NaN (``fmax`` returns the number), so a NaN stays in its row or block.
+amax skips NaN (``fmax`` returns the number), so a NaN stays in its row or block. FP8 x's
+row ``max|t|`` is folded from +0 and its warp and cross-warp maxima are taken on the bits as
+unsigned integers (``redux.sync.max.u32``, one instruction each: for +0, positive numbers
+and +inf, unsigned order is float order); where every ``|t|`` of a row is NaN it is then +0
+(NaN read as 0, as cuTile's ``_abs_skipping_nan``) where 2-byte x's fold ends with NaN, and
+``amax = max|t| * rstd`` is 0, or NaN where rstd is not finite, rather than NaN: either way
+the scale is 1 and delayed's and amax's running maximum stays as it was, so the outputs are
+the same bits (emulated for NaN, infinities, subnormals and NaN / infinite rstd on the CPU,
+tests/test_fp8.py).
 Saturation is the conversion's own: PTX converts fp32 to FP8 only with ``.satfinite``
 (``cvt.rn.satfinite.e4m3x2.f32``, F2FP.SATFINITE in the SASS, asserted by
 tests/test_fp8.py), which clamps what lies beyond the format's largest finite value, an
-infinity too, to it and keeps NaN: a clamp of our own before it changes no bit and cost two
-of the ~16 instructions an element of a kernel that is issue-bound on an H200
-(bench/NOTES.md #100).
+infinity too, to it and keeps NaN. ``clamp`` clamps each value to ``[-fp8_max, fp8_max]``
+before it all the same (``_saturated``): the same bits at two ``FMNMX.NAN`` an element,
+which yet ran row scaling at 4096 and 8192 columns and MX at 2048 and 8192 2-4.5% faster on
+an H200, and row scaling at 2048 2-3% slower (bench/NOTES.md #117, #125; where it runs:
+settings_fp8.py's ``cute_forward_clamp``).
 
 Scalings (``scaling``): ``"row"`` (q and one fp32 ``scale_inv`` a row, (rows, 1)),
 ``"block"`` (one per 128 columns, (rows, cols / 128) with strides (1, rows)), ``"mx"``
@@ -56,13 +66,17 @@ SM at 16384 columns (128 registers a thread) then spill. With ``recompute_t`` ea
 the weight again (from L1) and computes t = x * w from the x still in its ring slot (the
 slot is refilled only when the next row's turn begins): once before the barrier for the row's
 max|t| (row, delayed, amax), once after it for the quantization; block and MX scalings store
-each rep's q as soon as it is quantized. Without the Gemma offset these are the same fp32
-operations on the same values (widening a 2-byte float is exact), so the same results bit for
-bit; with it the compiler contracts x * w + x * offset differently in the two kernels and the
-bits differ (every scaling, an H100 at b2d144f, #78), each within the float64 tests'
-tolerance. More instructions: t twice a row (row, delayed), and the weight read again from L1
-once a row (block, mx) or twice. Where it runs: settings_fp8.py's
-``cute_forward_recompute_t`` (#74, #78).
+each rep's q as soon as it is quantized, and so does row scaling keeping column amaxes
+(``column_amax``), which after the barrier recomputes t a rep at a time beside the rep's
+column maxima: on sm_90a at 16384 columns, (256, 2, 2), bf16 x, no spills without the offset
+(the row's t recomputed at once before them: 42-51 spill stores; bench/NOTES.md #125).
+Without the Gemma offset these are the same fp32 operations on the same values (widening a
+2-byte float is exact), so the same results bit for bit; with it the compiler contracts
+x * w + x * offset differently in the two kernels and the bits differ (every scaling, an H100
+at b2d144f, #78), each within the float64 tests' tolerance (the offset's t a rep at a time
+beside the column maxima is not yet compared with the row's on a GPU). More instructions: t
+twice a row (row, delayed), and the weight read again from L1 once a row (block, mx) or
+twice. Where it runs: settings_fp8.py's ``cute_forward_recompute_t`` (#74, #78).
 """
 
 from __future__ import annotations
@@ -111,6 +125,17 @@ def _widen_half(word: Int32, zero: Int32, high: bool, bf16: bool, *, loc=None,
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
+@dsl_user_op
+def _warp_max(value: Float32, *, loc=None, ip=None) -> Float32:
+    """The largest ``value`` of the warp, for values that are each +0, a positive number or
+    +inf (no NaN, no sign bit): one ``redux.sync.max.u32`` of their bits, whose unsigned
+    order is the floats' order there (sm_90 has no fp32 ``redux``); every lane gets it."""
+    bits = cutlass.Uint32(llvm.bitcast(T.i32(), Float32(value).ir_value(loc=loc, ip=ip),
+                                       loc=loc, ip=ip))
+    top = cute.arch.warp_redux_sync(bits, "umax", loc=loc, ip=ip)
+    return Float32(llvm.bitcast(T.f32(), top.ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+
+
 class Fp8Scales:
     """The scale arithmetic of the CuTe FP8 kernels (this row kernel and the transposed
     copy's, cute_fp8_transpose.py), exactly cutile_row_norm_fp8.py's; ``fp8_max`` is the
@@ -155,13 +180,13 @@ class Fp8Scales:
 
 class RowNormFp8Forward(RowKernel, Fp8Scales):
     """The kernel for one (dtypes, width, scaling, launch config, ``recompute_t``,
-    ``column_amax``, FP8 x's ``group``: 0 for x that is not FP8); ``__call__`` launches it
-    on ``grid`` programs (``mXScale`` None but for FP8 x)."""
+    ``column_amax``, FP8 x's ``group``: 0 for x that is not FP8, ``clamp``); ``__call__``
+    launches it on ``grid`` programs (``mXScale`` None but for FP8 x)."""
 
     def __init__(self, dtype, weight_dtype, fp8_dtype, fp8_max: float, cols: int,
                  threads: int, stages: int, ctas_per_sm: int, scaling: str,
                  has_offset: bool, recompute_t: bool = False, column_amax: bool = False,
-                 group: int = 0):
+                 group: int = 0, clamp: bool = False):
         if scaling not in SCALINGS:
             raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
         self.dtype = dtype
@@ -181,9 +206,8 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
             raise ValueError(f"stages must be even and >= 2, got {stages}")
         if recompute_t and dtype.width != 16:
             raise ValueError("recompute_t widens x from its 16-bit words: 2-byte x only")
-        if column_amax and (scaling != "row" or recompute_t):
-            raise ValueError("column amaxes are kept for a per-row scaling's transposed copy, "
-                             "by the kernel that holds t")
+        if column_amax and scaling != "row":
+            raise ValueError("column amaxes are kept for a per-row scaling's transposed copy")
         if (group != 0) != (dtype.width == 8) or group % self.vec:
             raise ValueError(f"FP8 x takes a group of whole {self.vec}-element vectors (and "
                              f"only FP8 x one): got {group} for {dtype}")
@@ -199,11 +223,18 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         self.recompute_t = recompute_t
         self.column_amax = column_amax
         self.group = group
+        self.clamp = clamp
         self.warps = threads // cute.arch.WARP_SIZE
         # The reduce-scatter of a block's amaxes (_scattered_block_amax): where the reps and
         # the block's lanes are powers of two, no more reps than lanes.
         self.scatter = (scaling in BLOCK_COLS and _power_of_two(self.reps)
                         and _power_of_two(self.block_lanes) and self.reps <= self.block_lanes)
+        # FP8 x's loop (bench/NOTES.md #124): the fp32 weight in shared memory, read each
+        # row, where the registers of a deep ring would otherwise widen the 2-byte weight
+        # again for every row (MX scaling spills with it); per-thread 64-bit addresses of
+        # x, the multipliers and q held across the loop (block scaling spills with them).
+        self.smem_weight = bool(group) and self.has_weight and scaling != "mx"
+        self.thread_bases = bool(group) and scaling != "block"
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mXScale: cute.Tensor | None, mW: cute.Tensor | None,
@@ -216,9 +247,24 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
             preferred_smem_carveout=SMEM_CARVEOUT)
 
     @cute.jit
+    def _saturated(self, v: Float32) -> Float32:
+        """``v`` as the conversion to FP8 takes it: with ``clamp`` clamped to [-fp8_max,
+        fp8_max], else ``v`` (the conversion saturates by itself). A NaN fails both
+        comparisons and passes, as the conversion keeps it: the compiler makes each
+        comparison and select a NaN-propagating minimum or maximum (``FMNMX.NAN``;
+        tests/test_fp8.py asserts them, and no plain ``FMNMX``, which would return
+        +-fp8_max for a NaN)."""
+        if const_expr(self.clamp):
+            if v > Float32(self.fp8_max):
+                v = Float32(self.fp8_max)
+            if v < Float32(-self.fp8_max):
+                v = Float32(-self.fp8_max)
+        return v
+
+    @cute.jit
     def _quantize(self, t: cute.Tensor, q: cute.Tensor, rstd: Float32, scale: Float32, i: int):
-        """The fp32 value of q[i]: t[i] * rstd * scale (the conversion to FP8 saturates)."""
-        q[i] = t[i] * rstd * scale
+        """The fp32 value of q[i]: t[i] * rstd * scale, :meth:`_saturated`."""
+        q[i] = self._saturated(t[i] * rstd * scale)
 
     @cute.jit
     def _widen(self, src: cute.Tensor, dst: cute.Tensor, zero: Int32):
@@ -233,7 +279,12 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
     def _store_t(self, x, w: cute.Tensor | None, t: cute.Tensor, offset: Float32):
         """t = x * w (+ x * offset): fp32 x of the row and its fp32 weight (None without
         one)."""
-        if const_expr(self.has_weight):
+        if const_expr(self.has_weight and self.has_offset and self.smem_weight):
+            # fma(x, w, x * offset), the contraction the compiler makes of the sum below
+            # with the weight in registers; with it read from shared memory the compiler
+            # fuses x * offset instead, which rounds differently.
+            t.store(cute.math.fma(x, w.load(), x * offset))
+        elif const_expr(self.has_weight):
             tw = x * w.load()
             if const_expr(self.has_offset):
                 tw = tw + x * offset
@@ -243,10 +294,17 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
 
     @cute.jit
     def _recompute_t(self, x_in: cute.Tensor, mW: cute.Tensor | None, w_in, t: cute.Tensor,
-                     tidx: Int32, offset: Float32, zero: Int32, opaque: cutlass.Constexpr):
+                     tidx: Int32, offset: Float32, zero: Int32, opaque: cutlass.Constexpr,
+                     r: cutlass.Constexpr = None):
         """``recompute_t``'s t, into ``t``, from the ring slot ``x_in`` and the weight read
         again into ``w_in``: ``opaque`` widens x through :func:`_widen_half` (after the
-        barrier); a 2-byte weight always is (a weight of 4-byte floats is used as it is)."""
+        barrier); a 2-byte weight always is (a weight of 4-byte floats is used as it is).
+        ``r``: rep ``r``'s vector only."""
+        w_view = self._thread_view(mW, tidx) if const_expr(self.has_weight) else None
+        if const_expr(r is not None):
+            x_in, t = x_in[None, r], t[None, r]
+            if const_expr(self.has_weight):
+                w_in, w_view = w_in[None, r], w_view[None, r]
         if const_expr(opaque):
             self._widen(x_in, t, zero)
             x = t.load()
@@ -254,7 +312,7 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
             x = x_in.load().to(Float32)
         w = None
         if const_expr(self.has_weight):
-            cute.autovec_copy(self._thread_view(mW, tidx), w_in)
+            cute.autovec_copy(w_view, w_in)
             w = w_in
             if const_expr(self.weight_dtype.width == 16):
                 w = cute.make_rmem_tensor(t.shape, Float32)
@@ -262,22 +320,65 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         self._store_t(x, w, t, offset)
 
     @cute.jit
+    def _thread_bases(self, mX: cute.Tensor, mXScale: cute.Tensor | None,
+                      mQ: cute.Tensor | None, tidx: Int32) -> tuple:
+        """(x, multipliers, q): where ``thread_bases``, the address of this thread's first
+        element of row 0 of each (None where absent, and the multipliers' where a thread's
+        groups are not a fixed stride apart), so a row's address is one 64-bit multiply-add
+        rather than the row's and the thread's offsets combined again for every row."""
+        x_base = s_base = q_base = None
+        if const_expr(self.thread_bases):
+            first = cute.assume(tidx * self.vec, divby=self.vec)
+            x_base = mX.iterator + first
+            if const_expr(mQ is not None):
+                q_base = mQ.iterator + first
+            per_group = self.group // self.vec
+            if const_expr(self.threads % per_group == 0):
+                s_base = mXScale.iterator + tidx // per_group
+        return x_base, s_base, q_base
+
+    @cute.jit
+    def _row_view(self, m: cute.Tensor, base, row: Int32, tidx: Int32) -> cute.Tensor:
+        """This thread's (vec, reps) elements of row ``row`` of ``m``, from ``base``
+        (:meth:`_thread_bases`) where given."""
+        if const_expr(base is None):
+            return self._thread_view(m[row, None], tidx)
+        return self._from_thread(base + cute.assume(cutlass.Int64(row) * self.cols,
+                                                    divby=self.cols))
+
+    @cute.jit
+    def _from_thread(self, first) -> cute.Tensor:
+        """The (vec, reps) elements of a row whose thread's first element is at ``first``:
+        :meth:`_thread_view`'s from its address."""
+        return cute.make_tensor(first, cute.make_layout((self.vec, self.reps),
+                                                        stride=(1, self.threads * self.vec)))
+
+    @cute.jit
     def _load_row(self, mX: cute.Tensor, mXScale: cute.Tensor | None, row: Int32,
-                  tidx: Int32, x_slot: cute.Tensor, scale_slot: cute.Tensor | None):
+                  tidx: Int32, x_slot: cute.Tensor, scale_slot: cute.Tensor | None,
+                  bases: tuple):
         """Issue the loads of this thread's vectors of ``row`` into its ring slot and, for
         FP8 x, the multiplier of each vector's group (one a vector: a group is whole
-        vectors) into ``scale_slot`` (reps,)."""
-        cute.autovec_copy(self._thread_view(mX[row, None], tidx), x_slot)
+        vectors) into ``scale_slot`` (reps,); ``bases`` :meth:`_thread_bases`'s."""
+        cute.autovec_copy(self._row_view(mX, bases[0], row, tidx), x_slot)
         if const_expr(self.group):
             per_group = self.group // self.vec
-            for r in cutlass.range_constexpr(self.reps):
-                if const_expr(self.threads % per_group == 0):
-                    # (tidx + r * threads) // per_group, with the rep a constant term: the
-                    # reps' loads share one address, at immediate offsets.
-                    group = tidx // per_group + r * (self.threads // per_group)
-                else:
-                    group = (tidx + r * self.threads) // per_group
-                scale_slot[r] = mXScale[row, group]
+            if const_expr(bases[1] is not None):
+                # The reps' groups threads // per_group apart from the thread's first.
+                groups = cute.make_tensor(
+                    bases[1] + cutlass.Int64(row) * (self.cols // self.group),
+                    cute.make_layout((self.reps,), stride=(self.threads // per_group,)))
+                for r in cutlass.range_constexpr(self.reps):
+                    scale_slot[r] = groups[r]
+            else:
+                for r in cutlass.range_constexpr(self.reps):
+                    if const_expr(self.threads % per_group == 0):
+                        # (tidx + r * threads) // per_group, with the rep a constant term:
+                        # the reps' loads share one address, at immediate offsets.
+                        group = tidx // per_group + r * (self.threads // per_group)
+                    else:
+                        group = (tidx + r * self.threads) // per_group
+                    scale_slot[r] = mXScale[row, group]
 
     @cute.jit
     def _values(self, x_slot: cute.Tensor, scale_slot: cute.Tensor | None,
@@ -334,7 +435,9 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                     columns[e, r] = Float32(0.0)
 
         shape = (self.vec, self.reps)
-        # The weight as loaded, and (but with recompute_t) in fp32 for every row.
+        # The weight as loaded, and (but with recompute_t) in fp32 for every row: in
+        # registers, or with smem_weight in shared memory, each thread its own columns (so
+        # no barrier orders them), read again each row.
         w_in = w = None
         if const_expr(self.has_weight):
             w_in = cute.make_rmem_tensor(shape, self.weight_dtype)
@@ -342,6 +445,12 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                 cute.autovec_copy(self._thread_view(mW, tidx), w_in)
                 w = cute.make_rmem_tensor(shape, Float32)
                 w.store(w_in.load().to(Float32))
+                if const_expr(self.smem_weight):
+                    w_fp32 = w
+                    w = self._from_thread(
+                        smem.allocate_tensor(Float32, cute.make_layout((self.cols,)), 16).iterator
+                        + cute.assume(tidx * self.vec, divby=self.vec))
+                    cute.autovec_copy(w_fp32, w)
         t = cute.make_rmem_tensor(shape, Float32)
         y = cute.make_rmem_tensor(shape, Float32)
         q = cute.make_rmem_tensor(shape, self.fp8_dtype)
@@ -365,17 +474,18 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         if const_expr(self.scaling == "delayed"):
             given = mScale[0]
 
+        bases = self._thread_bases(mX, mXScale, mQ, tidx)
         # Rows past the end are clamped to the last row: loaded, never used.
         for s in cutlass.range_constexpr(self.stages - 1):
             self._load_row(mX, mXScale, cutlass.min(program + s * grid, last), tidx, xs[s],
-                           ss[s])
+                           ss[s], bases)
 
         for base in cutlass.range(program, rows, self.stages * grid):
             for s in cutlass.range_constexpr(self.stages):
                 ahead = (s + self.stages - 1) % self.stages
                 self._load_row(mX, mXScale,
                                cutlass.min(base + (s + self.stages - 1) * grid, last), tidx,
-                               xs[ahead], ss[ahead])
+                               xs[ahead], ss[ahead], bases)
                 row = base + s * grid
                 if row < rows:
                     x = self._values(xs[s], ss[s], xf)
@@ -388,17 +498,30 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                         if const_expr(self.recompute_t):
                             self._recompute_t(xs[s], mW, w_in, t, tidx, offset, zeros[0],
                                               False)
-                        # From |t[0]|, not from 0: m differs only where every |t| of the
-                        # thread is NaN (NaN, not 0); fmax drops that NaN in the warp's and
-                        # the warps' folds, and only a row all NaN ends with a NaN amax,
-                        # which gives scale 1 (and leaves delayed's fmax(acc, .) at acc) as
-                        # 0 does: the same outputs, one FMNMX fewer.
-                        m = cute.math.absf(t[0])
-                        for i in cutlass.range_constexpr(1, per_thread):
-                            m = cute.arch.fmax(m, cute.math.absf(t[i]))
-                        part_max = cute.arch.warp_reduction(m, cute.arch.fmax)
+                        if const_expr(self.group):
+                            # From +0, so the warp's maximum is one REDUX (_warp_max) in
+                            # place of five shuffles and maxima (the module docstring).
+                            part_max = _warp_max(self._thread_max(t, per_thread))
+                        else:
+                            # From |t[0]|, not from 0: m differs only where every |t| of the
+                            # thread is NaN (NaN, not 0); fmax drops that NaN in the warp's
+                            # and the warps' folds, and only a row all NaN ends with a NaN
+                            # amax, which gives scale 1 (and leaves delayed's fmax(acc, .)
+                            # at acc) as 0 does: the same outputs, one FMNMX fewer.
+                            m = cute.math.absf(t[0])
+                            for i in cutlass.range_constexpr(1, per_thread):
+                                m = cute.arch.fmax(m, cute.math.absf(t[i]))
+                            part_max = cute.arch.warp_reduction(m, cute.arch.fmax)
                     parity = s % 2
-                    if lane == 0:
+                    if const_expr(self.group):
+                        # Every lane, the same bits to the same words (fp32 addition
+                        # commutes, so the butterfly leaves every lane the same sum): with
+                        # lane 0's stores alone ptxas holds the row arithmetic in uniform
+                        # registers and moves each row's addresses out of them, 4-28
+                        # instructions a loop more (bench/NOTES.md #124).
+                        sums[warp, 0, parity] = part_sq
+                        sums[warp, 1, parity] = part_max
+                    elif lane == 0:
                         sums[warp, 0, parity] = part_sq
                         sums[warp, 1, parity] = part_max
                     cute.arch.barrier()
@@ -407,32 +530,44 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                     # maximum of |t| is a number >= +0, fmax(0, it) being it, or NaN where
                     # its threads saw only NaN, which the fmax fold drops as fmax(0, NaN)
                     # does unless every warp's is NaN (the row all NaN, as above): the same
-                    # outputs with two instructions fewer a row.
+                    # outputs with two instructions fewer a row. FP8 x's maxima, each +0, a
+                    # number or +inf: lane i reads warp i % warps's, one REDUX folds them.
                     total = sums[0, 0, parity]
                     tmax = Float32(0.0)
-                    if const_expr(row_amax):
+                    if const_expr(row_amax and self.group):
+                        tmax = _warp_max(sums[lane % self.warps, 1, parity])
+                    elif const_expr(row_amax):
                         tmax = sums[0, 1, parity]
                     for i in cutlass.range_constexpr(1, self.warps):
                         total = total + sums[i, 0, parity]
-                        if const_expr(row_amax):
+                        if const_expr(row_amax and not self.group):
                             tmax = cute.arch.fmax(tmax, sums[i, 1, parity])
                     rstd = cute.math.rsqrt(total * inv_n + eps)
                     if tidx == 0:
                         mRstd[row] = rstd
-                    if const_expr(self.recompute_t and self.scaling != "amax"):
+                    if const_expr(self.recompute_t and self.scaling != "amax"
+                                  and not self.column_amax):
                         self._recompute_t(xs[s], mW, w_in, t, tidx, offset, zeros[0], True)
                     if const_expr(row_amax):
                         amax = tmax * rstd  # exactly the largest |y| of the row
                         if const_expr(self.scaling == "row"):
                             scale = self._scale_of(amax)
-                            if const_expr(self.column_amax):
-                                self._quantize_keeping_column_maxima(t, y, columns, rstd,
-                                                                     scale)
+                            if const_expr(self.column_amax and self.recompute_t):
+                                q_row = self._row_view(mQ, bases[2], row, tidx)
+                                for r in cutlass.range_constexpr(self.reps):
+                                    self._recompute_t(xs[s], mW, w_in, t, tidx, offset,
+                                                      zeros[0], True, r)
+                                    self._quantize_rep(t, y, q_row, rstd, scale, r, columns)
                             else:
-                                for i in cutlass.range_constexpr(per_thread):
-                                    self._quantize(t, y, rstd, scale, i)
-                            q.store(y.load().to(self.fp8_dtype))
-                            cute.autovec_copy(q_bytes, self._thread_view(mQ[row, None], tidx))
+                                if const_expr(self.column_amax):
+                                    self._quantize_keeping_column_maxima(t, y, columns, rstd,
+                                                                         scale)
+                                else:
+                                    for i in cutlass.range_constexpr(per_thread):
+                                        self._quantize(t, y, rstd, scale, i)
+                                q.store(y.load().to(self.fp8_dtype))
+                                cute.autovec_copy(q_bytes,
+                                                  self._row_view(mQ, bases[2], row, tidx))
                             if tidx == 0:
                                 mQScale[row, 0] = Float32(1.0) / scale
                         else:
@@ -442,10 +577,10 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                                     self._quantize(t, y, rstd, given, i)
                                 q.store(y.load().to(self.fp8_dtype))
                                 cute.autovec_copy(q_bytes,
-                                                  self._thread_view(mQ[row, None], tidx))
+                                                  self._row_view(mQ, bases[2], row, tidx))
                     else:
                         self._quantize_blocks(t, y, q, q_bytes, rstd, row, tidx, lane, bits,
-                                              mQ, mQScale)
+                                              mQ, mQScale, bases[2])
         # Two ifs: one decided when tracing, one at run time.
         if const_expr(self.scaling in ("amax", "delayed")):  # noqa: SIM102
             if tidx == 0:
@@ -470,11 +605,12 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
             for e in cutlass.range_constexpr(self.vec):
                 normed = t[e, r] * rstd
                 m[e] = cute.arch.fmax(m[e], cute.math.absf(normed))
-                y[e, r] = normed * scale
+                y[e, r] = self._saturated(normed * scale)
             cute.autovec_copy(m, columns[None, r])
 
     @cute.jit
-    def _quantize_blocks(self, t, y, q, q_bytes, rstd, row, tidx, lane, bits, mQ, mQScale):
+    def _quantize_blocks(self, t, y, q, q_bytes, rstd, row, tidx, lane, bits, mQ, mQScale,
+                         q_base):
         """Block and MX scales: a block is ``block_lanes`` consecutive lanes' vectors of one
         rep; its amax a butterfly over those lanes. Block scaling where a lane group has a
         lane for every rep (``reps <= block_lanes``) divides once a row a lane: lane ``g``
@@ -487,8 +623,8 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         rep's scale itself, and the first lane of a block stores it. With ``recompute_t``
         each rep's 8 bytes of q are converted and stored as soon as the rep is quantized
         rather than the row's at the end: the same values, two registers of q live instead
-        of ``2 * reps``."""
-        q_row = self._thread_view(mQ[row, None], tidx)
+        of ``2 * reps``. ``q_base``: :meth:`_thread_bases`'s q (None: from the row's)."""
+        q_row = self._row_view(mQ, q_base, row, tidx)
         g = lane % self.block_lanes
         if const_expr(self.scatter):
             # Lanes [r * spread, (r + 1) * spread) of a group hold rep r's amax; lane g takes
@@ -584,6 +720,15 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                                       mask_and_clamp=((32 - self.block_lanes) << 8) | 0x1F)
 
     @cute.jit
+    def _thread_max(self, t: cute.Tensor, n: int) -> Float32:
+        """The largest |t| of this thread's ``n`` elements, folded from +0: +0, a positive
+        number or +inf, never NaN (``fmax`` skips it) nor -0, as :func:`_warp_max` takes."""
+        m = Float32(0.0)
+        for i in cutlass.range_constexpr(n):
+            m = cute.arch.fmax(m, cute.math.absf(t[i]))
+        return m
+
+    @cute.jit
     def _thread_amax(self, t: cute.Tensor, r: int) -> Float32:
         """The largest |t| of this thread's vector of rep ``r`` (0 if none is above 0)."""
         m = Float32(0.0)
@@ -602,16 +747,28 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
 
     @cute.jit
     def _quantize_rep(self, t: cute.Tensor, y: cute.Tensor, q_row: cute.Tensor, rstd: Float32,
-                      scale: Float32, r: int):
+                      scale: Float32, r: int, columns: cute.Tensor | None = None):
         """Rep ``r``'s fp32 q values into ``y`` or, with ``recompute_t``, converted and
-        stored at once."""
+        stored at once; with ``columns`` (``recompute_t``'s row scaling keeping column
+        maxima) folding each ``|t * rstd|`` into the rep's column slots as
+        :meth:`_quantize_keeping_column_maxima` does: the same products, so q has the bits
+        of the kernel without ``columns`` (bench/NOTES.md #125)."""
         if const_expr(self.recompute_t):
             y_r = cute.make_rmem_tensor((self.vec,), Float32)
-            for e in cutlass.range_constexpr(self.vec):
-                y_r[e] = t[e, r] * rstd * scale
+            if const_expr(columns is not None):
+                m = cute.make_rmem_tensor((self.vec,), Float32)
+                cute.autovec_copy(columns[None, r], m)
+                for e in cutlass.range_constexpr(self.vec):
+                    normed = t[e, r] * rstd
+                    m[e] = cute.arch.fmax(m[e], cute.math.absf(normed))
+                    y_r[e] = self._saturated(normed * scale)
+                cute.autovec_copy(m, columns[None, r])
+            else:
+                for e in cutlass.range_constexpr(self.vec):
+                    y_r[e] = self._saturated(t[e, r] * rstd * scale)
             q_r = cute.make_rmem_tensor((self.vec,), self.fp8_dtype)
             q_r.store(y_r.load().to(self.fp8_dtype))
             cute.autovec_copy(cute.recast_tensor(q_r, cutlass.Uint8), q_row[None, r])
         else:
             for e in cutlass.range_constexpr(self.vec):
-                y[e, r] = t[e, r] * rstd * scale
+                y[e, r] = self._saturated(t[e, r] * rstd * scale)

@@ -117,16 +117,21 @@ class ForwardKey:
     rows_per_cta: int
     ctas_per_sm: int
     cluster: int = 1
-    #: The persistent cluster forward
-    #: (:class:`~tilenorm.kernels.cute_cluster_norm_forward.PersistentClusterRowNormForward`).
-    persistent: bool = False
+    #: The persistent cluster forward's ring of row groups
+    #: (:class:`~tilenorm.kernels.cute_cluster_norm_forward.PersistentClusterRowNormForward`);
+    #: 0: the one-shot grid.
+    stages: int = 0
+
+    @property
+    def persistent(self) -> bool:
+        return self.stages > 0
 
     @classmethod
     def of(cls, plan: CuteForwardPlan, dtype: str, weight_dtype: str | None, has_bias: bool,
            layer_norm: bool, has_offset: bool, has_residual: bool) -> ForwardKey:
         return cls(dtype, weight_dtype, has_bias, layer_norm, has_offset, has_residual,
                    plan.cols, plan.threads, plan.rows_per_cta, plan.ctas_per_sm, plan.cluster,
-                   plan.persistent)
+                   plan.stages)
 
 
 def compile_forward(key: ForwardKey, arch: str | None = None, cubin_dir: str | None = None):
@@ -144,13 +149,13 @@ def compile_forward(key: ForwardKey, arch: str | None = None, cubin_dir: str | N
     weight_dtype = None if key.weight_dtype is None else dtypes[key.weight_dtype]
     features = (key.layer_norm, key.has_bias, key.has_offset, key.has_residual)
     if key.persistent:
-        if key.has_residual or key.rows_per_cta != 1:
-            raise ValueError(f"the persistent cluster forward takes one row a cluster and no "
-                             f"residual: {key}")
+        if key.has_residual:
+            raise ValueError(f"the persistent cluster forward takes no residual: {key}")
         from tilenorm.kernels.cute_cluster_norm_forward import PersistentClusterRowNormForward
 
         kernel = PersistentClusterRowNormForward(dtype, weight_dtype, key.cols, key.threads,
-                                                 key.cluster, key.ctas_per_sm, *features[:3])
+                                                 key.rows_per_cta, key.cluster, key.stages,
+                                                 key.ctas_per_sm, *features[:3])
     elif key.cluster > 1:
         from tilenorm.kernels.cute_cluster_norm_forward import ClusterRowNormForward
 
@@ -445,6 +450,9 @@ class Fp8ForwardKey:
     #: FP8 x (``dtype`` an FP8 format): the elements one of ``x_scale_inv``'s multipliers
     #: covers; 0 for x that is not FP8.
     group: int = 0
+    #: The kernel's ``clamp``: each value clamped to +-fp8_max before the (saturating)
+    #: conversion, the same bits.
+    clamp: bool = False
 
 
 def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
@@ -477,7 +485,7 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
     kernel = RowNormFp8Forward(
         dtype, weight_dtype, fp8, FP8_MAX[key.fp8_dtype], key.cols, key.threads, key.stages,
         key.ctas_per_sm, key.scaling, key.has_offset, key.recompute_t, key.column_amax,
-        key.group)
+        key.group, key.clamp)
 
     rows = cute.sym_int() if key.rows is None else key.rows
     cols, slots = key.cols, cute.sym_int()
@@ -519,11 +527,14 @@ def aot_fp8_keys(all_dtypes: bool = False) -> list[Fp8ForwardKey]:
     scaling (at its ``forward_entry``) and weight dtype (or none), E4M3, in bf16; and the rest of
     the features (E5M2, the Gemma offset; fp16 x with ``all_dtypes``) at one scaling each. Each
     entry of its ``cute_forward_recompute_t`` table with ``recompute_t`` at its scaling: every
-    weight dtype, E5M2, the offset (and fp16 x). At the widths of its ``cute_forward_column_amax``,
-    row scaling with column amaxes, a 2-byte weight or none (an fp32 weight keeps cuTile's row
-    kernel there). Each width of its ``cute_forward_fp8_input`` table with FP8 x: every scaling and
-    group of :data:`FP8_INPUT_GROUPS`, E4M3, a bf16 weight; no weight, an fp32 weight, E5M2 x and q,
-    the offset (an fp16 weight with ``all_dtypes``) at one scaling each (no column amaxes: FP8 x's
+    weight dtype, E5M2, the offset (and fp16 x). Each of these with the ``clamp`` of its scaling
+    and width (``forward_clamp``), as the planner routes them. At the widths of its
+    ``cute_forward_column_amax``, row scaling with column amaxes at row scaling's entry
+    (``recompute_t``'s where it has one), a 2-byte weight or none (an fp32 weight keeps
+    cuTile's row kernel there), without ``clamp``. Each width of its
+    ``cute_forward_fp8_input`` table with FP8 x: every scaling and group of
+    :data:`FP8_INPUT_GROUPS`, E4M3, a bf16 weight; no weight, an fp32 weight, E5M2 x and q, the
+    offset (an fp16 weight with ``all_dtypes``) at one scaling each (no column amaxes: FP8 x's
     row-scaled copy keeps cuTile's kernels). The entries of every device class's FP8 settings
     (:data:`tilenorm.settings.DEVICE_CLASSES`)."""
     from tilenorm.settings_fp8 import fp8_settings_for
@@ -539,19 +550,22 @@ def _fp8_keys(settings: Fp8Settings, all_dtypes: bool) -> list[Fp8ForwardKey]:
     keys = []
     for cols in settings.cute_forward:
         config = functools.partial(settings.forward_entry, cols=cols)
+        clamp = functools.partial(settings.forward_clamp, cols=cols)
         keys += [Fp8ForwardKey(None, "bfloat16", weight, "float8_e4m3fn", scaling, False,
-                               cols, *config(scaling))
+                               cols, *config(scaling), clamp=clamp(scaling))
                  for scaling in SCALINGS for weight in (None, "bfloat16", "float32")]
         keys += [Fp8ForwardKey(None, "bfloat16", "bfloat16", "float8_e5m2", "row", False,
-                               cols, *config("row")),
+                               cols, *config("row"), clamp=clamp("row")),
                  Fp8ForwardKey(None, "bfloat16", "float32", "float8_e4m3fn", "block", True,
-                               cols, *config("block"))]
+                               cols, *config("block"), clamp=clamp("block"))]
         if all_dtypes:
             keys.append(Fp8ForwardKey(None, "float16", "float16", "float8_e4m3fn", "mx",
-                                      False, cols, *config("mx")))
+                                      False, cols, *config("mx"), clamp=clamp("mx")))
         if cols in settings.cute_forward_column_amax:  # a per-row scaling's copy
+            recompute_t = settings.cute_forward_recompute_t.get("row", {}).get(cols)
             keys += [Fp8ForwardKey(None, x, weight, "float8_e4m3fn", "row", False, cols,
-                                   *config("row"), column_amax=True)
+                                   *(recompute_t or config("row")),
+                                   recompute_t=recompute_t is not None, column_amax=True)
                      for x, weight in (("bfloat16", None), ("bfloat16", "bfloat16"))
                      + ((("float16", "float16"),) if all_dtypes else ())]
     recompute_t_features = [  # (x, weight, FP8, offset)
@@ -564,7 +578,8 @@ def _fp8_keys(settings: Fp8Settings, all_dtypes: bool) -> list[Fp8ForwardKey]:
     for scaling, widths in settings.cute_forward_recompute_t.items():
         for cols, config in widths.items():
             keys += [Fp8ForwardKey(None, x, weight, fp8, scaling, has_offset, cols, *config,
-                                   recompute_t=True)
+                                   recompute_t=True,
+                                   clamp=settings.forward_clamp(scaling, cols))
                      for x, weight, fp8, has_offset in recompute_t_features]
     for cols, config in settings.cute_forward_fp8_input.items():
         keys += [Fp8ForwardKey(None, "float8_e4m3fn", "bfloat16", "float8_e4m3fn",
