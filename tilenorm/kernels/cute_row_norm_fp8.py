@@ -600,13 +600,21 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         at 16384 columns, (512, 4, 1), against 6 and 6; 4 and 4 at 4096 against none;
         bench/NOTES.md #120). The same products, so the same bits."""
         for r in cutlass.range_constexpr(self.reps):
-            m = cute.make_rmem_tensor((self.vec,), Float32)
-            cute.autovec_copy(columns[None, r], m)
-            for e in cutlass.range_constexpr(self.vec):
-                normed = t[e, r] * rstd
-                m[e] = cute.arch.fmax(m[e], cute.math.absf(normed))
-                y[e, r] = self._saturated(normed * scale)
-            cute.autovec_copy(m, columns[None, r])
+            self._quantize_rep_keeping_column_maxima(t, y[None, r], columns, rstd, scale, r)
+
+    @cute.jit
+    def _quantize_rep_keeping_column_maxima(self, t: cute.Tensor, out: cute.Tensor,
+                                            columns: cute.Tensor, rstd: Float32,
+                                            scale: Float32, r: int):
+        """Rep ``r``'s fp32 q values into ``out`` (``vec`` of them), each ``|t * rstd|``
+        folded into the rep's column slots: one product for both."""
+        m = cute.make_rmem_tensor((self.vec,), Float32)
+        cute.autovec_copy(columns[None, r], m)
+        for e in cutlass.range_constexpr(self.vec):
+            normed = t[e, r] * rstd
+            m[e] = cute.arch.fmax(m[e], cute.math.absf(normed))
+            out[e] = self._saturated(normed * scale)
+        cute.autovec_copy(m, columns[None, r])
 
     @cute.jit
     def _quantize_blocks(self, t, y, q, q_bytes, rstd, row, tidx, lane, bits, mQ, mQScale,
@@ -756,13 +764,7 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         if const_expr(self.recompute_t):
             y_r = cute.make_rmem_tensor((self.vec,), Float32)
             if const_expr(columns is not None):
-                m = cute.make_rmem_tensor((self.vec,), Float32)
-                cute.autovec_copy(columns[None, r], m)
-                for e in cutlass.range_constexpr(self.vec):
-                    normed = t[e, r] * rstd
-                    m[e] = cute.arch.fmax(m[e], cute.math.absf(normed))
-                    y_r[e] = self._saturated(normed * scale)
-                cute.autovec_copy(m, columns[None, r])
+                self._quantize_rep_keeping_column_maxima(t, y_r, columns, rstd, scale, r)
             else:
                 for e in cutlass.range_constexpr(self.vec):
                     y_r[e] = self._saturated(t[e, r] * rstd * scale)
