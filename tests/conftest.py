@@ -5,11 +5,19 @@ import torch
 
 
 def pytest_configure(config):
-    """Where $TILENORM_CUTILE_RECORD names a file, each cuTile variant the tests compile for
+    """The CuTe DSL's package folder goes on ``sys.path`` in every process, xdist's controller
+    too: a worker sends each warning by its category's module (``cutlass.base_dsl``'s own
+    classes for the DSL's), which the controller imports to re-raise it, and a failed import
+    there takes the whole run down.
+
+    Where $TILENORM_CUTILE_RECORD names a file, each cuTile variant the tests compile for
     the lean launch is appended to it (tilenorm.launch.aot.variant_record; xdist workers
     share the file, a line at a time): the GPU suite's record, which a machine without a GPU
     builds into cuTile's cache for the next run (bench/experiments/gpu_suite_caches.py,
     bench/NOTES.md #118)."""
+    from tilenorm.launch import cute
+
+    cute.available()
     path = os.environ.get("TILENORM_CUTILE_RECORD")
     if not path:
         return

@@ -197,3 +197,35 @@ def test_the_loaded_kernel_gives_the_jit_compiled_ones_bits(cache):
         assert torch.equal(a, b), seed
     ref = float64_norm(x, w, None, 1e-6, residual=r)
     assert rel(outputs[0][0], ref.y) <= OUT_TOL[dtype], seed
+
+
+@needs_cute
+def test_a_dsl_warning_in_an_xdist_worker_reaches_the_controller(tmp_path):
+    """xdist's controller re-raises a worker's warning by importing its category's module:
+    the DSL's own classes (``cutlass.base_dsl``) import there only once this suite's
+    conftest has put the DSL's folder on ``sys.path`` (without it the run crashes with
+    ModuleNotFoundError: the whole CI run, not one test)."""
+    pytest.importorskip("xdist")
+    suite = tmp_path / "tests"
+    suite.mkdir()
+    (suite / "conftest.py").write_text(
+        (Path(__file__).parent / "conftest.py").read_text())
+    (suite / "test_probe.py").write_text(textwrap.dedent("""
+        import warnings
+
+        from tilenorm.launch import cute
+
+
+        def test_warns_with_a_dsl_category():
+            assert cute.available()
+            from cutlass.base_dsl.ast_helpers import DSLOptimizationWarning
+
+            warnings.simplefilter("always")
+            warnings.warn("probe", DSLOptimizationWarning)
+        """))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-p", "no:cacheprovider",
+                          "-q", str(suite)], cwd=tmp_path, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "1 passed, 1 warning" in run.stdout
