@@ -787,6 +787,47 @@ def test_cute_fp8_input_forward_plans_its_own_table_for_whole_vector_groups():
                                      scaling="row", column_amax=True).column_amax
 
 
+def test_cute_fp8_input_loop_variants_reach_the_kernel_from_the_settings():
+    """The FP8 settings' ``cute_forward_fp8_input_loop`` (bench_fp8.py's ``--variants``) is
+    the plan's ``fp8x_loop`` of FP8 x at that width, only there and only for FP8 x; the
+    table ships empty (the loop as #124 left it). The kernel takes names of its
+    ``FP8X_LOOP`` only, for FP8 x only, and one place of the weight."""
+    from tilenorm import settings_fp8
+    from tilenorm.settings_fp8 import SM90_FP8
+
+    assert SM90_FP8.cute_forward_fp8_input_loop == {}
+    loop = ("weight-spread", "shfl-max")
+    varied = dataclasses.replace(SM90_FP8, cute_forward_fp8_input_loop={4096: loop})
+    with settings_fp8.measuring(varied):
+        for cols in SM90_FP8.cute_forward_fp8_input:
+            p = plan_cute_fp8_forward(1040, cols, itemsize=1, sm_count=132, arch=(9, 0),
+                                      scaling="row", group=128)
+            assert p.fp8x_loop == (loop if cols == 4096 else ()), cols
+            assert ("weight-spread+shfl-max" in p.describe()) == (cols == 4096)
+            bf16 = plan_cute_fp8_forward(1040, cols, itemsize=2, sm_count=132, arch=(9, 0),
+                                         scaling="row")
+            assert bf16.fp8x_loop == ()
+    if not cute.available():
+        return
+    import cutlass
+
+    from tilenorm.kernels.cute_row_norm_fp8 import RowNormFp8Forward
+
+    def kernel(dtype, group, fp8x_loop):
+        return RowNormFp8Forward(dtype, cutlass.BFloat16, cutlass.Float8E4M3FN, 448.0, 4096,
+                                 128, 4, 4, "row", False, group=group, fp8x_loop=fp8x_loop)
+
+    k = kernel(cutlass.Float8E4M3FN, 128, ("weight-spread", "row-addr"))
+    assert k.spread_weight and k.smem_weight and not k.thread_bases
+    k = kernel(cutlass.Float8E4M3FN, 128, ("weight-regs", "shfl-max", "lane0-max"))
+    assert not (k.smem_weight or k.redux_warp_max or k.redux_row_max) and k.thread_bases
+    for dtype, group, bad in ((cutlass.Float8E4M3FN, 128, ("weight",)),
+                              (cutlass.Float8E4M3FN, 128, ("weight-regs", "weight-spread")),
+                              (cutlass.BFloat16, 0, ("shfl-max",))):
+        with pytest.raises(ValueError, match="fp8x_loop"):
+            kernel(dtype, group, bad)
+
+
 def test_cute_fp8_input_row_amax_folds_give_the_same_bits():
     """The CuTe row kernel's folds of a row's max|t| (cute_row_norm_fp8.py), emulated in NumPy
     (bench/experiments/fp8_input_sass.py): FP8 x's (from +0, the warp's and the warps' maxima
@@ -1806,9 +1847,10 @@ RECOMPUTE_T_CASES = {"bf16 weight": (torch.bfloat16, E4M3, 0.0),
 
 
 def _cute_fp8_launch(key, x, w, offset: float, grid: int, pattern: int,
-                     scale: float = 20.0) -> dict:
+                     scale: float = 20.0, x_scale_inv=None) -> dict:
     """``key``'s kernel launched directly on x (and w) with outputs poisoned by
-    ``pattern`` (delayed scaling at ``scale``); the outputs, by name."""
+    ``pattern`` (delayed scaling at ``scale``; FP8 x as its bytes with ``x_scale_inv``);
+    the outputs, by name."""
     rows, cols = x.shape
     dev = x.device
     out = {"q": torch.empty(rows, cols, dtype=torch.uint8, device=dev),
@@ -1827,9 +1869,53 @@ def _cute_fp8_launch(key, x, w, offset: float, grid: int, pattern: int,
         _poison(t, pattern)
     scale = torch.tensor([scale], device=dev) if key.scaling == "delayed" else None
     fn = cute.compiled_fp8_forward(key, torch.cuda.get_device_capability())
-    fn(x, None, w, scale, out.get("q"), out.get("q_scale"), out["rstd"], out.get("amax"), 1e-6,
-       offset, grid)
+    fn(x, x_scale_inv, w, scale, out.get("q"), out.get("q_scale"), out["rstd"], out.get("amax"),
+       1e-6, offset, grid)
     return out
+
+
+#: FP8 x's loops of the kernel's ``fp8x_loop`` the bit-identity test runs: each name alone,
+#: and #124's four cuts undone together (the loop before #124).
+FP8X_LOOPS = [("weight-regs",), ("weight-spread",), ("shfl-max",), ("lane0-max",),
+              ("row-addr",), ("weight-regs", "shfl-max", "lane0-max", "row-addr")]
+
+
+@gpu
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+@pytest.mark.parametrize("loop", FP8X_LOOPS, ids="+".join)
+@pytest.mark.parametrize("scaling", ["row", "delayed", "block"])
+@pytest.mark.parametrize("cols", [2048, 16384])
+def test_cute_fp8_input_loops_give_the_bits_of_the_shipped_loop(loop, scaling, cols):
+    """FP8 x's loop with #124's cuts undone or its shared-memory weight spread over the banks
+    (the kernel's ``fp8x_loop``, for an A/B of the cuts) changes no bit: every output the
+    same bits as the shipped loop's at the H200's FP8-x entry, E4M3 x in groups of 128, a
+    bf16 weight, rows not a multiple of the grid, outputs poisoned differently, a row of
+    NaN bytes (whose max|t| the folds take differently: the same outputs) and a NaN."""
+    from tilenorm.kernels.cute_row_norm_fp8 import FP8X_LOOP
+    from tilenorm.settings_fp8 import SM90_FP8
+
+    assert set(loop) <= set(FP8X_LOOP)
+    g, seed = fresh_generator("cuda")
+    rows, group = 1037, 128
+    _, w, _ = _inputs(g, rows, cols, device="cuda")
+    w = w.to(torch.bfloat16)
+    x = (torch.randn(rows, cols, generator=g, device="cuda") * 4).to(E4M3).view(torch.uint8)
+    x[5] = 0x7F  # a row all NaN
+    x[9, 100] = 0xFF
+    s = torch.rand(rows, cols // group, generator=g, device="cuda") + 0.5
+    s[13] *= 1e-30
+    sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count
+    config = SM90_FP8.cute_forward_fp8_input[cols]
+    key = cute.Fp8ForwardKey(None, "float8_e4m3fn", "bfloat16", "float8_e4m3fn", scaling,
+                             False, cols, *config, group=group)
+    grid = min(rows, sm_count * config[2])
+    shipped = _cute_fp8_launch(key, x, w, 0.0, grid, 0, x_scale_inv=s)
+    changed = _cute_fp8_launch(dataclasses.replace(key, fp8x_loop=loop), x, w, 0.0, grid, 1,
+                               x_scale_inv=s)
+    torch.cuda.synchronize()
+    assert shipped["rstd"].isfinite()[20:].all(), seed
+    for name, t in shipped.items():
+        assert torch.equal(_bits(t), _bits(changed[name])), (name, seed)
 
 
 @gpu

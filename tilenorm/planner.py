@@ -579,12 +579,15 @@ class CuteFp8ForwardPlan(CuteRowPlan):
     column_amax: bool = False
     #: The kernel's ``clamp``: each value clamped to +-fp8_max before the conversion.
     clamp: bool = False
+    #: The kernel's ``fp8x_loop`` (FP8 x): the settings' ``cute_forward_fp8_input_loop``.
+    fp8x_loop: tuple = ()
 
     def describe(self) -> str:
         return (f"CuTe DSL, {self._launch()}"
                 + (", t = x * w recomputed at each use" if self.recompute_t else "")
                 + (", column amaxes kept" if self.column_amax else "")
-                + (", clamped before the conversion" if self.clamp else ""))
+                + (", clamped before the conversion" if self.clamp else "")
+                + (f", FP8-x loop {'+'.join(self.fp8x_loop)}" if self.fp8x_loop else ""))
 
 
 #: FP8 x's elements in a 16-byte vector of the CuTe DSL FP8 row kernel: a group of its
@@ -630,7 +633,9 @@ def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
         entry = settings.cute_forward_fp8_input.get(cols)
         if entry is None or group < FP8_VECTOR or group % FP8_VECTOR:
             return None
-        return CuteFp8ForwardPlan.of(rows, cols, entry, sm_count)
+        return dataclasses.replace(
+            CuteFp8ForwardPlan.of(rows, cols, entry, sm_count),
+            fp8x_loop=tuple(settings.cute_forward_fp8_input_loop.get(cols, ())))
     recompute_t = settings.cute_forward_recompute_t.get(scaling, {}).get(cols)
     entry = recompute_t or settings.forward_entry(scaling, cols)
     if entry is None or itemsize != 2:

@@ -131,6 +131,13 @@ class Fp8Settings:
     #: ``bench/bench_fp8.py --scalings fp8x-row --variants`` times other values.
     cute_forward_fp8_input: dict = field(default_factory=lambda: {
         2048: (128, 4, 6), 4096: (128, 4, 4), 8192: (256, 4, 2), 16384: (512, 4, 1)})
+    #: Per width of ``cute_forward_fp8_input``, names of the kernel's ``FP8X_LOOP``
+    #: (cute_row_norm_fp8.py): #124's cuts of FP8 x's loop undone one by one, or its shared-
+    #: memory weight spread over the banks, for ``bench_fp8.py --scalings fp8x-row
+    #: --variants``; empty, the loop as it ships. After #124 fp8x-row ran 20-24% slower on
+    #: the H200 (untimed which cut): its weight reads are 4-way bank conflicted, 16
+    #: wavefronts a 16-byte read of a warp (bench/NOTES.md #124).
+    cute_forward_fp8_input_loop: dict = field(default_factory=dict)
 
     def forward_entry(self, scaling: str, cols: int) -> tuple[int, int, int] | None:
         """The row kernel's (threads, stages, CTAs per SM) for 2-byte x of ``cols`` columns

@@ -453,6 +453,9 @@ class Fp8ForwardKey:
     #: The kernel's ``clamp``: each value clamped to +-fp8_max before the (saturating)
     #: conversion, the same bits.
     clamp: bool = False
+    #: The kernel's ``fp8x_loop`` (FP8 x): names of its ``FP8X_LOOP``, #124's cuts undone or
+    #: changed for an A/B; () the loop as it ships.
+    fp8x_loop: tuple = ()
 
 
 def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
@@ -485,7 +488,7 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
     kernel = RowNormFp8Forward(
         dtype, weight_dtype, fp8, FP8_MAX[key.fp8_dtype], key.cols, key.threads, key.stages,
         key.ctas_per_sm, key.scaling, key.has_offset, key.recompute_t, key.column_amax,
-        key.group, key.clamp)
+        key.group, key.clamp, key.fp8x_loop)
 
     rows = cute.sym_int() if key.rows is None else key.rows
     cols, slots = key.cols, cute.sym_int()
