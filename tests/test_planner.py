@@ -265,6 +265,8 @@ def test_cute_row_plans_take_even_rings_only():
     for device_class in DEVICE_CLASSES:
         fp8 = fp8_settings_for((9, 0), device_class)
         entries += list(fp8.cute_forward.values()) + list(fp8.cute_forward_fp8_input.values())
+        entries += [e for table in fp8.cute_forward_fp8_input_scaling.values()
+                    for e in table.values()]
         entries += [e for table in fp8.cute_forward_recompute_t.values()
                     for e in table.values()]
         entries += [e for table in settings_for((9, 0), device_class).cute_backward.values()

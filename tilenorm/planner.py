@@ -579,15 +579,12 @@ class CuteFp8ForwardPlan(CuteRowPlan):
     column_amax: bool = False
     #: The kernel's ``clamp``: each value clamped to +-fp8_max before the conversion.
     clamp: bool = False
-    #: The kernel's ``fp8x_loop`` (FP8 x): the settings' ``cute_forward_fp8_input_loop``.
-    fp8x_loop: tuple = ()
 
     def describe(self) -> str:
         return (f"CuTe DSL, {self._launch()}"
                 + (", t = x * w recomputed at each use" if self.recompute_t else "")
                 + (", column amaxes kept" if self.column_amax else "")
-                + (", clamped before the conversion" if self.clamp else "")
-                + (f", FP8-x loop {'+'.join(self.fp8x_loop)}" if self.fp8x_loop else ""))
+                + (", clamped before the conversion" if self.clamp else ""))
 
 
 #: FP8 x's elements in a 16-byte vector of the CuTe DSL FP8 row kernel: a group of its
@@ -604,17 +601,17 @@ def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
     of FP8 x (``itemsize`` 1) with one multiplier per ``group`` elements, with the row
     kernel's ``scaling`` (a name of the kernel's ``SCALINGS``), or None where cuTile's runs:
     widths not in the FP8 settings' ``cute_forward`` table (for FP8 x
-    ``cute_forward_fp8_input``), other element sizes, FP8 groups smaller than a 16-byte
-    vector, and offsets past 32 bits (the kernel indexes with 32). For 2-byte x the
-    settings' ``cute_forward_recompute_t`` entry of the scaling and width, where there is
-    one, takes the place of the scaling's ``forward_entry``, with ``recompute_t``, and the
-    kernel clamps where the settings' ``cute_forward_clamp`` says. ``column_amax`` (a
-    per-row scaling's transposed copy): only 2-byte x (the CuTe copy that takes them reads
-    2-byte x) at the widths of the settings' ``cute_forward_column_amax``, at the plan of
-    row scaling without it, ``recompute_t`` included (the same launch config, so the row's
-    sums of squares fold in the same order and q has the same bits: bench/NOTES.md #125),
-    without ``clamp`` (untimed there; its q is the same bits either way). The FP8 settings
-    are ``arch``'s and ``device_class``'s."""
+    ``cute_forward_fp8_input``, at its ``fp8_input_entry``), other element sizes, FP8 groups
+    smaller than a 16-byte vector, and offsets past 32 bits (the kernel indexes with 32).
+    For 2-byte x the settings' ``cute_forward_recompute_t`` entry of the scaling and width,
+    where there is one, takes the place of the scaling's ``forward_entry``, with
+    ``recompute_t``, and the kernel clamps where the settings' ``cute_forward_clamp`` says.
+    ``column_amax`` (a per-row scaling's transposed copy): only 2-byte x (the CuTe copy that
+    takes them reads 2-byte x) at the widths of the settings' ``cute_forward_column_amax``,
+    at the plan of row scaling without it, ``recompute_t`` included (the same launch config,
+    so the row's sums of squares fold in the same order and q has the same bits:
+    bench/NOTES.md #125), without ``clamp`` (untimed there; its q is the same bits either
+    way). The FP8 settings are ``arch``'s and ``device_class``'s."""
     settings = fp8_settings_for(arch, device_class)
     if column_amax:
         if itemsize != 2 or scaling != "row" or cols not in settings.cute_forward_column_amax:
@@ -630,12 +627,10 @@ def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
     if rows < 1 or max_offset > MAX_INT32_OFFSET:
         return None
     if itemsize == 1:
-        entry = settings.cute_forward_fp8_input.get(cols)
+        entry = settings.fp8_input_entry(scaling, cols)
         if entry is None or group < FP8_VECTOR or group % FP8_VECTOR:
             return None
-        return dataclasses.replace(
-            CuteFp8ForwardPlan.of(rows, cols, entry, sm_count),
-            fp8x_loop=tuple(settings.cute_forward_fp8_input_loop.get(cols, ())))
+        return CuteFp8ForwardPlan.of(rows, cols, entry, sm_count)
     recompute_t = settings.cute_forward_recompute_t.get(scaling, {}).get(cols)
     entry = recompute_t or settings.forward_entry(scaling, cols)
     if entry is None or itemsize != 2:

@@ -131,13 +131,16 @@ class Fp8Settings:
     #: ``bench/bench_fp8.py --scalings fp8x-row --variants`` times other values.
     cute_forward_fp8_input: dict = field(default_factory=lambda: {
         2048: (128, 4, 6), 4096: (128, 4, 4), 8192: (256, 4, 2), 16384: (512, 4, 1)})
-    #: Per width of ``cute_forward_fp8_input``, names of the kernel's ``FP8X_LOOP``
-    #: (cute_row_norm_fp8.py): #124's cuts of FP8 x's loop undone one by one, or its shared-
-    #: memory weight spread over the banks, for ``bench_fp8.py --scalings fp8x-row
-    #: --variants``; empty, the loop as it ships. After #124 fp8x-row ran 20-24% slower on
-    #: the H200 (untimed which cut): its weight reads are 4-way bank conflicted, 16
-    #: wavefronts a 16-byte read of a warp (bench/NOTES.md #124).
-    cute_forward_fp8_input_loop: dict = field(default_factory=dict)
+    #: {scaling: {cols: (threads, stages, CTAs per SM)}} in place of
+    #: ``cute_forward_fp8_input``'s entry for FP8 x at that scaling. On the H200, with the
+    #: weight's conflict-free layout (#128), row scaling ranks (64, 4, 8) 88-89% of copy at
+    #: 2048 against (128, 4, 6)'s 80-81%, (256, 2, 4) 86-87% at 8192 against (256, 4, 2)'s
+    #: 83-84%, (512, 2, 2) 81-82% at 16384 against (512, 4, 1)'s 73%; at 4096 (128, 4, 4)
+    #: (88-90%) stays ahead of (128, 2, 8), (64, 4, 6) and (256, 4, 2). The other scalings
+    #: keep the table's (untimed): at (256, 2, 4) and (512, 2, 2), 64 registers a thread,
+    #: block and MX scaling spill 18-43 words, row scaling 0 and 2.
+    cute_forward_fp8_input_scaling: dict = field(default_factory=lambda: {
+        "row": {2048: (64, 4, 8), 8192: (256, 2, 4), 16384: (512, 2, 2)}})
 
     def forward_entry(self, scaling: str, cols: int) -> tuple[int, int, int] | None:
         """The row kernel's (threads, stages, CTAs per SM) for 2-byte x of ``cols`` columns
@@ -146,6 +149,15 @@ class Fp8Settings:
         if cols not in self.cute_forward:
             return None
         return self.cute_forward_scaling.get(scaling, {}).get(cols, self.cute_forward[cols])
+
+    def fp8_input_entry(self, scaling: str, cols: int) -> tuple[int, int, int] | None:
+        """The row kernel's (threads, stages, CTAs per SM) for FP8 x of ``cols`` columns at
+        ``scaling``: ``cute_forward_fp8_input_scaling``'s, else ``cute_forward_fp8_input``'s;
+        None where the width is not in ``cute_forward_fp8_input``."""
+        if cols not in self.cute_forward_fp8_input:
+            return None
+        return self.cute_forward_fp8_input_scaling.get(scaling, {}).get(
+            cols, self.cute_forward_fp8_input[cols])
 
     def forward_clamp(self, scaling: str, cols: int) -> bool:
         """Whether the row kernel of 2-byte x at ``scaling`` and ``cols`` takes ``clamp``
@@ -163,13 +175,15 @@ SM90_FP8 = Fp8Settings()
 #: (256, 4, 2): none with a bf16 weight or none but the column amaxes' 2 stores (3 at
 #: (256, 4, 2)), 2 stores with an fp32 weight (8 at (256, 4, 2) for row scaling). FP8 x
 #: (``cute_forward_fp8_input``) keeps (256, 4, 2) at 8192, its own entry: (512, 2, 2) and
-#: (512, 4, 1) run at 75% and 68% of copy there against its 89% (#88, #95). At 4096 columns
+#: (512, 4, 1) ran at 75% and 68% of copy there against its 89% (#88, #95), and none of the
+#: H200's ``cute_forward_fp8_input_scaling`` (#128, untimed on an H100). At 4096 columns
 #: row and MX scaling run at (256, 4, 2), 97% and 96% of copy against (128, 4, 4)'s 90% and
 #: 89%, where block scaling ranks them 88% and 90% and keeps (128, 4, 4) (#95). No
 #: ``clamp``: timed on the H200 only (#125). ``recompute_t`` for block scaling only: row
 #: scaling at 16384 ran slower with it on an H100 (#78), MX is untimed there.
 SM90_FP8_H100 = dataclasses.replace(
     SM90_FP8, cute_forward={**SM90_FP8.cute_forward, 8192: (512, 2, 2)},
+    cute_forward_fp8_input_scaling={},
     cute_forward_recompute_t={"block": {16384: (256, 2, 2)}},
     cute_forward_scaling={scaling: {4096: (256, 4, 2)} for scaling in ("row", "mx")},
     cute_forward_clamp={})

@@ -106,17 +106,15 @@ def kinds(ins) -> collections.Counter:
 
 def compile_sass(scaling: str, cols: int, tree: str | None = None, rows: int | None = None,
                  x: str = "bfloat16", group: int = 0, variant: str | None = None,
-                 config: tuple[int, int, int] | None = None, loop: tuple = ()
-                 ) -> tuple[dict, str]:
+                 config: tuple[int, int, int] | None = None) -> tuple[dict, str]:
     """Resources and SASS of the row kernel of bf16 (or FP8, ``group``) x and a bf16 weight
     at ``scaling`` and ``cols`` as the planner routes it on an H200 (its table's entry, or
     ``recompute_t``'s, and its ``clamp``; ``config``, (threads, stages, CTAs per SM), in its
     place), compiled from ``tree`` (a source tree, in a process of its own; None: this one)
     for ``rows`` (None: any count); ``variant`` a name of :data:`VARIANTS`, the kernel's
-    ``clamp`` as it says in the route's place; ``loop`` the kernel's ``fp8x_loop`` (FP8 x;
-    trees with it only)."""
+    ``clamp`` as it says in the route's place."""
     spec = {"scaling": scaling, "cols": cols, "rows": rows, "x": x, "group": group,
-            "variant": variant, "config": config, **({"loop": list(loop)} if loop else {})}
+            "variant": variant, "config": config}
     if tree is not None:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "out.json"
@@ -129,8 +127,8 @@ def compile_sass(scaling: str, cols: int, tree: str | None = None, rows: int | N
 
 
 def _compile_here(scaling: str, cols: int, rows: int | None, x: str, group: int,
-                  variant: str | None = None, config: list[int] | None = None,
-                  loop: list[str] = ()) -> tuple[dict, str]:
+                  variant: str | None = None, config: list[int] | None = None
+                  ) -> tuple[dict, str]:
     from bench.kernel_resources import cubin_resources, cuobjdump, keeping_cubins
     from tilenorm.launch import cute
     from tilenorm.settings_fp8 import SM90_FP8
@@ -140,7 +138,7 @@ def _compile_here(scaling: str, cols: int, rows: int | None, x: str, group: int,
     # clamp where the table has it (trees before the clamp have neither table nor flag).
     recompute_t = None if group else SM90_FP8.cute_forward_recompute_t.get(scaling, {}).get(cols)
     if config is None:
-        config = (SM90_FP8.cute_forward_fp8_input[cols] if group
+        config = (SM90_FP8.fp8_input_entry(scaling, cols) if group
                   else recompute_t or SM90_FP8.forward_entry(scaling, cols))
     routed = hasattr(SM90_FP8, "forward_clamp") and not group and SM90_FP8.forward_clamp(
         scaling, cols)
@@ -148,8 +146,7 @@ def _compile_here(scaling: str, cols: int, rows: int | None, x: str, group: int,
     key = cute.Fp8ForwardKey(rows, x, "bfloat16", "float8_e4m3fn", scaling, False, cols,
                              *config, recompute_t=recompute_t is not None,
                              **({"group": group} if group else {}),
-                             **({"clamp": True} if clamp else {}),
-                             **({"fp8x_loop": tuple(loop)} if loop else {}))
+                             **({"clamp": True} if clamp else {}))
     with tempfile.TemporaryDirectory() as tmp:
         with keeping_cubins(tmp):
             cute.compile_fp8_forward(key, "sm_90a")

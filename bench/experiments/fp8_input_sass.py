@@ -9,15 +9,12 @@ shapes', ``--static-rows`` as fp8_block_sass.py's), the H200 tables' (threads, s
 per SM):
 ``cute_forward_fp8_input`` for FP8 x (``--entries``, as bench_fp8.py's variants of that
 table, in their place), ``forward_entry`` for bf16 x; from this source tree or from others
-(``--trees``, as ``fp8_block_sass.py``'s: the loops of old commits, bench/NOTES.md #117);
-``--loops``: FP8 x's kernel also with each ``fp8x_loop`` (names of cute_row_norm_fp8.py's
-``FP8X_LOOP`` joined by ``+``: #124's cuts undone, the weight spread over the banks), from
-this tree, labelled by it after the trees.
+(``--trees``, as ``fp8_block_sass.py``'s: the loops of old commits, bench/NOTES.md #117).
 
     python bench/experiments/fp8_input_sass.py [--widths 4096,8192] [--x fp8,bf16]
         [--group 128] [--scalings row,mx] [--trees this,f313ab5=scratch/f313ab5]
         [--static-rows [f313ab5,...]] [--sass-dir DIR]
-        [--entries '{"4096": [128, 6, 4]}'] [--loops weight-spread,shfl-max+lane0-max]
+        [--entries '{"4096": [128, 6, 4]}']
     python bench/experiments/fp8_input_sass.py --emulate   # the CPU bit-identity checks
 
 Categories: ``convert`` (FP8 -> f16x2 -> fp32: F2FP.F16.E4M3.UNPACK_B, HADD2.F32),
@@ -220,24 +217,21 @@ def categories(loop: list[tuple[int, str, str]]) -> list[str]:
 
 
 def report(widths, xs, group: int, scalings, trees: dict, static: list[str] | None,
-           sass_dir: str | None, entries: dict | None = None, loops: list[str] = ()) -> None:
+           sass_dir: str | None, entries: dict | None = None) -> None:
     """The table; ``entries`` {cols: (threads, stages, CTAs per SM)} in place of the FP8-x
-    table's; ``loops`` FP8 x's ``fp8x_loop``s ('+'-joined names) from this tree."""
+    table's."""
     rows = []
     for cols in widths:
         for x in xs:
             for scaling in scalings if x == "bf16" else ["row"]:
                 config = (entries or {}).get(cols) if x == "fp8" else None
-                runs = [(label, tree, ()) for label, tree in trees.items()]
-                runs += [(loop, None, tuple(loop.split("+"))) for loop in loops
-                         if x == "fp8"]
-                for label, tree, loop in runs:
+                for label, tree in trees.items():
                     r, sass = compile_sass(
                         scaling, cols, tree, rows_of(label, cols, static),
                         "float8_e4m3fn" if x == "fp8" else "bfloat16", group if x == "fp8" else 0,
-                        config=config, loop=loop)
+                        config=config)
                     at = f"{cols}:{','.join(map(str, config))}" if config else str(cols)
-                    name = " ".join(n for n in (label if len(runs) > 1 else "", x,
+                    name = " ".join(n for n in (label if len(trees) > 1 else "", x,
                                                 scaling if len(scalings) > 1 else "", at)
                                     if n)
                     if sass_dir:
@@ -424,9 +418,6 @@ def main() -> None:
     parser.add_argument("--entries", default="{}",
                         help='FP8 x\'s (threads, stages, CTAs per SM) by width, JSON: '
                              '\'{"4096": [128, 6, 4]}\'')
-    parser.add_argument("--loops", default="",
-                        help="FP8 x's kernel also with each fp8x_loop, this tree: "
-                             "weight-spread,shfl-max+lane0-max,...")
     parser.add_argument("--emulate", action="store_true")
     args = parser.parse_args()
     if args.emulate:
@@ -434,8 +425,7 @@ def main() -> None:
         return
     report([int(w) for w in args.widths.split(",")], args.x.split(","), args.group,
            args.scalings.split(","), parse_trees(args.trees), static_labels(args.static_rows),
-           args.sass_dir, {int(c): tuple(v) for c, v in json.loads(args.entries).items()},
-           [loop for loop in args.loops.split(",") if loop])
+           args.sass_dir, {int(c): tuple(v) for c, v in json.loads(args.entries).items()})
 
 
 if __name__ == "__main__":

@@ -96,23 +96,6 @@ SCALINGS = ("amax", "delayed", "row", "block", "mx")
 BLOCK_COLS = {"block": 128, "mx": 32}
 #: The largest finite fp32: a scale that would overflow is clamped to it.
 FLOAT32_MAX = 3.4028234663852886e38
-#: ``fp8x_loop``: FP8 x's loop as it was before one of #124's cuts, or a change of one, for
-#: an A/B in one process (none set: the loop as it ships). ``weight-regs``: the fp32 weight
-#: held in registers, as before cut 1 (no shared memory for it). ``weight-spread``: cut 1's
-#: weight in shared memory laid out so that one 16-byte read of every lane of a warp is 512
-#: consecutive bytes (4 wavefronts, the fewest: each thread's 4-element chunk ``c`` of rep
-#: ``r`` at element ``4 * tidx + 4 * threads * c + vec * threads * r``) where cut 1's
-#: thread-contiguous 64 bytes a thread put a warp's read on 8 of the 32 banks, 16 lanes a
-#: bank: 16 wavefronts. ``shfl-max``: the warp's maximum of |t| by five shuffles and maxima
-#: (from +0), not cut 2's REDUX. ``lane0-max``: lane 0 alone stores the warp's partials and
-#: the warps' maxima fold by fmax from warp 0's (cut 4 undone); with ``shfl-max`` the thread's
-#: maximum is folded from |t[0]|, 2-byte x's (and the loop before #124's) fold. ``row-addr``:
-#: each row's addresses from the row's and the thread's offsets (cut 3 undone). The weight's
-#: two change nothing for MX (its weight stays in registers) nor without a weight. The same
-#: outputs bit for bit: the same products and sums in the same order; the maxima as the
-#: module docstring argues (bench/NOTES.md #124). On sm_90a the four undone together compile
-#: to e143ac4's SASS byte for byte at the four FP8-x entries, row scaling (none set: e8044e2's).
-FP8X_LOOP = ("weight-regs", "weight-spread", "shfl-max", "lane0-max", "row-addr")
 
 
 def _power_of_two(n: int) -> bool:
@@ -203,7 +186,7 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
     def __init__(self, dtype, weight_dtype, fp8_dtype, fp8_max: float, cols: int,
                  threads: int, stages: int, ctas_per_sm: int, scaling: str,
                  has_offset: bool, recompute_t: bool = False, column_amax: bool = False,
-                 group: int = 0, clamp: bool = False, fp8x_loop: tuple = ()):
+                 group: int = 0, clamp: bool = False):
         if scaling not in SCALINGS:
             raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
         self.dtype = dtype
@@ -232,11 +215,6 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
             # Their one reader, the CuTe copy with weight_first (cute_fp8_transpose.py),
             # reads 2-byte x: FP8 x's row-scaled copy keeps cuTile's kernels (dispatch).
             raise ValueError("column amaxes are kept for the CuTe copy of 2-byte x only")
-        fp8x_loop = tuple(fp8x_loop)
-        if set(fp8x_loop) - set(FP8X_LOOP) or (fp8x_loop and not group) or {
-                "weight-regs", "weight-spread"} <= set(fp8x_loop):
-            raise ValueError(f"fp8x_loop takes FP8 x and names of {FP8X_LOOP} (one weight "
-                             f"place): got {fp8x_loop}")
         self.stages = stages
         self.ctas_per_sm = ctas_per_sm
         self.scaling = scaling
@@ -253,16 +231,13 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                         and _power_of_two(self.block_lanes) and self.reps <= self.block_lanes)
         # FP8 x's loop (bench/NOTES.md #124): the fp32 weight in shared memory, read each
         # row, where the registers of a deep ring would otherwise widen the 2-byte weight
-        # again for every row (MX scaling spills with it); per-thread 64-bit addresses of
-        # x, the multipliers and q held across the loop (block scaling spills with them).
-        self.fp8x_loop = fp8x_loop
-        self.smem_weight = (bool(group) and self.has_weight and scaling != "mx"
-                            and "weight-regs" not in fp8x_loop)
-        self.spread_weight = self.smem_weight and "weight-spread" in fp8x_loop
-        self.thread_bases = bool(group) and scaling != "block" and "row-addr" not in fp8x_loop
-        # Cuts 2 and 4 (the warp's and the warps' maxima as REDUX, every lane storing).
-        self.redux_warp_max = bool(group) and "shfl-max" not in fp8x_loop
-        self.redux_row_max = bool(group) and "lane0-max" not in fp8x_loop
+        # again for every row (MX scaling spills with it), laid out so that a warp's 16-byte
+        # reads are 512 consecutive bytes (:meth:`_chunked`; a thread's own 64 contiguous
+        # bytes put them on 8 of the 32 banks: 4x the wavefronts, 19-24% of the H200's
+        # FP8-x time, #127, #128); per-thread 64-bit addresses of x, the multipliers and q
+        # held across the loop (block scaling spills with them).
+        self.smem_weight = bool(group) and self.has_weight and scaling != "mx"
+        self.thread_bases = bool(group) and scaling != "block"
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mXScale: cute.Tensor | None, mW: cute.Tensor | None,
@@ -307,9 +282,9 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
     def _store_t(self, x, w: cute.Tensor | None, t: cute.Tensor, offset: Float32):
         """t = x * w (+ x * offset): fp32 x of the row and its fp32 weight (None without
         one)."""
-        if const_expr(self.spread_weight):
-            # The spread layout's 16-byte chunks into a (vec, reps) register tensor; its
-            # elements are cut 1's, so the same products below.
+        if const_expr(self.smem_weight):
+            # Shared memory's 16-byte chunks (:meth:`_chunked`) into a (vec, reps) register
+            # tensor, in the order of x's elements.
             w_regs = cute.make_rmem_tensor(t.shape, Float32)
             cute.autovec_copy(w, self._chunked(w_regs.iterator, 4, self.vec))
             w = w_regs
@@ -383,8 +358,9 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
     @cute.jit
     def _chunked(self, first, chunk_stride: int, rep_stride: int) -> cute.Tensor:
         """A thread's (vec, reps) weight as ((4, vec / 4), reps) 4-element chunks: chunk
-        ``c`` of rep ``r`` at ``first + chunk_stride * c + rep_stride * r`` (``weight-spread``
-        in shared memory: 4 * threads, vec * threads; a register tensor's own: 4, vec)."""
+        ``c`` of rep ``r`` at ``first + chunk_stride * c + rep_stride * r`` (in shared
+        memory, from 4 * tidx: 4 * threads, vec * threads, so lane i's chunk is 16 bytes
+        after lane i - 1's; a register tensor's own: 4, vec)."""
         return cute.make_tensor(first, cute.make_layout(
             ((4, self.vec // 4), self.reps), stride=((1, chunk_stride), rep_stride)))
 
@@ -487,19 +463,13 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                 cute.autovec_copy(self._thread_view(mW, tidx), w_in)
                 w = cute.make_rmem_tensor(shape, Float32)
                 w.store(w_in.load().to(Float32))
-                if const_expr(self.spread_weight):
+                if const_expr(self.smem_weight):
                     w_fp32 = w
                     w = self._chunked(
                         smem.allocate_tensor(Float32, cute.make_layout((self.cols,)), 16).iterator
                         + cute.assume(tidx * 4, divby=4), 4 * self.threads,
                         self.vec * self.threads)
                     cute.autovec_copy(self._chunked(w_fp32.iterator, 4, self.vec), w)
-                elif const_expr(self.smem_weight):
-                    w_fp32 = w
-                    w = self._from_thread(
-                        smem.allocate_tensor(Float32, cute.make_layout((self.cols,)), 16).iterator
-                        + cute.assume(tidx * self.vec, divby=self.vec))
-                    cute.autovec_copy(w_fp32, w)
         t = cute.make_rmem_tensor(shape, Float32)
         y = cute.make_rmem_tensor(shape, Float32)
         q = cute.make_rmem_tensor(shape, self.fp8_dtype)
@@ -547,14 +517,10 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                         if const_expr(self.recompute_t):
                             self._recompute_t(xs[s], mW, w_in, t, tidx, offset, zeros[0],
                                               False)
-                        if const_expr(self.redux_warp_max):
+                        if const_expr(self.group):
                             # From +0, so the warp's maximum is one REDUX (_warp_max) in
                             # place of five shuffles and maxima (the module docstring).
                             part_max = _warp_max(self._thread_max(t, per_thread))
-                        elif const_expr(self.group and self.redux_row_max):
-                            # fp8x_loop's shfl-max: from +0 (the warps' REDUX takes it).
-                            part_max = cute.arch.warp_reduction(
-                                self._thread_max(t, per_thread), cute.arch.fmax)
                         else:
                             # From |t[0]|, not from 0: m differs only where every |t| of the
                             # thread is NaN (NaN, not 0); fmax drops that NaN in the warp's
@@ -566,7 +532,7 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                                 m = cute.arch.fmax(m, cute.math.absf(t[i]))
                             part_max = cute.arch.warp_reduction(m, cute.arch.fmax)
                     parity = s % 2
-                    if const_expr(self.redux_row_max):
+                    if const_expr(self.group):
                         # Every lane, the same bits to the same words (fp32 addition
                         # commutes, so the butterfly leaves every lane the same sum): with
                         # lane 0's stores alone ptxas holds the row arithmetic in uniform
@@ -587,13 +553,13 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                     # number or +inf: lane i reads warp i % warps's, one REDUX folds them.
                     total = sums[0, 0, parity]
                     tmax = Float32(0.0)
-                    if const_expr(row_amax and self.redux_row_max):
+                    if const_expr(row_amax and self.group):
                         tmax = _warp_max(sums[lane % self.warps, 1, parity])
                     elif const_expr(row_amax):
                         tmax = sums[0, 1, parity]
                     for i in cutlass.range_constexpr(1, self.warps):
                         total = total + sums[i, 0, parity]
-                        if const_expr(row_amax and not self.redux_row_max):
+                        if const_expr(row_amax and not self.group):
                             tmax = cute.arch.fmax(tmax, sums[i, 1, parity])
                     rstd = cute.math.rsqrt(total * inv_n + eps)
                     if tidx == 0:
