@@ -250,7 +250,9 @@ def test_the_planner_takes_the_class_it_is_given():
             assert (p.threads, p.stages, p.ctas_per_sm) == entry, (scaling, device)
             p = plan_cute_fp8_forward(16384, 8192, itemsize=1, sm_count=132, arch=(9, 0),
                                       scaling=scaling, group=16, device_class=device)
-            assert (p.threads, p.stages, p.ctas_per_sm) == (256, 4, 2), (scaling, device)
+            # FP8 x's row scaling has its own H200 entry (bench/NOTES.md #128).
+            fp8x = (256, 2, 4) if (scaling, device) == ("row", "h200") else (256, 4, 2)
+            assert (p.threads, p.stages, p.ctas_per_sm) == fp8x, (scaling, device)
     p = plan_cute_fp8_forward(16384, 8192, itemsize=2, sm_count=132, arch=(9, 0),
                               scaling="row", column_amax=True, device_class="h100")
     assert p.column_amax and (p.threads, p.stages, p.ctas_per_sm) == (512, 2, 2)

@@ -753,6 +753,41 @@ def test_cute_fp8_clamp_runs_where_it_was_measured():
         assert not p.clamp, (scaling, cols)
 
 
+def test_cute_fp8_row_kernel_entries_are_resident_by_shared_memory():
+    """Every CuTe FP8 row kernel entry of every device class's tables plans on sm_90, its
+    CTAs an SM within an SM's shared memory (FP8 x's fp32 weight, the column maxima); an
+    entry whose CTAs cannot all be resident leaves the width to cuTile's kernel, as on
+    sm_120's 100 KB: four CTAs of FP8 x at 16384 columns (a 64 KB weight each, #128's
+    23-48% variants), but for MX, whose weight stays in registers."""
+    from tilenorm import settings_fp8
+    from tilenorm.kernels.cute_row_norm_fp8 import SCALINGS as KERNEL_SCALINGS
+    from tilenorm.settings import DEVICE_CLASSES
+    from tilenorm.settings_fp8 import SM90_FP8, fp8_settings_for
+
+    def plan(cols, scaling, itemsize=1, arch=(9, 0), column_amax=False, device_class="h200"):
+        return plan_cute_fp8_forward(4096, cols, itemsize=itemsize, sm_count=132, arch=arch,
+                                     scaling=scaling, group=128 if itemsize == 1 else 0,
+                                     column_amax=column_amax, device_class=device_class)
+
+    for device_class in DEVICE_CLASSES:
+        f = fp8_settings_for((9, 0), device_class)
+        for scaling in KERNEL_SCALINGS:
+            for cols in f.cute_forward_fp8_input:
+                assert plan(cols, scaling, device_class=device_class), (scaling, cols)
+            for cols in f.cute_forward:
+                assert plan(cols, scaling, 2, device_class=device_class), (scaling, cols)
+        for cols in f.cute_forward_column_amax:
+            assert plan(cols, "row", 2, column_amax=True, device_class=device_class), cols
+    wide = dataclasses.replace(SM90_FP8, cute_forward_fp8_input={16384: (256, 2, 4)},
+                               cute_forward_fp8_input_scaling={})
+    with settings_fp8.measuring(wide):
+        assert plan(16384, "row") is None and plan(16384, "block") is None
+        assert plan(16384, "mx") is not None
+    assert plan(16384, "row", arch=(12, 0)) is None  # two CTAs of 65 KB
+    assert plan(4096, "row", arch=(12, 0)) is not None
+    assert plan(16384, "row", 2, arch=(12, 0), column_amax=True) is None
+
+
 def test_cute_fp8_input_forward_plans_its_own_table_for_whole_vector_groups():
     """FP8 x takes the settings' ``cute_forward_fp8_input`` entry of its width, or
     ``cute_forward_fp8_input_scaling``'s of its scaling there (never ``recompute_t``, which

@@ -590,6 +590,22 @@ class CuteFp8ForwardPlan(CuteRowPlan):
 #: FP8 x's elements in a 16-byte vector of the CuTe DSL FP8 row kernel: a group of its
 #: multipliers must hold whole vectors (one multiplier a vector).
 FP8_VECTOR = 16
+#: Shared memory an SM holds for its CTAs, by compute capability major (the driver's
+#: MAX_SHARED_MEMORY_PER_MULTIPROCESSOR: 228 KB on sm_90 and sm_100, 100 KB on sm_120), and
+#: what it keeps of it a CTA (RESERVED_SHARED_MEMORY_PER_BLOCK).
+SM_SHARED_BYTES = {9: 228 << 10, 10: 228 << 10, 12: 100 << 10}
+RESERVED_SHARED_BYTES = 1 << 10
+
+
+def _fp8_row_kernel_resident(plan: CuteFp8ForwardPlan, row_of_floats: bool,
+                             arch: tuple[int, int]) -> bool:
+    """Whether ``plan``'s CTAs an SM fit an SM's shared memory, each with the warps' partials
+    (16 bytes a warp) and, with ``row_of_floats``, a row of fp32 values (FP8 x's weight, a
+    per-row scaling's column maxima): a CTA that cannot be resident leaves its programs of
+    the persistent grid to a second wave (23-48% of copy, bench/NOTES.md #128)."""
+    per_cta = 16 * (plan.threads // 32) + (4 * plan.cols if row_of_floats else 0)
+    shared = SM_SHARED_BYTES.get(arch[0], SM_SHARED_BYTES[9])
+    return plan.ctas_per_sm * (per_cta + RESERVED_SHARED_BYTES) <= shared
 
 
 def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
@@ -602,7 +618,9 @@ def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
     kernel's ``scaling`` (a name of the kernel's ``SCALINGS``), or None where cuTile's runs:
     widths not in the FP8 settings' ``cute_forward`` table (for FP8 x
     ``cute_forward_fp8_input``, at its ``fp8_input_entry``), other element sizes, FP8 groups
-    smaller than a 16-byte vector, and offsets past 32 bits (the kernel indexes with 32).
+    smaller than a 16-byte vector, offsets past 32 bits (the kernel indexes with 32), and
+    entries whose CTAs an SM its shared memory cannot hold (``SM_SHARED_BYTES``; FP8 x's
+    weight counted whether or not there is one).
     For 2-byte x the settings' ``cute_forward_recompute_t`` entry of the scaling and width,
     where there is one, takes the place of the scaling's ``forward_entry``, with
     ``recompute_t``, and the kernel clamps where the settings' ``cute_forward_clamp`` says.
@@ -619,7 +637,7 @@ def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
         plan = plan_cute_fp8_forward(rows, cols, itemsize=itemsize, sm_count=sm_count,
                                      arch=arch, scaling=scaling, max_offset=max_offset,
                                      device_class=device_class)
-        if plan is None:
+        if plan is None or not _fp8_row_kernel_resident(plan, True, arch):
             return None
         return dataclasses.replace(plan, column_amax=True, clamp=False)
     if max_offset is None:
@@ -630,14 +648,17 @@ def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
         entry = settings.fp8_input_entry(scaling, cols)
         if entry is None or group < FP8_VECTOR or group % FP8_VECTOR:
             return None
-        return CuteFp8ForwardPlan.of(rows, cols, entry, sm_count)
+        plan = CuteFp8ForwardPlan.of(rows, cols, entry, sm_count)
+        # The weight in shared memory but for MX (cute_row_norm_fp8.py): with one or not.
+        return plan if _fp8_row_kernel_resident(plan, scaling != "mx", arch) else None
     recompute_t = settings.cute_forward_recompute_t.get(scaling, {}).get(cols)
     entry = recompute_t or settings.forward_entry(scaling, cols)
     if entry is None or itemsize != 2:
         return None
-    return dataclasses.replace(CuteFp8ForwardPlan.of(rows, cols, entry, sm_count),
+    plan = dataclasses.replace(CuteFp8ForwardPlan.of(rows, cols, entry, sm_count),
                                recompute_t=recompute_t is not None,
                                clamp=settings.forward_clamp(scaling, cols))
+    return plan if _fp8_row_kernel_resident(plan, False, arch) else None
 
 
 @dataclass(frozen=True)
