@@ -6,7 +6,8 @@ variant's fields replaced) around the ops' dispatch: each shape's decision, as
 ``tilenorm.explain`` prints it (``--explain``), and the forward and backward kernel that its
 plain bf16 RMSNorm / LayerNorm call runs; for tune_norm (``--cases op:N[:M]``, cuTile
 only) ``tune_norm.variant_settings`` and the planner with those settings; for bench_fp8
-``bench_fp8.fp8_variant`` alone (its FP8 settings fields, and row ones), no plans. A case's
+``bench_fp8.fp8_variant`` (its FP8 settings fields, and row ones) around the FP8 ops'
+dispatch: each case's CuTe row kernel launch (or cuTile's kernel), :func:`_fp8_runs`. A case's
 ``expect`` (one {shape: {"fwd", "bwd"}} a variant, in :func:`signature`'s words) is checked;
 a variant that the tools would refuse, or whose plan differs, fails here, not on the GPU.
 A case's ``patch`` ({"module.ATTRIBUTE": value}) is applied for its variants only.
@@ -177,6 +178,10 @@ class Compiler:
                     parts.append(f"{job.label}: {self._words(r)}")
                 self.done[key] = "; ".join(parts)
             return self.done[key]
+        return self.cute(key, build)
+
+    def cute(self, key, build) -> str:
+        """The resources of the CuTe DSL kernel ``build()`` compiles (``key``'s, once)."""
         if key not in self.done:
             with tempfile.TemporaryDirectory() as d, self.kr.keeping_cubins(d):
                 build()
@@ -203,13 +208,15 @@ def check(path: Path, device: str, compile_: bool, show: bool) -> int:
             tool = case.get("tool", "bench_norm_ops")
             if tool == "tune_norm":
                 runs = [tune_case(c) for c in case.get("cases", "").split(",") if c]
+            elif tool == "bench_fp8":
+                runs = [(c, *map(int, s.split("x"))) for s in case.get("shapes", "").split(",")
+                        if s for c in case.get("scalings", bench_fp8.DEFAULT_CASES).split(",")]
             elif tool == "bench_norm_ops":
                 runs = [(op, *map(int, s.split("x"))) for op in case.get(
                     "ops", "rms_norm").split(",") for s in case.get("shapes", "").split(",")
                     if s]
             else:
-                print(f"{name}: {tool}: only its variants are checked")
-                runs = []
+                raise SystemExit(f"{name}: check_variants does not know the tool {tool}")
             ops = sorted({op for op, _, _ in runs})
             variants = case["variants"]
             expect = case.get("expect")
@@ -220,14 +227,18 @@ def check(path: Path, device: str, compile_: bool, show: bool) -> int:
                 print(f"{name}: {len(expect)} expectations for {len(variants)} variants")
                 failures += 1
             what = (f"--cases {case.get('cases')}" if tool == "tune_norm" else
+                    f"--scalings {','.join(ops)} --shapes {case.get('shapes')}"
+                    if tool == "bench_fp8" else
                     f"--ops {','.join(ops)} --shapes {case.get('shapes')}")
             print(f"=== {name}: {tool} {what} ({len(variants)} variants x {len(runs)} runs"
                   f"{', patch ' + json.dumps(case['patch']) if 'patch' in case else ''})")
+            cute_at_v0: dict = {}  # bench_fp8: (case, shape) -> whether v0 runs the CuTe kernel
             with patched(case.get("patch", {})):
                 for i, variant in enumerate(variants):
                     try:
-                        if tool == "bench_fp8":  # FP8 settings fields, and row ones
-                            bench_fp8.fp8_variant(variant)
+                        if tool == "bench_fp8":
+                            failures += _fp8_runs(i, variant, runs, device, compiler,
+                                                  cute_at_v0)
                             continue
                         if tool == "tune_norm":
                             info = DEVICES[device]
@@ -245,6 +256,57 @@ def check(path: Path, device: str, compile_: bool, show: bool) -> int:
                         print(f"  v{i}: REFUSED: {type(e).__name__}: {e}")
                         failures += 1
     print(f"{failures} failure(s)")
+    return failures
+
+
+def _fp8_runs(i: int, variant: dict, runs, device: str, compiler, cute_at_v0: dict) -> int:
+    """bench_fp8's variant ``i`` (``bench_fp8.fp8_variant``: FP8 settings fields, and row
+    ones) at each (case, M, N) of ``runs``: the decision ``tilenorm.fp8`` makes for the
+    bench's operands (bf16 weight, E4M3 q, FP8 x where the case has a group), its CuTe row
+    kernel's launch or cuTile's (marked where v0 runs the CuTe kernel), and with
+    ``compiler`` that kernel's resources; a kernel that does not compile is a failure."""
+    from tilenorm import settings_fp8
+    from tilenorm.launch import cute
+
+    info = DEVICES[device]
+    settings = bench_fp8.fp8_variant(variant, settings_fp8.fp8_settings_for(
+        info.arch, info.device_class))
+    failures = 0
+    with settings_fp8.measuring(settings):
+        dispatch.decide_fp8.cache_clear()
+        for case, m, n in runs:
+            scaling, transpose, group = bench_fp8.CASES[case]
+            x = "float8_e4m3fn" if group else "bfloat16"
+            p = dispatch.Fp8Problem(
+                op="rms_norm", device_type="cuda", device_index=0, dtypes=(x, "bfloat16"),
+                rows=m, cols=n, scaling=scaling, transpose=transpose, has_residual=False,
+                max_offset=m * n - 1, allow_experimental=True, group=group)
+            plan = dispatch.decide_fp8(p).cute_forward
+            at = f"  v{i} {case} {m}x{n}:"
+            if i == 0:
+                cute_at_v0[case, m, n] = plan is not None
+            if plan is None:
+                # Where v0 runs the CuTe kernel: the variant's table leaves the width, or its
+                # entry is refused (not resident, #128), which the variant may not mean.
+                lost = cute_at_v0.get((case, m, n), False)
+                print(f"{at} cuTile's row kernel{'  (v0: the CuTe kernel)' * lost}")
+                continue
+            print(f"{at} cute {plan.threads},{plan.stages},{plan.ctas_per_sm} grid{plan.grid}"
+                  + " recompute_t" * plan.recompute_t + " column_amax" * plan.column_amax
+                  + " clamp" * plan.clamp)
+            if compiler is not None:
+                key = cute.Fp8ForwardKey(None, x, "bfloat16", "float8_e4m3fn", p.row_scaling,
+                                         False, n, plan.threads, plan.stages,
+                                         plan.ctas_per_sm, plan.recompute_t,
+                                         plan.column_amax, group, plan.clamp)
+                try:
+                    words = compiler.cute(key, lambda k=key: cute.compile_fp8_forward(
+                        k, "sm_90a"))
+                    print(f"    compiled: {words}", flush=True)
+                except Exception as e:  # a kernel that does not compile fails the variant
+                    print(f"    DOES NOT COMPILE: {type(e).__name__}: {str(e)[:300]}")
+                    failures += 1
+        dispatch.decide_fp8.cache_clear()
     return failures
 
 
