@@ -231,10 +231,9 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                         and _power_of_two(self.block_lanes) and self.reps <= self.block_lanes)
         # FP8 x's loop (bench/NOTES.md #124): the fp32 weight in shared memory, read each
         # row, where the registers of a deep ring would otherwise widen the 2-byte weight
-        # again for every row (MX scaling spills with it), laid out so that a warp's 16-byte
-        # reads are 512 consecutive bytes (:meth:`_chunked`; a thread's own 64 contiguous
-        # bytes put them on 8 of the 32 banks: 4x the wavefronts, 19-24% of the H200's
-        # FP8-x time, #127, #128); per-thread 64-bit addresses of x, the multipliers and q
+        # again for every row (MX scaling spills with it), laid out by :meth:`_spread` (a
+        # thread's own 64 contiguous bytes cost 19-24% of the H200's FP8-x time, #127,
+        # #128); per-thread 64-bit addresses of x, the multipliers and q
         # held across the loop (block scaling spills with them).
         self.smem_weight = bool(group) and self.has_weight and scaling != "mx"
         self.thread_bases = bool(group) and scaling != "block"
@@ -357,12 +356,22 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
 
     @cute.jit
     def _chunked(self, first, chunk_stride: int, rep_stride: int) -> cute.Tensor:
-        """A thread's (vec, reps) weight as ((4, vec / 4), reps) 4-element chunks: chunk
-        ``c`` of rep ``r`` at ``first + chunk_stride * c + rep_stride * r`` (in shared
-        memory, from 4 * tidx: 4 * threads, vec * threads, so lane i's chunk is 16 bytes
-        after lane i - 1's; a register tensor's own: 4, vec)."""
+        """A thread's (vec, reps) fp32 values as ((4, vec / 4), reps) 4-element chunks:
+        chunk ``c`` of rep ``r`` at ``first + chunk_stride * c + rep_stride * r``
+        (:meth:`_spread`'s in shared memory; a register tensor's own: 4, vec)."""
         return cute.make_tensor(first, cute.make_layout(
             ((4, self.vec // 4), self.reps), stride=((1, chunk_stride), rep_stride)))
+
+    @cute.jit
+    def _spread(self, smem, tidx: Int32) -> cute.Tensor:
+        """A row of fp32 values allocated in shared memory, this thread's (vec, reps) of
+        them as :meth:`_chunked` chunks at 4 * tidx, strides 4 * threads and vec * threads:
+        a warp's 16-byte accesses are 512 consecutive bytes, 4 wavefronts, where a thread's
+        own contiguous vec * 4 bytes put 2 (2-byte x) or 4 (FP8 x) lanes on a bank
+        (bench/NOTES.md #127, #128)."""
+        return self._chunked(
+            smem.allocate_tensor(Float32, cute.make_layout((self.cols,)), 16).iterator
+            + cute.assume(tidx * 4, divby=4), 4 * self.threads, self.vec * self.threads)
 
     @cute.jit
     def _from_thread(self, first) -> cute.Tensor:
@@ -442,12 +451,11 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                 zeros[0] = Int32(0)
             cute.arch.barrier()
         # column_amax: each column's largest |y| over the program's rows, in shared memory
-        # (registers hold the ring); each thread keeps the slots of its own columns, so no
-        # barrier orders them.
+        # (registers hold the ring) laid out as :meth:`_spread` says; each thread keeps the
+        # slots of its own columns, so no barrier orders them.
         columns = None
         if const_expr(self.column_amax):
-            columns = self._thread_view(
-                smem.allocate_tensor(Float32, cute.make_layout((self.cols,)), 16), tidx)
+            columns = self._spread(smem, tidx)
             for r in cutlass.range_constexpr(self.reps):
                 for e in cutlass.range_constexpr(self.vec):
                     columns[e, r] = Float32(0.0)
@@ -465,10 +473,7 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                 w.store(w_in.load().to(Float32))
                 if const_expr(self.smem_weight):
                     w_fp32 = w
-                    w = self._chunked(
-                        smem.allocate_tensor(Float32, cute.make_layout((self.cols,)), 16).iterator
-                        + cute.assume(tidx * 4, divby=4), 4 * self.threads,
-                        self.vec * self.threads)
+                    w = self._spread(smem, tidx)
                     cute.autovec_copy(self._chunked(w_fp32.iterator, 4, self.vec), w)
         t = cute.make_rmem_tensor(shape, Float32)
         y = cute.make_rmem_tensor(shape, Float32)
@@ -606,7 +611,7 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                 mAmax[program] = acc[0]
         if const_expr(self.column_amax):
             out = cute.make_rmem_tensor(shape, Float32)
-            cute.autovec_copy(columns, out)
+            cute.autovec_copy(columns, self._chunked(out.iterator, 4, self.vec))
             cute.autovec_copy(out, self._thread_view(mAmax[program, None], tidx))
 
     @cute.jit
@@ -628,12 +633,13 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         """Rep ``r``'s fp32 q values into ``out`` (``vec`` of them), each ``|t * rstd|``
         folded into the rep's column slots: one product for both."""
         m = cute.make_rmem_tensor((self.vec,), Float32)
-        cute.autovec_copy(columns[None, r], m)
+        m_chunks = cute.make_tensor(m.iterator, cute.make_layout((4, self.vec // 4)))
+        cute.autovec_copy(columns[None, r], m_chunks)
         for e in cutlass.range_constexpr(self.vec):
             normed = t[e, r] * rstd
             m[e] = cute.arch.fmax(m[e], cute.math.absf(normed))
             out[e] = self._saturated(normed * scale)
-        cute.autovec_copy(m, columns[None, r])
+        cute.autovec_copy(m_chunks, columns[None, r])
 
     @cute.jit
     def _quantize_blocks(self, t, y, q, q_bytes, rstd, row, tidx, lane, bits, mQ, mQScale,
