@@ -26,6 +26,15 @@ def test_bytes_moved_counts_each_operand_once_and_x_twice_where_designed():
     assert one == m * n + 4 * m * 32 + m * n + 4 * m + 4 * m
 
 
+def test_every_case_reads_x_of_256_mb_at_the_default_shapes():
+    # issue 19: x >= 256 MB; FP8 x takes twice the rows of bf16 x's shape
+    for shape in bench_fp8.DEFAULT_SHAPES.split(","):
+        m, n = map(int, shape.split("x"))
+        for case, (_, _, group) in bench_fp8.CASES.items():
+            rows = bench_fp8.case_rows(m, case)
+            assert rows * n * (1 if group else 2) == 256 << 20, (case, shape)
+
+
 def _row(case, provider, gbps, own_pct, ms):
     return {"op": f"rms_norm_fp8_{case}", "case": case, "M": 8, "N": 4096, "mode": "graph",
             "provider": provider, "fwd_gbps": gbps, "own_bound_pct": own_pct, "fwd_ms": ms}

@@ -209,7 +209,8 @@ def check(path: Path, device: str, compile_: bool, show: bool) -> int:
             if tool == "tune_norm":
                 runs = [tune_case(c) for c in case.get("cases", "").split(",") if c]
             elif tool == "bench_fp8":
-                runs = [(c, *map(int, s.split("x"))) for s in case.get("shapes", "").split(",")
+                runs = [(c, bench_fp8.case_rows(int(s.split("x")[0]), c), int(s.split("x")[1]))
+                        for s in case.get("shapes", "").split(",")
                         if s for c in case.get("scalings", bench_fp8.DEFAULT_CASES).split(",")]
             elif tool == "bench_norm_ops":
                 runs = [(op, *map(int, s.split("x"))) for op in case.get(
@@ -293,12 +294,13 @@ def _fp8_runs(i: int, variant: dict, runs, device: str, compiler, cute_at_v0: di
                 continue
             print(f"{at} cute {plan.threads},{plan.stages},{plan.ctas_per_sm} grid{plan.grid}"
                   + " recompute_t" * plan.recompute_t + " column_amax" * plan.column_amax
-                  + " clamp" * plan.clamp)
+                  + " clamp" * plan.clamp + " shared_ring" * plan.shared_ring)
             if compiler is not None:
                 key = cute.Fp8ForwardKey(None, x, "bfloat16", "float8_e4m3fn", p.row_scaling,
                                          False, n, plan.threads, plan.stages,
                                          plan.ctas_per_sm, plan.recompute_t,
-                                         plan.column_amax, group, plan.clamp)
+                                         plan.column_amax, group, plan.clamp,
+                                         plan.shared_ring)
                 try:
                     words = compiler.cute(key, lambda k=key: cute.compile_fp8_forward(
                         k, "sm_90a"))
