@@ -579,15 +579,12 @@ class CuteFp8ForwardPlan(CuteRowPlan):
     column_amax: bool = False
     #: The kernel's ``clamp``: each value clamped to +-fp8_max before the conversion.
     clamp: bool = False
-    #: The kernel's ``shared_ring`` (FP8 x): x's ring of ``stages`` rows in shared memory.
-    shared_ring: bool = False
 
     def describe(self) -> str:
         return (f"CuTe DSL, {self._launch()}"
                 + (", t = x * w recomputed at each use" if self.recompute_t else "")
                 + (", column amaxes kept" if self.column_amax else "")
-                + (", clamped before the conversion" if self.clamp else "")
-                + (", x's ring in shared memory" if self.shared_ring else ""))
+                + (", clamped before the conversion" if self.clamp else ""))
 
 
 #: FP8 x's elements in a 16-byte vector of the CuTe DSL FP8 row kernel: a group of its
@@ -605,10 +602,8 @@ def _fp8_row_kernel_resident(plan: CuteFp8ForwardPlan, row_of_floats: bool,
     """Whether ``plan``'s CTAs an SM fit an SM's shared memory, each with the warps' partials
     (16 bytes a warp) and, with ``row_of_floats``, a row of fp32 values (FP8 x's weight, a
     per-row scaling's column maxima): a CTA that cannot be resident leaves its programs of
-    the persistent grid to a second wave (23-48% of copy, bench/NOTES.md #128). With
-    ``shared_ring``, also the ring's ``stages`` rows of FP8 x's bytes."""
-    per_cta = (16 * (plan.threads // 32) + (4 * plan.cols if row_of_floats else 0)
-               + (plan.stages * plan.cols if plan.shared_ring else 0))
+    the persistent grid to a second wave (23-48% of copy, bench/NOTES.md #128)."""
+    per_cta = 16 * (plan.threads // 32) + (4 * plan.cols if row_of_floats else 0)
     shared = SM_SHARED_BYTES.get(arch[0], SM_SHARED_BYTES[9])
     return plan.ctas_per_sm * (per_cta + RESERVED_SHARED_BYTES) <= shared
 
@@ -622,8 +617,7 @@ def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
     of FP8 x (``itemsize`` 1) with one multiplier per ``group`` elements, with the row
     kernel's ``scaling`` (a name of the kernel's ``SCALINGS``), or None where cuTile's runs:
     widths not in the FP8 settings' ``cute_forward`` table (for FP8 x
-    ``cute_forward_fp8_input``, at its ``fp8_input_entry``, with x's ring in shared memory
-    where ``fp8_input_shared_ring`` says), other element sizes, FP8 groups
+    ``cute_forward_fp8_input``, at its ``fp8_input_entry``), other element sizes, FP8 groups
     smaller than a 16-byte vector, offsets past 32 bits (the kernel indexes with 32), and
     entries whose CTAs an SM its shared memory cannot hold (``SM_SHARED_BYTES``; FP8 x's
     weight counted whether or not there is one).
@@ -654,8 +648,7 @@ def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
         entry = settings.fp8_input_entry(scaling, cols)
         if entry is None or group < FP8_VECTOR or group % FP8_VECTOR:
             return None
-        plan = dataclasses.replace(CuteFp8ForwardPlan.of(rows, cols, entry, sm_count),
-                                   shared_ring=settings.fp8_input_shared_ring(scaling, cols))
+        plan = CuteFp8ForwardPlan.of(rows, cols, entry, sm_count)
         # The weight in shared memory but for MX (cute_row_norm_fp8.py): with one or not.
         return plan if _fp8_row_kernel_resident(plan, scaling != "mx", arch) else None
     recompute_t = settings.cute_forward_recompute_t.get(scaling, {}).get(cols)

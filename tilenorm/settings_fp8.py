@@ -141,11 +141,6 @@ class Fp8Settings:
     #: block and MX scaling spill 18-43 words, row scaling 0 and 2.
     cute_forward_fp8_input_scaling: dict = field(default_factory=lambda: {
         "row": {2048: (64, 4, 8), 8192: (256, 2, 4), 16384: (512, 2, 2)}})
-    #: {scaling: widths} where the FP8-x row kernel keeps x's ring in shared memory
-    #: (``shared_ring``, cute_row_norm_fp8.py): ``stages`` rows a CTA in flight by
-    #: ``cp.async`` where the register ring of these entries holds one.
-    cute_forward_fp8_input_shared_ring: dict = field(default_factory=lambda: {
-        "row": (8192, 16384)})
 
     def forward_entry(self, scaling: str, cols: int) -> tuple[int, int, int] | None:
         """The row kernel's (threads, stages, CTAs per SM) for 2-byte x of ``cols`` columns
@@ -163,11 +158,6 @@ class Fp8Settings:
             return None
         return self.cute_forward_fp8_input_scaling.get(scaling, {}).get(
             cols, self.cute_forward_fp8_input[cols])
-
-    def fp8_input_shared_ring(self, scaling: str, cols: int) -> bool:
-        """Whether the row kernel of FP8 x at ``scaling`` and ``cols`` keeps x's ring in
-        shared memory (``cute_forward_fp8_input_shared_ring``)."""
-        return cols in self.cute_forward_fp8_input_shared_ring.get(scaling, ())
 
     def forward_clamp(self, scaling: str, cols: int) -> bool:
         """Whether the row kernel of 2-byte x at ``scaling`` and ``cols`` takes ``clamp``
@@ -194,7 +184,6 @@ SM90_FP8 = Fp8Settings()
 SM90_FP8_H100 = dataclasses.replace(
     SM90_FP8, cute_forward={**SM90_FP8.cute_forward, 8192: (512, 2, 2)},
     cute_forward_fp8_input_scaling={},
-    cute_forward_fp8_input_shared_ring={},
     cute_forward_recompute_t={"block": {16384: (256, 2, 2)}},
     cute_forward_scaling={scaling: {4096: (256, 4, 2)} for scaling in ("row", "mx")},
     cute_forward_clamp={})

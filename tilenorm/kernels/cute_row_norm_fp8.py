@@ -60,15 +60,6 @@ together. x = widen(fp8) * multiplier, one fp32 rounding, as cutile_row_norm_fp8
 ``_dequantized``; from there the math is the same. A 128-column block is 8 lanes, an MX
 block 2.
 
-``shared_ring`` (FP8 x): the ring of x's bytes in shared memory, filled by 16-byte
-``cp.async`` (each thread its own vectors, so ``cp.async.wait_group`` alone orders a slot's
-copies before its reads: no barrier), every slot a row ahead: a row is copied from its slot
-into registers and the slot refilled with the row ``stages`` turns on before the row is
-reduced. ``stages`` rows of loads in flight a CTA where the register ring keeps
-``stages - 1``, and no registers for them: at 8192 and 16384 columns the register ring's
-64 registers a thread hold one row ahead, 33 KB an SM in flight (bench/NOTES.md #130). The
-multipliers keep their register ring; the same values in the same order, so the same bits.
-
 ``recompute_t``: the weight and t are not held across the row. The kernel above keeps the
 weight in fp32 and t beside the ring of x, 2 x 4 bytes an element; two CTAs of 256 threads an
 SM at 16384 columns (128 registers a thread) then spill. With ``recompute_t`` each use reads
@@ -96,7 +87,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from tilenorm.kernels.cute_rows import SMEM_CARVEOUT, RowKernel
@@ -190,14 +180,13 @@ class Fp8Scales:
 
 class RowNormFp8Forward(RowKernel, Fp8Scales):
     """The kernel for one (dtypes, width, scaling, launch config, ``recompute_t``,
-    ``column_amax``, FP8 x's ``group``: 0 for x that is not FP8, ``clamp``, ``shared_ring``);
-    ``__call__``
+    ``column_amax``, FP8 x's ``group``: 0 for x that is not FP8, ``clamp``); ``__call__``
     launches it on ``grid`` programs (``mXScale`` None but for FP8 x)."""
 
     def __init__(self, dtype, weight_dtype, fp8_dtype, fp8_max: float, cols: int,
                  threads: int, stages: int, ctas_per_sm: int, scaling: str,
                  has_offset: bool, recompute_t: bool = False, column_amax: bool = False,
-                 group: int = 0, clamp: bool = False, shared_ring: bool = False):
+                 group: int = 0, clamp: bool = False):
         if scaling not in SCALINGS:
             raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
         self.dtype = dtype
@@ -226,8 +215,6 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
             # Their one reader, the CuTe copy with weight_first (cute_fp8_transpose.py),
             # reads 2-byte x: FP8 x's row-scaled copy keeps cuTile's kernels (dispatch).
             raise ValueError("column amaxes are kept for the CuTe copy of 2-byte x only")
-        if shared_ring and not group:
-            raise ValueError("the ring in shared memory is FP8 x's")
         self.stages = stages
         self.ctas_per_sm = ctas_per_sm
         self.scaling = scaling
@@ -237,7 +224,6 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         self.column_amax = column_amax
         self.group = group
         self.clamp = clamp
-        self.shared_ring = shared_ring
         self.warps = threads // cute.arch.WARP_SIZE
         # The reduce-scatter of a block's amaxes (_scattered_block_amax): where the reps and
         # the block's lanes are powers of two, no more reps than lanes.
@@ -400,10 +386,8 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                   bases: tuple):
         """Issue the loads of this thread's vectors of ``row`` into its ring slot and, for
         FP8 x, the multiplier of each vector's group (one a vector: a group is whole
-        vectors) into ``scale_slot`` (reps,); ``bases`` :meth:`_thread_bases`'s. ``x_slot``
-        None: the multipliers only (``shared_ring``: :meth:`_stage_row` copies x)."""
-        if const_expr(x_slot is not None):
-            cute.autovec_copy(self._row_view(mX, bases[0], row, tidx), x_slot)
+        vectors) into ``scale_slot`` (reps,); ``bases`` :meth:`_thread_bases`'s."""
+        cute.autovec_copy(self._row_view(mX, bases[0], row, tidx), x_slot)
         if const_expr(self.group):
             per_group = self.group // self.vec
             if const_expr(bases[1] is not None):
@@ -422,15 +406,6 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                     else:
                         group = (tidx + r * self.threads) // per_group
                     scale_slot[r] = mXScale[row, group]
-
-    @cute.jit
-    def _stage_row(self, g2s, mX: cute.Tensor, row: Int32, tidx: Int32, slot: cute.Tensor,
-                   bases: tuple):
-        """``shared_ring``: this thread's vectors of ``row`` into its shared-memory ``slot``
-        by ``cp.async``, committed as one group (every call one, so that ``wait_group``
-        counts rows)."""
-        cute.copy(g2s, self._row_view(mX, bases[0], row, tidx), slot)
-        cute.arch.cp_async_commit_group()
 
     @cute.jit
     def _values(self, x_slot: cute.Tensor, scale_slot: cute.Tensor | None,
@@ -500,16 +475,6 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                     w_fp32 = w
                     w = self._spread(smem, tidx)
                     cute.autovec_copy(self._chunked(w_fp32.iterator, 4, self.vec), w)
-        # shared_ring: (byte, slot), a thread's vectors of a slot where _thread_view puts them
-        # in a row, so a warp's 16-byte copies and reads are 512 consecutive bytes.
-        x_ring = g2s = None
-        if const_expr(self.shared_ring):
-            x_ring = smem.allocate_tensor(cutlass.Uint8,
-                                          cute.make_layout((self.cols, self.stages)), 16)
-            # .cg: streamed once, past L1 (which the carveout leaves small).
-            g2s = cute.make_copy_atom(
-                cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), cutlass.Uint8,
-                num_bits_per_copy=128)
         t = cute.make_rmem_tensor(shape, Float32)
         y = cute.make_rmem_tensor(shape, Float32)
         q = cute.make_rmem_tensor(shape, self.fp8_dtype)
@@ -518,11 +483,7 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         # The ring of x as loaded: FP8 x as its bytes (DLPack has no FP8 types everywhere:
         # mX is uint8), with a ring of its group multipliers and the fp32 x of a row.
         x_type = cutlass.Uint8 if const_expr(self.group) else self.dtype
-        if const_expr(self.shared_ring):
-            xs = [self._thread_view(x_ring[None, j], tidx) for j in range(self.stages)]
-            x_held = cute.make_rmem_tensor(shape, x_type)
-        else:
-            xs = [cute.make_rmem_tensor(shape, x_type) for _ in range(self.stages)]
+        xs = [cute.make_rmem_tensor(shape, x_type) for _ in range(self.stages)]
         ss = [None] * self.stages
         xf = None
         if const_expr(self.group):
@@ -540,34 +501,18 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         bases = self._thread_bases(mX, mXScale, mQ, tidx)
         # Rows past the end are clamped to the last row: loaded, never used.
         for s in cutlass.range_constexpr(self.stages - 1):
-            self._load_row(mX, mXScale, cutlass.min(program + s * grid, last), tidx,
-                           None if const_expr(self.shared_ring) else xs[s], ss[s], bases)
-        if const_expr(self.shared_ring):
-            for s in cutlass.range_constexpr(self.stages):
-                self._stage_row(g2s, mX, cutlass.min(program + s * grid, last), tidx, xs[s],
-                                bases)
+            self._load_row(mX, mXScale, cutlass.min(program + s * grid, last), tidx, xs[s],
+                           ss[s], bases)
 
         for base in cutlass.range(program, rows, self.stages * grid):
             for s in cutlass.range_constexpr(self.stages):
                 ahead = (s + self.stages - 1) % self.stages
                 self._load_row(mX, mXScale,
                                cutlass.min(base + (s + self.stages - 1) * grid, last), tidx,
-                               None if const_expr(self.shared_ring) else xs[ahead], ss[ahead],
-                               bases)
-                x_slot = None
-                if const_expr(self.shared_ring):
-                    # This row's copies landed (the ring's later rows may be in flight); its
-                    # bytes to registers, the slot refilled.
-                    cute.arch.cp_async_wait_group(self.stages - 1)
-                    cute.autovec_copy(xs[s], x_held)
-                    self._stage_row(g2s, mX, cutlass.min(base + (s + self.stages) * grid, last),
-                                    tidx, xs[s], bases)
-                    x_slot = x_held
-                else:
-                    x_slot = xs[s]
+                               xs[ahead], ss[ahead], bases)
                 row = base + s * grid
                 if row < rows:
-                    x = self._values(x_slot, ss[s], xf)
+                    x = self._values(xs[s], ss[s], xf)
                     if const_expr(not self.recompute_t):
                         self._store_t(x, w, t, offset)
                     sq = (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
@@ -660,8 +605,6 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                     else:
                         self._quantize_blocks(t, y, q, q_bytes, rstd, row, tidx, lane, bits,
                                               mQ, mQScale, bases[2])
-        if const_expr(self.shared_ring):
-            cute.arch.cp_async_wait_group(0)  # no copy left in flight into a freed CTA
         # Two ifs: one decided when tracing, one at run time.
         if const_expr(self.scaling in ("amax", "delayed")):  # noqa: SIM102
             if tidx == 0:

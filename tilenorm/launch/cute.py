@@ -453,8 +453,6 @@ class Fp8ForwardKey:
     #: The kernel's ``clamp``: each value clamped to +-fp8_max before the (saturating)
     #: conversion, the same bits.
     clamp: bool = False
-    #: The kernel's ``shared_ring`` (FP8 x): x's ring in shared memory, by ``cp.async``.
-    shared_ring: bool = False
 
 
 def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
@@ -487,7 +485,7 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
     kernel = RowNormFp8Forward(
         dtype, weight_dtype, fp8, FP8_MAX[key.fp8_dtype], key.cols, key.threads, key.stages,
         key.ctas_per_sm, key.scaling, key.has_offset, key.recompute_t, key.column_amax,
-        key.group, key.clamp, key.shared_ring)
+        key.group, key.clamp)
 
     rows = cute.sym_int() if key.rows is None else key.rows
     cols, slots = key.cols, cute.sym_int()
@@ -537,8 +535,7 @@ def aot_fp8_keys(all_dtypes: bool = False) -> list[Fp8ForwardKey]:
     ``cute_forward_fp8_input`` table with FP8 x, at each scaling's ``fp8_input_entry``: every
     scaling and group of :data:`FP8_INPUT_GROUPS`, E4M3, a bf16 weight; no weight, an fp32
     weight, E5M2 x and q, the offset (an fp16 weight with ``all_dtypes``) at one scaling each
-    (no column amaxes: FP8 x's row-scaled copy keeps cuTile's kernels), each with the
-    ``shared_ring`` of its scaling and width (``fp8_input_shared_ring``). The entries of every
+    (no column amaxes: FP8 x's row-scaled copy keeps cuTile's kernels). The entries of every
     device class's FP8 settings (:data:`tilenorm.settings.DEVICE_CLASSES`)."""
     from tilenorm.settings_fp8 import fp8_settings_for
 
@@ -586,25 +583,19 @@ def _fp8_keys(settings: Fp8Settings, all_dtypes: bool) -> list[Fp8ForwardKey]:
                      for x, weight, fp8, has_offset in recompute_t_features]
     for cols in settings.cute_forward_fp8_input:
         config = functools.partial(settings.fp8_input_entry, cols=cols)
-        ring = functools.partial(settings.fp8_input_shared_ring, cols=cols)
         keys += [Fp8ForwardKey(None, "float8_e4m3fn", "bfloat16", "float8_e4m3fn",
-                               scaling, False, cols, *config(scaling), group=group,
-                               shared_ring=ring(scaling))
+                               scaling, False, cols, *config(scaling), group=group)
                  for scaling in SCALINGS for group in FP8_INPUT_GROUPS]
         keys += [Fp8ForwardKey(None, "float8_e4m3fn", weight, "float8_e4m3fn", "row",
-                               False, cols, *config("row"), group=16,
-                               shared_ring=ring("row"))
+                               False, cols, *config("row"), group=16)
                  for weight in (None, "float32")]
         keys += [Fp8ForwardKey(None, "float8_e5m2", "bfloat16", "float8_e5m2", "row",
-                               False, cols, *config("row"), group=16,
-                               shared_ring=ring("row")),
+                               False, cols, *config("row"), group=16),
                  Fp8ForwardKey(None, "float8_e4m3fn", "float32", "float8_e4m3fn", "block",
-                               True, cols, *config("block"), group=128,
-                               shared_ring=ring("block"))]
+                               True, cols, *config("block"), group=128)]
         if all_dtypes:
             keys.append(Fp8ForwardKey(None, "float8_e4m3fn", "float16", "float8_e4m3fn",
-                                      "mx", False, cols, *config("mx"), group=16,
-                                      shared_ring=ring("mx")))
+                                      "mx", False, cols, *config("mx"), group=16))
     return keys
 
 

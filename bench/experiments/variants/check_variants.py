@@ -294,13 +294,12 @@ def _fp8_runs(i: int, variant: dict, runs, device: str, compiler, cute_at_v0: di
                 continue
             print(f"{at} cute {plan.threads},{plan.stages},{plan.ctas_per_sm} grid{plan.grid}"
                   + " recompute_t" * plan.recompute_t + " column_amax" * plan.column_amax
-                  + " clamp" * plan.clamp + " shared_ring" * plan.shared_ring)
+                  + " clamp" * plan.clamp)
             if compiler is not None:
                 key = cute.Fp8ForwardKey(None, x, "bfloat16", "float8_e4m3fn", p.row_scaling,
                                          False, n, plan.threads, plan.stages,
                                          plan.ctas_per_sm, plan.recompute_t,
-                                         plan.column_amax, group, plan.clamp,
-                                         plan.shared_ring)
+                                         plan.column_amax, group, plan.clamp)
                 try:
                     words = compiler.cute(key, lambda k=key: cute.compile_fp8_forward(
                         k, "sm_90a"))
