@@ -1,13 +1,14 @@
 """The kernels of a few shapes once each, for Nsight Compute's counters: every case runs
 twice outside the profiled region (compiles, plans, warms), then once inside it
 (``cudaProfilerStart`` / ``Stop``), so ``ncu --profile-from-start off`` sees one launch of
-each of its kernels, on fresh random inputs of >= 256 MB. A device-to-device copy of the
-same bytes runs first, the reference for DRAM throughput.
+each of its kernels, on fresh random inputs (bf16 x of the shape). ncu's DRAM throughput is
+against the device's peak: a copy's share of it is read from the copy kernel of another
+tool (torch's ``copy_`` of a tensor is a driver memcpy, which ncu does not profile).
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight ... \\
         python bench/experiments/ncu_kernels.py fp8x:8192x16384 bwd:18724x7168
 
-Cases: ``copy:MxN`` (bf16), ``fwd:MxN`` / ``bwd:MxN`` (bf16 RMSNorm), ``fp8x:MxN`` (E4M3 x
+Cases: ``fwd:MxN`` / ``bwd:MxN`` (bf16 RMSNorm), ``fp8x:MxN`` (E4M3 x
 with fp32 multipliers per 128 elements, row-scaled FP8 out, as bench_fp8.py's
 ``fp8x-row``), ``row:MxN`` (bf16 x, row-scaled FP8 out), ``qfwd:MxN`` / ``qbwd:MxN``
 (Quack's RMSNorm, for its counters beside tilenorm's).
@@ -35,9 +36,6 @@ def case(spec: str):
     g = torch.Generator(device="cuda").manual_seed(m * 7 + n)
     x = torch.randn(m, n, generator=g, device="cuda").to(torch.bfloat16)
     w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(torch.bfloat16)
-    if kind == "copy":
-        out = torch.empty_like(x)
-        return lambda: out.copy_(x)
     if kind == "fwd":
         return lambda: tilenorm.rms_norm_forward(x, w, EPS)
     if kind == "bwd":

@@ -37,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from bench import bench_fp8, tune_norm  # noqa: E402
+from bench import bench_fp8, common, tune_norm  # noqa: E402
 from tilenorm import dispatch  # noqa: E402
 from tilenorm.device import DeviceInfo  # noqa: E402
 from tilenorm.planner import (  # noqa: E402
@@ -209,9 +209,10 @@ def check(path: Path, device: str, compile_: bool, show: bool) -> int:
             if tool == "tune_norm":
                 runs = [tune_case(c) for c in case.get("cases", "").split(",") if c]
             elif tool == "bench_fp8":
-                runs = [(c, bench_fp8.case_rows(int(s.split("x")[0]), c), int(s.split("x")[1]))
-                        for s in case.get("shapes", "").split(",")
-                        if s for c in case.get("scalings", bench_fp8.DEFAULT_CASES).split(",")]
+                shapes = case.get("shapes", "")
+                runs = [(c, bench_fp8.case_rows(m, c), n)
+                        for m, n in (common.parse_shapes(shapes) if shapes else [])
+                        for c in case.get("scalings", bench_fp8.DEFAULT_CASES).split(",")]
             elif tool == "bench_norm_ops":
                 runs = [(op, *map(int, s.split("x"))) for op in case.get(
                     "ops", "rms_norm").split(",") for s in case.get("shapes", "").split(",")
