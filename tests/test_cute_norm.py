@@ -2,6 +2,8 @@
 ahead-of-time build for Hopper and Blackwell, the decision that picks it, and (GPU) its outputs
 against float64."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -129,10 +131,11 @@ def _plan(rows, cols, op):
 
 
 def check_backward(m, n, op="layer_norm", dtype=torch.bfloat16, w_dtype=torch.float32,
-                   has_weight=True, has_bias=None, eps=1e-5):
+                   has_weight=True, has_bias=None, eps=1e-5, shared_ring=False):
     """The kernel on poisoned dx and partial buffer against float64: every dx element and
     partial slot written, dx / dgamma / dbeta accurate, a rerun bit-identical. A bias is
-    LayerNorm's by default (RMSNorm has none)."""
+    LayerNorm's by default (RMSNorm has none). ``shared_ring``: the kernel with its ring in
+    shared memory runs too, on the same inputs, to the same bits."""
     layer_norm = op == "layer_norm"
     if has_bias is None:
         has_bias = layer_norm
@@ -146,18 +149,25 @@ def check_backward(m, n, op="layer_norm", dtype=torch.bfloat16, w_dtype=torch.fl
     mean, rstd = (ref.mean.float() if layer_norm else None), ref.rstd.float()
     plan = _plan(m, n, op)
     names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-    fn = cute.compiled_backward(cute.BackwardKey.of(
-        plan, names[dtype], None if w is None else names[w.dtype], has_bias, layer_norm),
-        torch.cuda.get_device_capability())
+    key = cute.BackwardKey.of(plan, names[dtype], None if w is None else names[w.dtype],
+                              has_bias, layer_norm)
+    kernels = [key] + [dataclasses.replace(key, shared_ring=True)] * shared_ring
     groups = int(has_weight) + int(has_bias)
     outputs = []
-    for _ in range(2):
-        dx = poisoned((m, n), dtype)
-        partial = poisoned((plan.partial_rows, groups, n), torch.float32) if groups else None
-        fn(x, dy, w, mean, rstd, dx, partial, plan.grid)
-        torch.cuda.synchronize()
-        outputs.append((dx, partial))
-    (dx, partial), (dx2, partial2) = outputs
+    for k in kernels:
+        fn = cute.compiled_backward(k, torch.cuda.get_device_capability())
+        for _ in range(2):
+            dx = poisoned((m, n), dtype)
+            partial = (poisoned((plan.partial_rows, groups, n), torch.float32) if groups
+                       else None)
+            fn(x, dy, w, mean, rstd, dx, partial, plan.grid)
+            torch.cuda.synchronize()
+            outputs.append((dx, partial))
+    for dx_ring, partial_ring in outputs[2:]:
+        assert torch.equal(dx_ring, outputs[0][0]), f"the shared ring's dx (seed {seed})"
+        if groups:
+            assert torch.equal(partial_ring, outputs[0][1]), f"its partials (seed {seed})"
+    (dx, partial), (dx2, partial2) = outputs[:2]
     assert not dx.isnan().any(), f"every dx element written (seed {seed})"
     assert torch.equal(dx, dx2), f"rerun bit-identical (seed {seed})"
     assert rel(dx, ref.dx) <= OUT_TOL[dtype], seed
@@ -192,6 +202,14 @@ FEATURES = {"fp16": dict(dtype=torch.float16, w_dtype=torch.float16),
     if op == "layer_norm" or case not in ("weight only", "bias only")])
 def test_features_match_float64(op, n, case):
     check_backward(555, n, op, **FEATURES[case])
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize(("op", "n"), CASES)
+@pytest.mark.parametrize("m", [7, 1000, 32768])
+def test_ring_in_shared_memory_has_the_register_rings_bits(m, op, n):
+    check_backward(m, n, op, shared_ring=True)
 
 
 def _float64_layer_norm(x, w, b, eps, dy):

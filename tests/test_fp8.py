@@ -786,6 +786,34 @@ def test_cute_fp8_row_kernel_entries_are_resident_by_shared_memory():
     assert plan(16384, "row", arch=(12, 0)) is None  # two CTAs of 65 KB
     assert plan(4096, "row", arch=(12, 0)) is not None
     assert plan(16384, "row", 2, arch=(12, 0), column_amax=True) is None
+    # The ring in shared memory counts its rows: FP8 x at 16384 (512, 2, 2) holds 64 KB of
+    # weight and 2 x 20 KB of x and multipliers a CTA, two an SM; four rows of ring do not fit.
+    ring = dataclasses.replace(SM90_FP8, cute_forward_fp8_input_shared_ring={"row": (16384,)},
+                               cute_forward_shared_ring={"block": (8192,)})
+    with settings_fp8.measuring(ring):
+        assert plan(16384, "row").shared_ring and not plan(16384, "block").shared_ring
+        assert plan(8192, "block", 2).shared_ring and not plan(8192, "row", 2).shared_ring
+    deep = dataclasses.replace(ring, cute_forward_fp8_input_scaling={"row": {16384: (512, 4, 2)}})
+    with settings_fp8.measuring(deep):
+        assert plan(16384, "row") is None
+
+
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+def test_cute_fp8_ring_in_shared_memory_refuses_what_it_cannot_copy():
+    from cutlass import BFloat16, Float8E4M3FN
+
+    from tilenorm.kernels.cute_row_norm_fp8 import RowNormFp8Forward
+
+    def kernel(dtype, scaling, group, **kw):
+        return RowNormFp8Forward(dtype, BFloat16, Float8E4M3FN, 448.0, 4096, 128, 4, 4,
+                                 scaling, False, group=group, shared_ring=True, **kw)
+
+    assert kernel(Float8E4M3FN, "row", 128).shared_ring
+    assert kernel(BFloat16, "block", 0).shared_ring
+    for dtype, scaling, group, kw in ((Float8E4M3FN, "block", 128, {}),
+                                      (BFloat16, "row", 0, {"recompute_t": True})):
+        with pytest.raises(ValueError, match="ring in shared memory"):
+            kernel(dtype, scaling, group, **kw)
 
 
 def test_cute_fp8_input_forward_plans_its_own_table_for_whole_vector_groups():
@@ -2284,3 +2312,73 @@ def test_transposed_copy_of_rows_not_a_multiple_of_16_takes_cutiles_pass(scaling
     out = run_kernels("rms_norm", x, w, None, scaling, transpose=True)
     check_against_float64(out, _reference(x.cpu(), w.cpu(), None, scaling, E4M3, out),
                           scaling, E4M3)
+
+
+def _with_and_without_ring(field, scaling, cols, x, w, kernel_scaling=None, **kw):
+    """The FP8 forward of ``x`` at ``scaling`` with the row kernel's ring in registers, then
+    in shared memory (the FP8 settings' ``field`` at the kernel's scaling, ``scaling`` unless
+    given, and ``cols``): the two outputs."""
+    from tilenorm import dispatch, settings_fp8
+    from tilenorm.pytorch import calls
+
+    outs = []
+    for ring in ((), (cols,)):
+        probe = dataclasses.replace(settings_fp8.SM90_FP8,
+                                    **{field: {kernel_scaling or scaling: ring}})
+        dispatch.decide_fp8.cache_clear()  # decisions and prepared calls cached by problem
+        calls.clear()
+        try:
+            with tilenorm.experimental(), settings_fp8.measuring(probe):
+                d = tilenorm.fp8.explain(x, w, scaling=scaling, **{
+                    k: v for k, v in kw.items() if k != "scale"})
+                assert d.cute_forward is not None, str(d)
+                assert d.cute_forward.shared_ring == bool(ring), str(d)
+                outs.append(tilenorm.fp8.rms_norm_forward(x, w, scaling=scaling, **kw))
+        finally:
+            dispatch.decide_fp8.cache_clear()
+            calls.clear()
+    return outs
+
+
+def _same_bits(a, b, seed):
+    assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)), seed
+    assert torch.equal(a.scale_inv.view(torch.uint8), b.scale_inv.view(torch.uint8)), seed
+    assert torch.equal(a.rstd, b.rstd), seed
+    assert (a.amax is None) == (b.amax is None) and (a.amax is None
+                                                      or torch.equal(a.amax, b.amax)), seed
+
+
+@gpu
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+@pytest.mark.parametrize("group", [16, 128])
+@pytest.mark.parametrize("cols", [2048, 4096, 8192, 16384])
+def test_fp8_x_ring_in_shared_memory_has_the_register_rings_bits(cols, group):
+    """``shared_ring`` (x's bytes and multipliers by cp.async) against the register ring at
+    each width's row-scaling entry: q, its scales and rstd bit for bit, on fresh FP8 x of a
+    row count that is no multiple of the grid."""
+    g, seed = fresh_generator("cuda")
+    x, s = _fp8_x(g, 1037, cols, E4M3, group)
+    w = 1 + 0.5 * torch.randn(cols, generator=g, device="cuda")
+    _same_bits(*_with_and_without_ring("cute_forward_fp8_input_shared_ring", "row", cols, x,
+                                       w, x_scale_inv=s, group_size=group), seed)
+
+
+@gpu
+@pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
+@pytest.mark.parametrize("scaling", ["row", "block", "mx", "delayed", "amax"])
+@pytest.mark.parametrize("cols", [2048, 4096, 8192, 16384])
+def test_ring_in_shared_memory_has_the_register_rings_bits(cols, scaling):
+    """The same for bf16 x (``cute_forward_shared_ring``), every scaling the row kernel
+    takes at each width but where its entry recomputes t (which keeps the register ring)."""
+    from tilenorm.settings_fp8 import SM90_FP8
+
+    if cols in SM90_FP8.cute_forward_recompute_t.get(scaling, {}):
+        pytest.skip("recompute_t's entry keeps the register ring")
+    g, seed = fresh_generator("cuda")
+    x = torch.randn(1037, cols, generator=g, device="cuda").to(torch.bfloat16)
+    w = (1 + 0.5 * torch.randn(cols, generator=g, device="cuda")).to(torch.bfloat16)
+    kw = {"scale": torch.tensor([20.0], device="cuda")} if scaling == "delayed" else {}
+    # The kernel's amax scaling is the first pass of the per-tensor current scaling.
+    public = "tensor" if scaling == "amax" else scaling
+    _same_bits(*_with_and_without_ring("cute_forward_shared_ring", public, cols, x, w,
+                                       kernel_scaling=scaling, **kw), seed)

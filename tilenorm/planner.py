@@ -314,7 +314,9 @@ class CuteRowPlan:
 @dataclass(frozen=True)
 class CuteBackwardPlan(CuteRowPlan):
     """The CuTe DSL backward's launch; program ``p`` writes partial-buffer row ``p``
-    (``partial_rows == grid``)."""
+    (``partial_rows == grid``). ``shared_ring``: the kernel's ring in shared memory."""
+
+    shared_ring: bool = False
 
     @property
     def partial_rows(self) -> int:
@@ -322,7 +324,7 @@ class CuteBackwardPlan(CuteRowPlan):
 
     def describe(self) -> str:
         return (f"{self._launch()}, partial buffer {self.grid}x{self.cols} fp32 per "
-                f"gradient")
+                f"gradient" + (", the ring in shared memory" if self.shared_ring else ""))
 
 
 def plan_cute_backward(rows: int, cols: int, *, itemsize: int, sm_count: int,
@@ -336,7 +338,18 @@ def plan_cute_backward(rows: int, cols: int, *, itemsize: int, sm_count: int,
     for :func:`plan_row_norm`; ``settings`` as there)."""
     s = settings or settings_for(arch, device_class)
     entry = _cute_entry(s.cute_table("backward", itemsize), op, rows, cols, heads, max_offset)
-    return None if entry is None else CuteBackwardPlan.of(rows, cols, entry, sm_count)
+    if entry is None:
+        return None
+    plan = CuteBackwardPlan.of(rows, cols, entry, sm_count)
+    if cols not in s.cute_backward_shared_ring.get(op, ()):
+        return plan
+    # The ring: x and dy's stages rows, each thread's rstd and mean a row.
+    per_cta = (16 * (plan.threads // 32) + plan.stages * (2 * cols * itemsize + 8 * plan.threads)
+               + RESERVED_SHARED_BYTES)
+    if plan.ctas_per_sm * per_cta > SM_SHARED_BYTES.get(arch[0], SM_SHARED_BYTES[9]):
+        raise ValueError(f"cute_backward_shared_ring at {op} {cols}: {plan.ctas_per_sm} CTAs "
+                         f"of {per_cta} bytes of shared memory do not fit an SM")
+    return dataclasses.replace(plan, shared_ring=True)
 
 
 @dataclass(frozen=True)
@@ -579,12 +592,15 @@ class CuteFp8ForwardPlan(CuteRowPlan):
     column_amax: bool = False
     #: The kernel's ``clamp``: each value clamped to +-fp8_max before the conversion.
     clamp: bool = False
+    #: The kernel's ``shared_ring`` (FP8 x): x's ring of ``stages`` rows in shared memory.
+    shared_ring: bool = False
 
     def describe(self) -> str:
         return (f"CuTe DSL, {self._launch()}"
                 + (", t = x * w recomputed at each use" if self.recompute_t else "")
                 + (", column amaxes kept" if self.column_amax else "")
-                + (", clamped before the conversion" if self.clamp else ""))
+                + (", clamped before the conversion" if self.clamp else "")
+                + (", x's ring in shared memory" if self.shared_ring else ""))
 
 
 #: FP8 x's elements in a 16-byte vector of the CuTe DSL FP8 row kernel: a group of its
@@ -598,12 +614,17 @@ RESERVED_SHARED_BYTES = 1 << 10
 
 
 def _fp8_row_kernel_resident(plan: CuteFp8ForwardPlan, row_of_floats: bool,
-                             arch: tuple[int, int]) -> bool:
+                             arch: tuple[int, int], itemsize: int = 1) -> bool:
     """Whether ``plan``'s CTAs an SM fit an SM's shared memory, each with the warps' partials
     (16 bytes a warp) and, with ``row_of_floats``, a row of fp32 values (FP8 x's weight, a
     per-row scaling's column maxima): a CTA that cannot be resident leaves its programs of
-    the persistent grid to a second wave (23-48% of copy, bench/NOTES.md #128)."""
-    per_cta = 16 * (plan.threads // 32) + (4 * plan.cols if row_of_floats else 0)
+    the persistent grid to a second wave (23-48% of copy, bench/NOTES.md #128). With
+    ``shared_ring``, also the ring's ``stages`` rows of x (``itemsize`` bytes an element)
+    and, for FP8 x, of a thread's fp32 multiplier for each of its vectors."""
+    multipliers = 4 * (plan.cols // FP8_VECTOR) if itemsize == 1 else 0
+    ring = plan.stages * (plan.cols * itemsize + multipliers)
+    per_cta = (16 * (plan.threads // 32) + (4 * plan.cols if row_of_floats else 0)
+               + (ring if plan.shared_ring else 0))
     shared = SM_SHARED_BYTES.get(arch[0], SM_SHARED_BYTES[9])
     return plan.ctas_per_sm * (per_cta + RESERVED_SHARED_BYTES) <= shared
 
@@ -617,7 +638,8 @@ def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
     of FP8 x (``itemsize`` 1) with one multiplier per ``group`` elements, with the row
     kernel's ``scaling`` (a name of the kernel's ``SCALINGS``), or None where cuTile's runs:
     widths not in the FP8 settings' ``cute_forward`` table (for FP8 x
-    ``cute_forward_fp8_input``, at its ``fp8_input_entry``), other element sizes, FP8 groups
+    ``cute_forward_fp8_input``, at its ``fp8_input_entry``, with x's ring in shared memory
+    where ``fp8_input_shared_ring`` says), other element sizes, FP8 groups
     smaller than a 16-byte vector, offsets past 32 bits (the kernel indexes with 32), and
     entries whose CTAs an SM its shared memory cannot hold (``SM_SHARED_BYTES``; FP8 x's
     weight counted whether or not there is one).
@@ -637,7 +659,7 @@ def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
         plan = plan_cute_fp8_forward(rows, cols, itemsize=itemsize, sm_count=sm_count,
                                      arch=arch, scaling=scaling, max_offset=max_offset,
                                      device_class=device_class)
-        if plan is None or not _fp8_row_kernel_resident(plan, True, arch):
+        if plan is None or not _fp8_row_kernel_resident(plan, True, arch, itemsize):
             return None
         return dataclasses.replace(plan, column_amax=True, clamp=False)
     if max_offset is None:
@@ -648,7 +670,8 @@ def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
         entry = settings.fp8_input_entry(scaling, cols)
         if entry is None or group < FP8_VECTOR or group % FP8_VECTOR:
             return None
-        plan = CuteFp8ForwardPlan.of(rows, cols, entry, sm_count)
+        plan = dataclasses.replace(CuteFp8ForwardPlan.of(rows, cols, entry, sm_count),
+                                   shared_ring=settings.fp8_input_shared_ring(scaling, cols))
         # The weight in shared memory but for MX (cute_row_norm_fp8.py): with one or not.
         return plan if _fp8_row_kernel_resident(plan, scaling != "mx", arch) else None
     recompute_t = settings.cute_forward_recompute_t.get(scaling, {}).get(cols)
@@ -657,8 +680,9 @@ def plan_cute_fp8_forward(rows: int, cols: int, *, itemsize: int, sm_count: int,
         return None
     plan = dataclasses.replace(CuteFp8ForwardPlan.of(rows, cols, entry, sm_count),
                                recompute_t=recompute_t is not None,
-                               clamp=settings.forward_clamp(scaling, cols))
-    return plan if _fp8_row_kernel_resident(plan, False, arch) else None
+                               clamp=settings.forward_clamp(scaling, cols),
+                               shared_ring=settings.forward_shared_ring(scaling, cols))
+    return plan if _fp8_row_kernel_resident(plan, False, arch, itemsize) else None
 
 
 @dataclass(frozen=True)

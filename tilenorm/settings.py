@@ -122,6 +122,10 @@ class RowNormSettings:
     cute_backward: dict = field(default_factory=lambda: {
         "layer_norm": {4096: (256, 2, 2)},
         "rms_norm": {1024: (128, 4, 4), 7168: (448, 2, 1), 8192: (512, 2, 1)}})
+    #: {op: widths} of ``cute_backward`` whose kernel keeps its ring in shared memory
+    #: (``shared_ring``, cute_row_norm_backward.py): no load of its loop on a register
+    #: scoreboard (bench/NOTES.md #132). To be timed: none yet.
+    cute_backward_shared_ring: dict = field(default_factory=dict)
     #: Backwards of rows too wide for one CTA that a cluster of CTAs holds, reading x and dy
     #: once, per op and width: (CTAs a cluster, threads, row stages in shared memory, CTAs per
     #: SM), the weight in registers. Through the op on an H100 (bf16, % of copy, the

@@ -141,6 +141,13 @@ class Fp8Settings:
     #: block and MX scaling spill 18-43 words, row scaling 0 and 2.
     cute_forward_fp8_input_scaling: dict = field(default_factory=lambda: {
         "row": {2048: (64, 4, 8), 8192: (256, 2, 4), 16384: (512, 2, 2)}})
+    #: {scaling: widths} where the FP8-x row kernel keeps its ring (x's bytes and their
+    #: multipliers) in shared memory (``shared_ring``, cute_row_norm_fp8.py): no load of its
+    #: loop on a register scoreboard (bench/NOTES.md #132). To be timed: none yet.
+    cute_forward_fp8_input_shared_ring: dict = field(default_factory=dict)
+    #: The same for the row kernel of 2-byte x ({scaling: widths}; not with
+    #: ``cute_forward_recompute_t``'s entries). To be timed: none yet.
+    cute_forward_shared_ring: dict = field(default_factory=dict)
 
     def forward_entry(self, scaling: str, cols: int) -> tuple[int, int, int] | None:
         """The row kernel's (threads, stages, CTAs per SM) for 2-byte x of ``cols`` columns
@@ -158,6 +165,17 @@ class Fp8Settings:
             return None
         return self.cute_forward_fp8_input_scaling.get(scaling, {}).get(
             cols, self.cute_forward_fp8_input[cols])
+
+    def forward_shared_ring(self, scaling: str, cols: int) -> bool:
+        """Whether the row kernel of 2-byte x at ``scaling`` and ``cols`` keeps its ring in
+        shared memory (``cute_forward_shared_ring``; never with ``recompute_t``)."""
+        return (cols in self.cute_forward_shared_ring.get(scaling, ())
+                and cols not in self.cute_forward_recompute_t.get(scaling, {}))
+
+    def fp8_input_shared_ring(self, scaling: str, cols: int) -> bool:
+        """Whether the row kernel of FP8 x at ``scaling`` and ``cols`` keeps x's ring in
+        shared memory (``cute_forward_fp8_input_shared_ring``)."""
+        return cols in self.cute_forward_fp8_input_shared_ring.get(scaling, ())
 
     def forward_clamp(self, scaling: str, cols: int) -> bool:
         """Whether the row kernel of 2-byte x at ``scaling`` and ``cols`` takes ``clamp``

@@ -143,10 +143,15 @@ def _compile_here(scaling: str, cols: int, rows: int | None, x: str, group: int,
     routed = hasattr(SM90_FP8, "forward_clamp") and not group and SM90_FP8.forward_clamp(
         scaling, cols)
     clamp = VARIANTS[variant] if variant else routed
+    # The ring in shared memory where the table has it (trees before it have neither).
+    ring = hasattr(SM90_FP8, "forward_shared_ring") and (
+        SM90_FP8.fp8_input_shared_ring(scaling, cols) if group
+        else SM90_FP8.forward_shared_ring(scaling, cols))
     key = cute.Fp8ForwardKey(rows, x, "bfloat16", "float8_e4m3fn", scaling, False, cols,
                              *config, recompute_t=recompute_t is not None,
                              **({"group": group} if group else {}),
-                             **({"clamp": True} if clamp else {}))
+                             **({"clamp": True} if clamp else {}),
+                             **({"shared_ring": True} if ring else {}))
     with tempfile.TemporaryDirectory() as tmp:
         with keeping_cubins(tmp):
             cute.compile_fp8_forward(key, "sm_90a")

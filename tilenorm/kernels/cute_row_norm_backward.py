@@ -14,6 +14,12 @@ time; ``threads`` threads, each holding ``reps`` 16-byte vectors of the row, a b
 butterfly, then through shared memory in warp order: a fixed summation tree, so dx is
 bit-for-bit reproducible, and so are dgamma and dbeta, whose per-program sums the cuTile
 ``column_sums`` kernel adds in a fixed order. No atomics, no M x N temporary.
+
+``shared_ring``: the ring in shared memory, filled by ``cp.async`` (x and dy by 16 bytes,
+each thread its own vectors; rstd and the mean by 4, each thread its own copy), so that no
+load of the loop sets a register scoreboard. The register ring's loads share one, and the
+first use of each trip's last row waits behind the row just issued: a memory latency a
+trip (bench/NOTES.md #132). The same values in the same order, so the same bits.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from tilenorm.kernels.cute_rows import SMEM_CARVEOUT, RowKernel
+from tilenorm.kernels.cute_rows import SMEM_CARVEOUT, RowKernel, ring_copies
 
 
 class RowNormBackward(RowKernel):
@@ -32,7 +38,8 @@ class RowNormBackward(RowKernel):
     ``grid`` programs."""
 
     def __init__(self, dtype, weight_dtype, cols: int, threads: int, stages: int,
-                 ctas_per_sm: int, layer_norm: bool, has_bias: bool):
+                 ctas_per_sm: int, layer_norm: bool, has_bias: bool,
+                 shared_ring: bool = False):
         self.dtype = dtype
         self.weight_dtype = weight_dtype
         self.cols = cols
@@ -46,6 +53,7 @@ class RowNormBackward(RowKernel):
         self.layer_norm = layer_norm
         self.has_weight = weight_dtype is not None
         self.has_bias = has_bias
+        self.shared_ring = shared_ring
         self.warps = threads // cute.arch.WARP_SIZE
 
     @cute.jit
@@ -64,6 +72,22 @@ class RowNormBackward(RowKernel):
         stats[slot, 0] = mRstd[row]
         if const_expr(self.layer_norm):
             stats[slot, 1] = mMean[row]
+
+    @cute.jit
+    def _stage_row(self, copies: tuple, mX, mdY, mMean, mRstd, row, tidx, x, dy, stats):
+        """``shared_ring``: this thread's vectors of ``row`` of x and dy and its copy of the
+        row's rstd (and mean) into its shared-memory slots (``stats``: rstd, then the mean
+        ``threads`` words on) by ``cp.async``, committed as one group (every call one, so
+        that ``wait_group`` counts rows)."""
+        one = cute.make_layout((1,))
+        cute.copy(copies[0], self._thread_view(mX[row, None], tidx), x)
+        cute.copy(copies[0], self._thread_view(mdY[row, None], tidx), dy)
+        cute.copy(copies[1], cute.make_tensor(mRstd.iterator + row, one),
+                  cute.make_tensor(stats.iterator, one))
+        if const_expr(self.layer_norm):
+            cute.copy(copies[1], cute.make_tensor(mMean.iterator + row, one),
+                      cute.make_tensor(stats.iterator + self.threads, one))
+        cute.arch.cp_async_commit_group()
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mdY: cute.Tensor, mW: cute.Tensor | None,
@@ -95,27 +119,62 @@ class RowNormBackward(RowKernel):
         db = cute.make_rmem_tensor(shape, Float32)
         db.fill(0.0)
         dx = cute.make_rmem_tensor(shape, self.dtype)
-        xs = [cute.make_rmem_tensor(shape, self.dtype) for _ in range(self.stages)]
-        dys = [cute.make_rmem_tensor(shape, self.dtype) for _ in range(self.stages)]
         # Register tensors, not Python names: a value the next trip of the loop reads must be
         # memory, not an SSA value of the traced body.
         stats = cute.make_rmem_tensor((self.stages, 2), Float32)
-
-        # Rows past the end are clamped to the last row: loaded, never used.
-        for s in cutlass.range_constexpr(self.stages - 1):
-            self._load_row(mX, mdY, mMean, mRstd, cutlass.min(program + s * grid, last), tidx,
-                           xs[s], dys[s], stats, s)
+        if const_expr(self.shared_ring):
+            # (element, slot) of x and dy, a thread's vectors where _thread_view puts them in
+            # a row (a warp's 16-byte copies and reads are 512 consecutive bytes); (thread,
+            # rstd | mean, slot), each thread its own copy of the row's statistics.
+            s_x = smem.allocate_tensor(self.dtype, cute.make_layout((self.cols, self.stages)),
+                                       16)
+            s_dy = smem.allocate_tensor(self.dtype,
+                                        cute.make_layout((self.cols, self.stages)), 16)
+            s_stats = smem.allocate_tensor(
+                Float32, cute.make_layout((self.threads, 2, self.stages)), 16)
+            xs = [self._thread_view(s_x[None, j], tidx) for j in range(self.stages)]
+            dys = [self._thread_view(s_dy[None, j], tidx) for j in range(self.stages)]
+            slot_stats = [s_stats[tidx, None, j] for j in range(self.stages)]
+            x_held = cute.make_rmem_tensor(shape, self.dtype)
+            dy_held = cute.make_rmem_tensor(shape, self.dtype)
+            copies = ring_copies(self.dtype)
+            for s in cutlass.range_constexpr(self.stages):
+                self._stage_row(copies, mX, mdY, mMean, mRstd,
+                                cutlass.min(program + s * grid, last), tidx, xs[s], dys[s],
+                                slot_stats[s])
+        else:
+            xs = [cute.make_rmem_tensor(shape, self.dtype) for _ in range(self.stages)]
+            dys = [cute.make_rmem_tensor(shape, self.dtype) for _ in range(self.stages)]
+            # Rows past the end are clamped to the last row: loaded, never used.
+            for s in cutlass.range_constexpr(self.stages - 1):
+                self._load_row(mX, mdY, mMean, mRstd, cutlass.min(program + s * grid, last),
+                               tidx, xs[s], dys[s], stats, s)
 
         for base in cutlass.range(program, rows, self.stages * grid):
             for s in cutlass.range_constexpr(self.stages):
-                ahead = (s + self.stages - 1) % self.stages
-                self._load_row(mX, mdY, mMean, mRstd,
-                               cutlass.min(base + (s + self.stages - 1) * grid, last), tidx,
-                               xs[ahead], dys[ahead], stats, ahead)
+                x_slot, dy_slot = xs[s], dys[s]
+                if const_expr(self.shared_ring):
+                    # This row's copies landed (later rows may be in flight): to registers,
+                    # the slots refilled with the row stages turns on.
+                    cute.arch.cp_async_wait_group(self.stages - 1)
+                    cute.autovec_copy(xs[s], x_held)
+                    cute.autovec_copy(dys[s], dy_held)
+                    stats[s, 0] = slot_stats[s][0]
+                    if const_expr(self.layer_norm):
+                        stats[s, 1] = slot_stats[s][1]
+                    self._stage_row(copies, mX, mdY, mMean, mRstd,
+                                    cutlass.min(base + (s + self.stages) * grid, last), tidx,
+                                    xs[s], dys[s], slot_stats[s])
+                    x_slot, dy_slot = x_held, dy_held
+                else:
+                    ahead = (s + self.stages - 1) % self.stages
+                    self._load_row(mX, mdY, mMean, mRstd,
+                                   cutlass.min(base + (s + self.stages - 1) * grid, last),
+                                   tidx, xs[ahead], dys[ahead], stats, ahead)
                 row = base + s * grid
                 if row < rows:
-                    x = xs[s].load().to(Float32)
-                    g = dys[s].load().to(Float32)
+                    x = x_slot.load().to(Float32)
+                    g = dy_slot.load().to(Float32)
                     rstd = stats[s, 0]
                     x_hat = ((x - stats[s, 1]) * rstd if const_expr(self.layer_norm)
                              else x * rstd)
@@ -148,6 +207,8 @@ class RowNormBackward(RowKernel):
                         grad = (wdy - x_hat * (sum_a * inv_n)) * rstd
                     dx.store(grad.to(self.dtype))
                     cute.autovec_copy(dx, self._thread_view(mdX[row, None], tidx))
+        if const_expr(self.shared_ring):
+            cute.arch.cp_async_wait_group(0)  # no copy left in flight into a freed CTA
 
         if const_expr(self.has_weight):
             cute.autovec_copy(dw, self._thread_view(mPartial[program, 0, None], tidx))

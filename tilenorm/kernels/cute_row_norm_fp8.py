@@ -60,6 +60,17 @@ together. x = widen(fp8) * multiplier, one fp32 rounding, as cutile_row_norm_fp8
 ``_dequantized``; from there the math is the same. A 128-column block is 8 lanes, an MX
 block 2.
 
+``shared_ring`` (not with ``recompute_t``): the ring of x (and FP8 x's multipliers) in
+shared memory, filled by ``cp.async`` (16 and 4 bytes; each thread its own vectors and its
+own copy of their multipliers, so ``cp.async.wait_group`` alone orders a slot's copies
+before its reads: no barrier), every slot a row ahead: a row is copied from its slot into registers
+and the slot refilled with the row ``stages`` turns on before the row is reduced. No load
+of the loop then sets a register scoreboard: the register ring's loads share one, so the
+first use of each trip's last row waits for the row just issued, a memory latency a trip
+(bench/NOTES.md #132). ``stages`` rows in flight a CTA where the register ring keeps
+``stages - 1``, and no registers for them. The same values in the same order, so the same
+bits.
+
 ``recompute_t``: the weight and t are not held across the row. The kernel above keeps the
 weight in fp32 and t beside the ring of x, 2 x 4 bytes an element; two CTAs of 256 threads an
 SM at 16384 columns (128 registers a thread) then spill. With ``recompute_t`` each use reads
@@ -89,7 +100,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from tilenorm.kernels.cute_rows import SMEM_CARVEOUT, RowKernel
+from tilenorm.kernels.cute_rows import SMEM_CARVEOUT, RowKernel, ring_copies
 
 #: Scalings the kernel takes; ``BLOCK_COLS`` the columns one scale of a block scaling covers.
 SCALINGS = ("amax", "delayed", "row", "block", "mx")
@@ -180,13 +191,14 @@ class Fp8Scales:
 
 class RowNormFp8Forward(RowKernel, Fp8Scales):
     """The kernel for one (dtypes, width, scaling, launch config, ``recompute_t``,
-    ``column_amax``, FP8 x's ``group``: 0 for x that is not FP8, ``clamp``); ``__call__``
+    ``column_amax``, FP8 x's ``group``: 0 for x that is not FP8, ``clamp``, ``shared_ring``);
+    ``__call__``
     launches it on ``grid`` programs (``mXScale`` None but for FP8 x)."""
 
     def __init__(self, dtype, weight_dtype, fp8_dtype, fp8_max: float, cols: int,
                  threads: int, stages: int, ctas_per_sm: int, scaling: str,
                  has_offset: bool, recompute_t: bool = False, column_amax: bool = False,
-                 group: int = 0, clamp: bool = False):
+                 group: int = 0, clamp: bool = False, shared_ring: bool = False):
         if scaling not in SCALINGS:
             raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
         self.dtype = dtype
@@ -215,6 +227,13 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
             # Their one reader, the CuTe copy with weight_first (cute_fp8_transpose.py),
             # reads 2-byte x: FP8 x's row-scaled copy keeps cuTile's kernels (dispatch).
             raise ValueError("column amaxes are kept for the CuTe copy of 2-byte x only")
+        if shared_ring and (recompute_t or group and (scaling == "block"
+                                                      or threads % (group // self.vec))):
+            # recompute_t widens x again from its register slot after the barrier; FP8 x's
+            # multipliers are copied from per-thread bases (_thread_bases), a fixed stride
+            # apart.
+            raise ValueError("the ring in shared memory takes neither recompute_t nor, for "
+                             "FP8 x, block scaling or multipliers of uneven stride")
         self.stages = stages
         self.ctas_per_sm = ctas_per_sm
         self.scaling = scaling
@@ -224,6 +243,7 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         self.column_amax = column_amax
         self.group = group
         self.clamp = clamp
+        self.shared_ring = shared_ring
         self.warps = threads // cute.arch.WARP_SIZE
         # The reduce-scatter of a block's amaxes (_scattered_block_amax): where the reps and
         # the block's lanes are powers of two, no more reps than lanes.
@@ -408,6 +428,21 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                     scale_slot[r] = mXScale[row, group]
 
     @cute.jit
+    def _stage_row(self, copies: tuple, mX: cute.Tensor, row: Int32, tidx: Int32,
+                   slot: cute.Tensor, scale_slot: cute.Tensor, bases: tuple):
+        """``shared_ring``: this thread's vectors of ``row`` and their multipliers into its
+        shared-memory ``slot`` and ``scale_slot`` by ``cp.async`` (16 and 4 bytes), committed
+        as one group (every call one, so that ``wait_group`` counts rows)."""
+        cute.copy(copies[0], self._row_view(mX, bases[0], row, tidx), slot)
+        if const_expr(self.group):
+            per_group = self.group // self.vec
+            groups = cute.make_tensor(
+                bases[1] + cutlass.Int64(row) * (self.cols // self.group),
+                cute.make_layout((self.reps,), stride=(self.threads // per_group,)))
+            cute.copy(copies[1], groups, scale_slot)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
     def _values(self, x_slot: cute.Tensor, scale_slot: cute.Tensor | None,
                 xf: cute.Tensor | None):
         """The fp32 x of a ring slot: widened (exact), and for FP8 x times its group's
@@ -475,20 +510,42 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                     w_fp32 = w
                     w = self._spread(smem, tidx)
                     cute.autovec_copy(self._chunked(w_fp32.iterator, 4, self.vec), w)
+        # shared_ring: (byte, slot), a thread's vectors of a slot where _thread_view puts them
+        # in a row, so a warp's 16-byte copies and reads are 512 consecutive bytes.
+        # Its multipliers: (thread + threads * rep, slot), each thread its own copy of its
+        # vectors' multipliers, conflict-free.
+        # The ring of x as loaded: FP8 x as its bytes (DLPack has no FP8 types everywhere:
+        # mX is uint8), with a ring of its group multipliers and the fp32 x of a row.
+        x_type = cutlass.Uint8 if const_expr(self.group) else self.dtype
+        x_ring = scale_ring = copies = None
+        if const_expr(self.shared_ring):
+            x_ring = smem.allocate_tensor(x_type, cute.make_layout((self.cols, self.stages)),
+                                          16)
+            if const_expr(self.group):
+                scale_ring = smem.allocate_tensor(
+                    Float32, cute.make_layout((self.threads * self.reps, self.stages)), 16)
+            copies = ring_copies(x_type)
         t = cute.make_rmem_tensor(shape, Float32)
         y = cute.make_rmem_tensor(shape, Float32)
         q = cute.make_rmem_tensor(shape, self.fp8_dtype)
         # q leaves as its bytes: DLPack has no FP8 types everywhere (mQ is uint8).
         q_bytes = cute.recast_tensor(q, cutlass.Uint8)
-        # The ring of x as loaded: FP8 x as its bytes (DLPack has no FP8 types everywhere:
-        # mX is uint8), with a ring of its group multipliers and the fp32 x of a row.
-        x_type = cutlass.Uint8 if const_expr(self.group) else self.dtype
-        xs = [cute.make_rmem_tensor(shape, x_type) for _ in range(self.stages)]
         ss = [None] * self.stages
-        xf = None
-        if const_expr(self.group):
-            ss = [cute.make_rmem_tensor((self.reps,), Float32) for _ in range(self.stages)]
-            xf = cute.make_rmem_tensor(shape, Float32)
+        xf = s_held = None
+        if const_expr(self.shared_ring):
+            xs = [self._thread_view(x_ring[None, j], tidx) for j in range(self.stages)]
+            x_held = cute.make_rmem_tensor(shape, x_type)
+            if const_expr(self.group):
+                ss = [cute.make_tensor(scale_ring[None, j].iterator + tidx,
+                                       cute.make_layout((self.reps,), stride=(self.threads,)))
+                      for j in range(self.stages)]
+                s_held = cute.make_rmem_tensor((self.reps,), Float32)
+                xf = cute.make_rmem_tensor(shape, Float32)
+        else:
+            xs = [cute.make_rmem_tensor(shape, x_type) for _ in range(self.stages)]
+            if const_expr(self.group):
+                ss = [cute.make_rmem_tensor((self.reps,), Float32) for _ in range(self.stages)]
+                xf = cute.make_rmem_tensor(shape, Float32)
         bits = cute.make_rmem_tensor((2,), Float32)
         # The program's amax over its rows (delayed, amax), in a register tensor: a value
         # the next trip of the loop reads must be memory, not an SSA value of the body.
@@ -500,19 +557,39 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
 
         bases = self._thread_bases(mX, mXScale, mQ, tidx)
         # Rows past the end are clamped to the last row: loaded, never used.
-        for s in cutlass.range_constexpr(self.stages - 1):
-            self._load_row(mX, mXScale, cutlass.min(program + s * grid, last), tidx, xs[s],
-                           ss[s], bases)
+        if const_expr(self.shared_ring):
+            for s in cutlass.range_constexpr(self.stages):
+                self._stage_row(copies, mX, cutlass.min(program + s * grid, last), tidx,
+                                xs[s], ss[s], bases)
+        else:
+            for s in cutlass.range_constexpr(self.stages - 1):
+                self._load_row(mX, mXScale, cutlass.min(program + s * grid, last), tidx,
+                               xs[s], ss[s], bases)
 
         for base in cutlass.range(program, rows, self.stages * grid):
             for s in cutlass.range_constexpr(self.stages):
-                ahead = (s + self.stages - 1) % self.stages
-                self._load_row(mX, mXScale,
-                               cutlass.min(base + (s + self.stages - 1) * grid, last), tidx,
-                               xs[ahead], ss[ahead], bases)
+                x_slot, s_slot = xs[s], ss[s]
+                if const_expr(self.shared_ring):
+                    # This row's copies landed (the ring's later rows may be in flight): its
+                    # bytes and multipliers to registers, the slot refilled. No load of the
+                    # loop sets a register scoreboard, so no wait of a stage sits behind the
+                    # row just issued (the register ring's does: bench/NOTES.md #132).
+                    cute.arch.cp_async_wait_group(self.stages - 1)
+                    cute.autovec_copy(xs[s], x_held)
+                    if const_expr(self.group):
+                        cute.autovec_copy(ss[s], s_held)
+                    self._stage_row(copies, mX,
+                                    cutlass.min(base + (s + self.stages) * grid, last), tidx,
+                                    xs[s], ss[s], bases)
+                    x_slot, s_slot = x_held, s_held
+                else:
+                    ahead = (s + self.stages - 1) % self.stages
+                    self._load_row(mX, mXScale,
+                                   cutlass.min(base + (s + self.stages - 1) * grid, last),
+                                   tidx, xs[ahead], ss[ahead], bases)
                 row = base + s * grid
                 if row < rows:
-                    x = self._values(xs[s], ss[s], xf)
+                    x = self._values(x_slot, s_slot, xf)
                     if const_expr(not self.recompute_t):
                         self._store_t(x, w, t, offset)
                     sq = (x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
@@ -605,6 +682,8 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                     else:
                         self._quantize_blocks(t, y, q, q_bytes, rstd, row, tidx, lane, bits,
                                               mQ, mQScale, bases[2])
+        if const_expr(self.shared_ring):
+            cute.arch.cp_async_wait_group(0)  # no copy left in flight into a freed CTA
         # Two ifs: one decided when tracing, one at run time.
         if const_expr(self.scaling in ("amax", "delayed")):  # noqa: SIM102
             if tidx == 0:

@@ -5,7 +5,8 @@ shared-memory carveout."""
 from __future__ import annotations
 
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync
 
 #: The launch's preferred shared-memory carveout, a percentage of the unified L1 and shared
 #: memory (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT): -1 states no preference, so
@@ -13,6 +14,17 @@ from cutlass import Int32
 #: query a device (it also runs on CPUs), as the DSL would to choose one; the carveout moves
 #: no timing (#65).
 SMEM_CARVEOUT = -1
+
+
+def ring_copies(dtype) -> tuple:
+    """The ``cp.async`` atoms that fill a ring in shared memory (bench/NOTES.md #132): a
+    row's 16-byte vectors of ``dtype`` by ``.cg`` (streamed once, past L1, which the
+    carveout leaves small) and a row's fp32 scalars by ``.ca`` (cp.async's only mode under
+    16 bytes)."""
+    return (cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+                                dtype, num_bits_per_copy=128),
+            cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.ALWAYS),
+                                Float32, num_bits_per_copy=32))
 
 
 class RowKernel:

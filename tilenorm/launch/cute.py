@@ -198,12 +198,14 @@ class BackwardKey:
     threads: int
     stages: int
     ctas_per_sm: int
+    #: The kernel's ``shared_ring``: the ring in shared memory, by ``cp.async``.
+    shared_ring: bool = False
 
     @classmethod
     def of(cls, plan: CuteBackwardPlan, dtype: str, weight_dtype: str | None,
            has_bias: bool, layer_norm: bool) -> BackwardKey:
         return cls(plan.rows, dtype, weight_dtype, has_bias, layer_norm, plan.cols,
-                   plan.threads, plan.stages, plan.ctas_per_sm)
+                   plan.threads, plan.stages, plan.ctas_per_sm, plan.shared_ring)
 
     @property
     def groups(self) -> int:
@@ -225,7 +227,7 @@ def compile_backward(key: BackwardKey, arch: str | None = None):
     dtype = dtypes[key.dtype]
     weight_dtype = None if key.weight_dtype is None else dtypes[key.weight_dtype]
     kernel = RowNormBackward(dtype, weight_dtype, key.cols, key.threads, key.stages,
-                             key.ctas_per_sm, key.layer_norm, key.has_bias)
+                             key.ctas_per_sm, key.layer_norm, key.has_bias, key.shared_ring)
 
     rows, slots = key.rows, cute.sym_int()
     # Rows contiguous, so that a row's offset is a multiple of a compile-time stride: a
@@ -453,6 +455,8 @@ class Fp8ForwardKey:
     #: The kernel's ``clamp``: each value clamped to +-fp8_max before the (saturating)
     #: conversion, the same bits.
     clamp: bool = False
+    #: The kernel's ``shared_ring`` (FP8 x): x's ring in shared memory, by ``cp.async``.
+    shared_ring: bool = False
 
 
 def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
@@ -485,7 +489,7 @@ def compile_fp8_forward(key: Fp8ForwardKey, arch: str | None = None, *,
     kernel = RowNormFp8Forward(
         dtype, weight_dtype, fp8, FP8_MAX[key.fp8_dtype], key.cols, key.threads, key.stages,
         key.ctas_per_sm, key.scaling, key.has_offset, key.recompute_t, key.column_amax,
-        key.group, key.clamp)
+        key.group, key.clamp, key.shared_ring)
 
     rows = cute.sym_int() if key.rows is None else key.rows
     cols, slots = key.cols, cute.sym_int()
@@ -535,7 +539,8 @@ def aot_fp8_keys(all_dtypes: bool = False) -> list[Fp8ForwardKey]:
     ``cute_forward_fp8_input`` table with FP8 x, at each scaling's ``fp8_input_entry``: every
     scaling and group of :data:`FP8_INPUT_GROUPS`, E4M3, a bf16 weight; no weight, an fp32
     weight, E5M2 x and q, the offset (an fp16 weight with ``all_dtypes``) at one scaling each
-    (no column amaxes: FP8 x's row-scaled copy keeps cuTile's kernels). The entries of every
+    (no column amaxes: FP8 x's row-scaled copy keeps cuTile's kernels), each with the
+    ``shared_ring`` of its scaling and width (``fp8_input_shared_ring``). The entries of every
     device class's FP8 settings (:data:`tilenorm.settings.DEVICE_CLASSES`)."""
     from tilenorm.settings_fp8 import fp8_settings_for
 
@@ -551,21 +556,27 @@ def _fp8_keys(settings: Fp8Settings, all_dtypes: bool) -> list[Fp8ForwardKey]:
     for cols in settings.cute_forward:
         config = functools.partial(settings.forward_entry, cols=cols)
         clamp = functools.partial(settings.forward_clamp, cols=cols)
+        ring = functools.partial(settings.forward_shared_ring, cols=cols)
         keys += [Fp8ForwardKey(None, "bfloat16", weight, "float8_e4m3fn", scaling, False,
-                               cols, *config(scaling), clamp=clamp(scaling))
+                               cols, *config(scaling), clamp=clamp(scaling),
+                               shared_ring=ring(scaling))
                  for scaling in SCALINGS for weight in (None, "bfloat16", "float32")]
         keys += [Fp8ForwardKey(None, "bfloat16", "bfloat16", "float8_e5m2", "row", False,
-                               cols, *config("row"), clamp=clamp("row")),
+                               cols, *config("row"), clamp=clamp("row"),
+                               shared_ring=ring("row")),
                  Fp8ForwardKey(None, "bfloat16", "float32", "float8_e4m3fn", "block", True,
-                               cols, *config("block"), clamp=clamp("block"))]
+                               cols, *config("block"), clamp=clamp("block"),
+                               shared_ring=ring("block"))]
         if all_dtypes:
             keys.append(Fp8ForwardKey(None, "float16", "float16", "float8_e4m3fn", "mx",
-                                      False, cols, *config("mx"), clamp=clamp("mx")))
+                                      False, cols, *config("mx"), clamp=clamp("mx"),
+                                      shared_ring=ring("mx")))
         if cols in settings.cute_forward_column_amax:  # a per-row scaling's copy
             recompute_t = settings.cute_forward_recompute_t.get("row", {}).get(cols)
             keys += [Fp8ForwardKey(None, x, weight, "float8_e4m3fn", "row", False, cols,
                                    *(recompute_t or config("row")),
-                                   recompute_t=recompute_t is not None, column_amax=True)
+                                   recompute_t=recompute_t is not None, column_amax=True,
+                                   shared_ring=ring("row"))
                      for x, weight in (("bfloat16", None), ("bfloat16", "bfloat16"))
                      + ((("float16", "float16"),) if all_dtypes else ())]
     recompute_t_features = [  # (x, weight, FP8, offset)
@@ -583,19 +594,25 @@ def _fp8_keys(settings: Fp8Settings, all_dtypes: bool) -> list[Fp8ForwardKey]:
                      for x, weight, fp8, has_offset in recompute_t_features]
     for cols in settings.cute_forward_fp8_input:
         config = functools.partial(settings.fp8_input_entry, cols=cols)
+        ring = functools.partial(settings.fp8_input_shared_ring, cols=cols)
         keys += [Fp8ForwardKey(None, "float8_e4m3fn", "bfloat16", "float8_e4m3fn",
-                               scaling, False, cols, *config(scaling), group=group)
+                               scaling, False, cols, *config(scaling), group=group,
+                               shared_ring=ring(scaling))
                  for scaling in SCALINGS for group in FP8_INPUT_GROUPS]
         keys += [Fp8ForwardKey(None, "float8_e4m3fn", weight, "float8_e4m3fn", "row",
-                               False, cols, *config("row"), group=16)
+                               False, cols, *config("row"), group=16,
+                               shared_ring=ring("row"))
                  for weight in (None, "float32")]
         keys += [Fp8ForwardKey(None, "float8_e5m2", "bfloat16", "float8_e5m2", "row",
-                               False, cols, *config("row"), group=16),
+                               False, cols, *config("row"), group=16,
+                               shared_ring=ring("row")),
                  Fp8ForwardKey(None, "float8_e4m3fn", "float32", "float8_e4m3fn", "block",
-                               True, cols, *config("block"), group=128)]
+                               True, cols, *config("block"), group=128,
+                               shared_ring=ring("block"))]
         if all_dtypes:
             keys.append(Fp8ForwardKey(None, "float8_e4m3fn", "float16", "float8_e4m3fn",
-                                      "mx", False, cols, *config("mx"), group=16))
+                                      "mx", False, cols, *config("mx"), group=16,
+                                      shared_ring=ring("mx")))
     return keys
 
 

@@ -474,7 +474,7 @@ class _CuteLauncher:
             None if weight is None else DTYPE_NAMES[weight.dtype],
             DTYPE_NAMES[spec.fp8_dtype], self.scaling, spec.has_offset, plan.cols,
             plan.threads, plan.stages, plan.ctas_per_sm, plan.recompute_t, plan.column_amax,
-            spec.group, plan.clamp), arch)
+            spec.group, plan.clamp, plan.shared_ring), arch)
         # The program's amax, or with column_amax its column amaxes.
         self.amax = "column_amax_partial" if plan.column_amax else "amax_partial"
 

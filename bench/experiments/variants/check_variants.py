@@ -62,7 +62,8 @@ def signature(plan) -> str:
     """A plan in a few words: ``cute T,R,C`` (forward: threads, rows a CTA, CTAs an SM[,
     cluster]), ``cute T,S,C gridG`` (row backward: threads, stages, CTAs an SM),
     ``cute cluster K,T,S,C clustersG``, ``cutile RxC occO wW per-tile|persistent``
-    (forward) or ``cutile RxC occO wW gridG`` (backward; ``w-``: the compiler's warps)."""
+    (forward) or ``cutile RxC occO wW gridG`` (backward; ``w-``: the compiler's warps);
+    `` shared_ring`` where the row backward's ring is in shared memory."""
     if isinstance(plan, CuteForwardPlan):
         entry = plan.entry if plan.cluster > 1 else plan.entry[:3]
         return "cute " + ",".join(map(str, entry))
@@ -70,7 +71,8 @@ def signature(plan) -> str:
         return (f"cute cluster {plan.cluster},{plan.threads},{plan.stages},"
                 f"{plan.ctas_per_sm} clusters{plan.clusters}")
     if isinstance(plan, CuteBackwardPlan):
-        return f"cute {plan.threads},{plan.stages},{plan.ctas_per_sm} grid{plan.grid}"
+        return (f"cute {plan.threads},{plan.stages},{plan.ctas_per_sm} grid{plan.grid}"
+                + " shared_ring" * plan.shared_ring)
     assert isinstance(plan, RowNormPlan)
     tile = f"{plan.tile_rows}x{plan.tile_cols}" + (f"+{plan.split_cols}" if plan.split_cols
                                                     else "")
@@ -295,12 +297,13 @@ def _fp8_runs(i: int, variant: dict, runs, device: str, compiler, cute_at_v0: di
                 continue
             print(f"{at} cute {plan.threads},{plan.stages},{plan.ctas_per_sm} grid{plan.grid}"
                   + " recompute_t" * plan.recompute_t + " column_amax" * plan.column_amax
-                  + " clamp" * plan.clamp)
+                  + " clamp" * plan.clamp + " shared_ring" * plan.shared_ring)
             if compiler is not None:
                 key = cute.Fp8ForwardKey(None, x, "bfloat16", "float8_e4m3fn", p.row_scaling,
                                          False, n, plan.threads, plan.stages,
                                          plan.ctas_per_sm, plan.recompute_t,
-                                         plan.column_amax, group, plan.clamp)
+                                         plan.column_amax, group, plan.clamp,
+                                         plan.shared_ring)
                 try:
                     words = compiler.cute(key, lambda k=key: cute.compile_fp8_forward(
                         k, "sm_90a"))
