@@ -2342,7 +2342,9 @@ def _with_and_without_ring(field, scaling, cols, x, w, kernel_scaling=None, **kw
 
 def _same_bits(a, b, seed):
     assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)), seed
-    assert torch.equal(a.scale_inv.view(torch.uint8), b.scale_inv.view(torch.uint8)), seed
+    # The scales as int32 words: a 0-d (per-tensor) or strided (per-row) float tensor views
+    # only as a type of its own size.
+    assert torch.equal(a.scale_inv.view(torch.int32), b.scale_inv.view(torch.int32)), seed
     assert torch.equal(a.rstd, b.rstd), seed
     assert (a.amax is None) == (b.amax is None) and (a.amax is None
                                                       or torch.equal(a.amax, b.amax)), seed

@@ -154,18 +154,14 @@ class RowNormBackward(RowKernel):
             for s in cutlass.range_constexpr(self.stages):
                 x_slot, dy_slot = xs[s], dys[s]
                 if const_expr(self.shared_ring):
-                    # This row's copies landed (later rows may be in flight): to registers,
-                    # the slots refilled with the row stages turns on.
+                    # This row's copies landed (later rows may be in flight): to registers.
                     cute.arch.cp_async_wait_group(self.stages - 1)
                     cute.autovec_copy(xs[s], x_held)
                     cute.autovec_copy(dys[s], dy_held)
+                    x_slot, dy_slot = x_held, dy_held
                     stats[s, 0] = slot_stats[s][0]
                     if const_expr(self.layer_norm):
                         stats[s, 1] = slot_stats[s][1]
-                    self._stage_row(copies, mX, mdY, mMean, mRstd,
-                                    cutlass.min(base + (s + self.stages) * grid, last), tidx,
-                                    xs[s], dys[s], slot_stats[s])
-                    x_slot, dy_slot = x_held, dy_held
                 else:
                     ahead = (s + self.stages - 1) % self.stages
                     self._load_row(mX, mdY, mMean, mRstd,
@@ -207,6 +203,13 @@ class RowNormBackward(RowKernel):
                         grad = (wdy - x_hat * (sum_a * inv_n)) * rstd
                     dx.store(grad.to(self.dtype))
                     cute.autovec_copy(dx, self._thread_view(mdX[row, None], tidx))
+                if const_expr(self.shared_ring):
+                    # The slots refilled once the row is done with them (as the FP8 row
+                    # kernel's, cute_row_norm_fp8.py: a refill racing the row's own shared
+                    # loads, NOTES #133).
+                    self._stage_row(copies, mX, mdY, mMean, mRstd,
+                                    cutlass.min(base + (s + self.stages) * grid, last), tidx,
+                                    xs[s], dys[s], slot_stats[s])
         if const_expr(self.shared_ring):
             cute.arch.cp_async_wait_group(0)  # no copy left in flight into a freed CTA
 

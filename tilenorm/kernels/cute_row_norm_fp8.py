@@ -63,13 +63,12 @@ block 2.
 ``shared_ring`` (not with ``recompute_t``): the ring of x (and FP8 x's multipliers) in
 shared memory, filled by ``cp.async`` (16 and 4 bytes; each thread its own vectors and its
 own copy of their multipliers, so ``cp.async.wait_group`` alone orders a slot's copies
-before its reads: no barrier), every slot a row ahead: a row is copied from its slot into registers
-and the slot refilled with the row ``stages`` turns on before the row is reduced. No load
-of the loop then sets a register scoreboard: the register ring's loads share one, so the
-first use of each trip's last row waits for the row just issued, a memory latency a trip
-(bench/NOTES.md #132). ``stages`` rows in flight a CTA where the register ring keeps
-``stages - 1``, and no registers for them. The same values in the same order, so the same
-bits.
+before its reads: no barrier). A row is read from its slot and the slot refilled with the
+row ``stages`` turns on once the row is done: ``stages - 1`` rows in flight while one is
+reduced, as in the register ring, but no load of the loop sets a register scoreboard. The
+register ring's loads share one, so the first use of each trip's last row waits for the
+row just issued, a memory latency a trip (bench/NOTES.md #132). The same values in the
+same order, so the same bits.
 
 ``recompute_t``: the weight and t are not held across the row. The kernel above keeps the
 weight in fp32 and t beside the ring of x, 2 x 4 bytes an element; two CTAs of 256 threads an
@@ -571,16 +570,13 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                 x_slot, s_slot = xs[s], ss[s]
                 if const_expr(self.shared_ring):
                     # This row's copies landed (the ring's later rows may be in flight): its
-                    # bytes and multipliers to registers, the slot refilled. No load of the
-                    # loop sets a register scoreboard, so no wait of a stage sits behind the
-                    # row just issued (the register ring's does: bench/NOTES.md #132).
+                    # bytes and multipliers to registers. No load of the loop sets a register
+                    # scoreboard, so no wait of a stage sits behind the row just issued (the
+                    # register ring's does: bench/NOTES.md #132).
                     cute.arch.cp_async_wait_group(self.stages - 1)
                     cute.autovec_copy(xs[s], x_held)
                     if const_expr(self.group):
                         cute.autovec_copy(ss[s], s_held)
-                    self._stage_row(copies, mX,
-                                    cutlass.min(base + (s + self.stages) * grid, last), tidx,
-                                    xs[s], ss[s], bases)
                     x_slot, s_slot = x_held, s_held
                 else:
                     ahead = (s + self.stages - 1) % self.stages
@@ -682,6 +678,14 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
                     else:
                         self._quantize_blocks(t, y, q, q_bytes, rstd, row, tidx, lane, bits,
                                               mQ, mQScale, bases[2])
+                if const_expr(self.shared_ring):
+                    # The slot refilled once the row is done with it: its shared loads have
+                    # returned (their values fed the row's sums before its barrier). A refill
+                    # issued while they are in flight races them: cp.async is not ordered
+                    # after the thread's own earlier shared loads (NOTES #133).
+                    self._stage_row(copies, mX,
+                                    cutlass.min(base + (s + self.stages) * grid, last), tidx,
+                                    xs[s], ss[s], bases)
         if const_expr(self.shared_ring):
             cute.arch.cp_async_wait_group(0)  # no copy left in flight into a freed CTA
         # Two ifs: one decided when tracing, one at run time.
