@@ -19,7 +19,9 @@ bit-for-bit reproducible, and so are dgamma and dbeta, whose per-program sums th
 each thread its own vectors; rstd and the mean by 4, each thread its own copy), so that no
 load of the loop sets a register scoreboard. The register ring's loads share one, and the
 first use of each trip's last row waits behind the row just issued: a memory latency a
-trip (bench/NOTES.md #132). The same values in the same order, so the same bits.
+trip (bench/NOTES.md #132). The same values in the same order; RMSNorm's bits equal the
+register ring's on the H200, LayerNorm's differ in 13 of 4M dx elements at 1000 x 4096
+(deterministic, as accurate: a different contraction, not a race).
 """
 
 from __future__ import annotations
