@@ -434,11 +434,15 @@ class RowNormFp8Forward(RowKernel, Fp8Scales):
         as one group (every call one, so that ``wait_group`` counts rows)."""
         cute.copy(copies[0], self._row_view(mX, bases[0], row, tidx), slot)
         if const_expr(self.group):
+            # (1, reps): cute.copy takes mode 0 as one copy's values, so a (reps,) view
+            # would stage the first rep's multiplier alone (bench/NOTES.md #133).
             per_group = self.group // self.vec
             groups = cute.make_tensor(
                 bases[1] + cutlass.Int64(row) * (self.cols // self.group),
-                cute.make_layout((self.reps,), stride=(self.threads // per_group,)))
-            cute.copy(copies[1], groups, scale_slot)
+                cute.make_layout((1, self.reps), stride=(0, self.threads // per_group)))
+            staged = cute.make_tensor(scale_slot.iterator, cute.make_layout(
+                (1, self.reps), stride=(0, self.threads)))
+            cute.copy(copies[1], groups, staged)
         cute.arch.cp_async_commit_group()
 
     @cute.jit
