@@ -143,11 +143,16 @@ class Fp8Settings:
         "row": {2048: (64, 4, 8), 8192: (256, 2, 4), 16384: (512, 2, 2)}})
     #: {scaling: widths} where the FP8-x row kernel keeps its ring (x's bytes and their
     #: multipliers) in shared memory (``shared_ring``, cute_row_norm_fp8.py): no load of its
-    #: loop on a register scoreboard (bench/NOTES.md #132). To be timed: none yet.
-    cute_forward_fp8_input_shared_ring: dict = field(default_factory=dict)
+    #: loop on a register scoreboard (bench/NOTES.md #132). On an H200 row scaling at 16384
+    #: 87% of copy against the register ring's 86%; at 2048-8192 the ring loses 1-4% (#133).
+    cute_forward_fp8_input_shared_ring: dict = field(default_factory=lambda: {
+        "row": (16384,)})
     #: The same for the row kernel of 2-byte x ({scaling: widths}; not with
-    #: ``cute_forward_recompute_t``'s entries). To be timed: none yet.
-    cute_forward_shared_ring: dict = field(default_factory=dict)
+    #: ``cute_forward_recompute_t``'s entries). On an H200 MX at 4096 91% of copy against
+    #: 88%, block at 8192 90.4 against 89.6%; the other scalings and widths lose up to 9% or
+    #: gain under 1% (#133).
+    cute_forward_shared_ring: dict = field(default_factory=lambda: {
+        "mx": (4096,), "block": (8192,)})
 
     def forward_entry(self, scaling: str, cols: int) -> tuple[int, int, int] | None:
         """The row kernel's (threads, stages, CTAs per SM) for 2-byte x of ``cols`` columns
@@ -197,14 +202,15 @@ SM90_FP8 = Fp8Settings()
 #: H200's ``cute_forward_fp8_input_scaling`` (#128, untimed on an H100). At 4096 columns
 #: row and MX scaling run at (256, 4, 2), 97% and 96% of copy against (128, 4, 4)'s 90% and
 #: 89%, where block scaling ranks them 88% and 90% and keeps (128, 4, 4) (#95). No
-#: ``clamp``: timed on the H200 only (#125). ``recompute_t`` for block scaling only: row
-#: scaling at 16384 ran slower with it on an H100 (#78), MX is untimed there.
+#: ``clamp`` and no ring in shared memory: timed on the H200 only (#125, #133).
+#: ``recompute_t`` for block scaling only: row scaling at 16384 ran slower with it on an
+#: H100 (#78), MX is untimed there.
 SM90_FP8_H100 = dataclasses.replace(
     SM90_FP8, cute_forward={**SM90_FP8.cute_forward, 8192: (512, 2, 2)},
     cute_forward_fp8_input_scaling={},
     cute_forward_recompute_t={"block": {16384: (256, 2, 2)}},
     cute_forward_scaling={scaling: {4096: (256, 4, 2)} for scaling in ("row", "mx")},
-    cute_forward_clamp={})
+    cute_forward_clamp={}, cute_forward_fp8_input_shared_ring={}, cute_forward_shared_ring={})
 _HOPPER = DeviceTables({"h200": SM90_FP8, "h100": SM90_FP8_H100})
 
 

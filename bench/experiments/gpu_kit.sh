@@ -19,7 +19,8 @@
 #                         torch.compile
 #   variants FILE         each case of a variants file (bench/experiments/variants/*.json:
 #                         {"cases": [{"tool", "ops" or "scalings", "shapes", ["dtype"],
-#                         "variants", ["kernel_times": true: bench_fp8's --kernel-times]}]})
+#                         "variants", ["kernel_times": true: bench_fp8's --kernel-times]}]}),
+#                         case i into $OUT/NAME-i.json (NAME the file's, no .json)
 #   suite TAG PATHS...    the GPU tests (-m gpu) of PATHS with $WORKERS xdist workers (default
 #                         3; 5 ran out of an H100's 80 GB: NOTES #65, #99), JAX allocating as
 #                         it goes. JUnit files stay in /tmp/suite for the machine's life, so a
@@ -122,7 +123,8 @@ print("--variants")
 print(json.dumps(case["variants"]))
 EOF
       )
-      run "variants-$i" "${argv[@]}"
+      # named by the file, so that several files in one call keep their JSONs
+      run "$(basename "$file" .json)-$i" "${argv[@]}"
     done ;;
   suite)
     tag=${1:?tag}
