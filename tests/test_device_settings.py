@@ -137,6 +137,7 @@ def test_the_h100_tables_differ_exactly_where_the_h100_measured_otherwise():
     #125) and recomputes t at 16384 for block scaling only (the H200 for row and MX too,
     #122); a per-row copy's column amaxes come from the CuTe row kernel at every width of
     both (#103, #120), at row scaling's plan (#125). FP8 x keeps its own entry (#88, #95).
+    The FP8 row kernel's rings in shared memory are the H200's alone (#133).
     fp32 x at 16384 takes 2-byte x's 32768 entry, one CTA a row. Nothing else differs."""
     assert set(_differences(SM90, SM90_H100)) == {"cute_backward", "cute_cluster_backward",
                                                   "cute_forward", "cute_forward_fp32"}
@@ -165,7 +166,12 @@ def test_the_h100_tables_differ_exactly_where_the_h100_measured_otherwise():
                                                           "cute_forward_scaling",
                                                           "cute_forward_clamp",
                                                           "cute_forward_recompute_t",
-                                                          "cute_forward_fp8_input_scaling"}
+                                                          "cute_forward_fp8_input_scaling",
+                                                          "cute_forward_shared_ring",
+                                                          "cute_forward_fp8_input_shared_ring"}
+    assert SM90_FP8.cute_forward_shared_ring and SM90_FP8.cute_forward_fp8_input_shared_ring
+    assert SM90_FP8_H100.cute_forward_shared_ring == {}
+    assert SM90_FP8_H100.cute_forward_fp8_input_shared_ring == {}
     assert SM90_FP8.cute_forward_clamp and SM90_FP8_H100.cute_forward_clamp == {}
     # FP8 x's row-scaling entries of the H200 (bench/NOTES.md #128), untimed on an H100.
     assert set(SM90_FP8.cute_forward_fp8_input_scaling) == {"row"}
