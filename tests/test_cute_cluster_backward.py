@@ -3,6 +3,7 @@
 and Blackwell (and its registers at sm_90a), the decision that picks it, and (GPU) its
 outputs against float64, through the kernel and through the ops."""
 
+import dataclasses
 import re
 import tempfile
 from pathlib import Path
@@ -113,6 +114,23 @@ def test_layer_norm_takes_rms_norms_entries_but_where_measured():
 
 
 @needs_cute
+def test_rstd_staged_with_the_row_where_the_table_says():
+    """``cute_cluster_backward_staged_stats`` at one op and width, 2-byte x alone: the plan
+    and its ahead-of-time variants take ``stage_stats`` there and nowhere else."""
+    from tilenorm.settings import measuring
+
+    probe = dataclasses.replace(SM90, cute_cluster_backward_staged_stats={"rms_norm": (131072,)})
+    staged = plan(1024, 131072, settings=probe)
+    assert staged.stage_stats and "rstd staged with the row" in staged.describe()
+    assert not plan(1024, 131072, op="layer_norm", settings=probe).stage_stats
+    assert not plan(1024, 65536, settings=probe).stage_stats
+    assert not plan(1024, 131072, settings=SM90).stage_stats
+    with measuring(probe):
+        keys = [k for k in cute.aot_cluster_backward_keys(all_dtypes=True) if k.stage_stats]
+    assert keys and {(k.layer_norm, k.cols) for k in keys} == {(False, 131072)}
+    assert {k.dtype for k in keys} == {"bfloat16", "float16"}
+
+
 def test_settings_entries_fit_the_kernel():
     """Each entry builds the kernel of its heaviest variant (the kernel checks the cluster
     size, whole 16-byte vectors of its threads a CTA, a warp per cluster CTA to push the row
@@ -419,9 +437,11 @@ def _reference(x, w, b, eps, dy, offset, dres, layer_norm):
 
 def check_cluster_backward(m, n, op="rms_norm", dtype=torch.bfloat16, w_dtype=torch.bfloat16,
                            bias=False, offset=0.0, residual=False, eps=1e-6, reruns=3,
-                           repeat_slices=False):
+                           repeat_slices=False, stage_stats=False):
     """The kernel on poisoned dx and partial buffer against float64: every dx element and
-    partial slot written, dx, dweight and dbias accurate, reruns bit-identical. With
+    partial slot written, dx, dweight and dbias accurate, reruns bit-identical (with
+    ``stage_stats`` the last rerun by the kernel that stages rstd and mean with the row:
+    the same values by another path, so the same bits). With
     ``repeat_slices`` every operand repeats every ``n / cluster`` columns, so that every CTA
     of a cluster holds the same slice: their dx and partial-buffer slices must then repeat
     bit for bit, which they do only if every CTA adds the pushed row sums to the same bits."""
@@ -448,9 +468,11 @@ def check_cluster_backward(m, n, op="rms_norm", dtype=torch.bfloat16, w_dtype=to
     key = cute.ClusterBackwardKey.of(plan, NAMES[dtype],
                                      None if w is None else NAMES[w.dtype], offset != 0,
                                      residual, layer_norm, bias)
-    fn = cute.compiled_cluster_backward(key, torch.cuda.get_device_capability())
+    fns = [cute.compiled_cluster_backward(k, torch.cuda.get_device_capability())
+           for k in [key] * (reruns - stage_stats)
+           + [dataclasses.replace(key, stage_stats=True)] * stage_stats]
     outputs = []
-    for _ in range(reruns):
+    for fn in fns:
         dx = poisoned((m, n), dtype)
         partial = (poisoned((plan.partial_rows, key.groups, n), torch.float32) if key.groups
                    else None)
@@ -504,6 +526,15 @@ def test_fp32_matches_float64(m, n, op):
     p = check_cluster_backward(rows, n, op, dtype=torch.float32, w_dtype=torch.float32,
                                bias=op == "layer_norm")
     assert p.clusters == min(rows, clusters)
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("op,n", ENTRIES)
+@pytest.mark.parametrize("case", ["plain", "residual"])
+def test_rstd_staged_with_the_row_gives_the_same_bits(op, n, case):
+    check_cluster_backward(1023, n, op, bias=op == "layer_norm", residual=case == "residual",
+                           stage_stats=True)
 
 
 @gpu

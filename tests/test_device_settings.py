@@ -312,24 +312,26 @@ def test_ahead_of_time_builds_cover_every_class():
     scaling); cuTile's exported plans cover every class's plans."""
     from tilenorm.kernels.cute_row_norm_fp8 import SCALINGS
 
-    backward = {(k.layer_norm, k.cols, (k.threads, k.stages, k.ctas_per_sm))
+    backward = {(k.layer_norm, k.cols, (k.threads, k.stages, k.ctas_per_sm), k.shared_ring)
                 for k in cute.aot_keys()}
     forward = {(k.layer_norm, k.cols, (k.threads, k.rows_per_cta, k.ctas_per_sm)
                 + ((k.cluster,) if k.cluster > 1 else ()) + ((k.stages,) if k.persistent else ()))
                for k in cute.aot_forward_keys()}
-    cluster = {(k.layer_norm, k.cols, (k.cluster, k.threads, k.stages, k.ctas_per_sm))
-               for k in cute.aot_cluster_backward_keys()}
+    cluster = {(k.layer_norm, k.cols, (k.cluster, k.threads, k.stages, k.ctas_per_sm),
+                k.stage_stats) for k in cute.aot_cluster_backward_keys()}
     fp8 = {(k.dtype, k.scaling, k.cols, (k.threads, k.stages, k.ctas_per_sm), k.column_amax,
             k.clamp, k.recompute_t) for k in cute.aot_fp8_keys()}
     transposes = {k.cols for k in cute.aot_fp8_transpose_keys()}
     for device in DEVICE_CLASSES:
         s, f = settings_for((9, 0), device), fp8_settings_for((9, 0), device)
         for (op, cols), entry in _entries(s.cute_backward).items():
-            assert (op == "layer_norm", cols, entry) in backward, (device, op, cols)
+            ring = cols in s.cute_backward_shared_ring.get(op, ())
+            assert (op == "layer_norm", cols, entry, ring) in backward, (device, op, cols)
         for (op, cols), entry in _entries(s.cute_forward).items():
             assert (op == "layer_norm", cols, tuple(entry)) in forward, (device, op, cols)
         for (op, cols), entry in _entries(s.cute_cluster_backward).items():
-            assert (op == "layer_norm", cols, entry) in cluster, (device, op, cols)
+            staged = s.cluster_backward_stage_stats(op, cols, 2)
+            assert (op == "layer_norm", cols, entry, staged) in cluster, (device, op, cols)
         for cols in f.cute_forward:
             for scaling in SCALINGS:
                 entry, clamp = f.forward_entry(scaling, cols), f.forward_clamp(scaling, cols)

@@ -366,6 +366,8 @@ class CuteClusterBackwardPlan:
     stages: int
     ctas_per_sm: int
     clusters: int
+    #: The kernel's ``stage_stats``: each row's rstd (and mean) staged with the row.
+    stage_stats: bool = False
 
     @classmethod
     def of(cls, rows: int, cols: int, entry: tuple[int, int, int, int],
@@ -396,7 +398,8 @@ class CuteClusterBackwardPlan:
         return (f"a row a cluster of {self.cluster} CTAs ({self.cols // self.cluster} columns "
                 f"a CTA, {self.threads} threads), {self.stages} rows staged in shared memory, "
                 f"persistent grid {self.clusters} clusters ({self.ctas_per_sm} CTAs per SM), "
-                f"partial buffer {self.clusters}x{self.cols} fp32")
+                f"partial buffer {self.clusters}x{self.cols} fp32"
+                + (", rstd staged with the row" if self.stage_stats else ""))
 
 
 def plan_cute_cluster_backward(rows: int, cols: int, *, itemsize: int, arch: tuple[int, int],
@@ -421,7 +424,10 @@ def plan_cute_cluster_backward(rows: int, cols: int, *, itemsize: int, arch: tup
     resident = resident_clusters(cluster, threads, ctas_per_sm)
     if resident < 1:  # a device that holds no such cluster at once: another backward runs
         return None
-    return CuteClusterBackwardPlan.of(rows, cols, entry, resident)
+    plan = CuteClusterBackwardPlan.of(rows, cols, entry, resident)
+    if s.cluster_backward_stage_stats(op, cols, itemsize):
+        plan = dataclasses.replace(plan, stage_stats=True)
+    return plan
 
 
 def _cute_entry(table: dict, op: Op, rows: int, cols: int, heads: int,

@@ -129,6 +129,11 @@ class RowNormSettings:
     #: against 97% (#133).
     cute_backward_shared_ring: dict = field(default_factory=lambda: {
         "rms_norm": (7168, 8192)})
+    #: {op: widths} of ``cute_cluster_backward`` (2-byte x) whose kernel stages each row's
+    #: rstd (and mean) with the row (``stage_stats``, cute_cluster_norm_backward.py) rather
+    #: than loading them right before their use, a memory latency a row (bench/NOTES.md
+    #: #132): on sm_90a only 131072's entry holds them without a spill. To be timed.
+    cute_cluster_backward_staged_stats: dict = field(default_factory=dict)
     #: Backwards of rows too wide for one CTA that a cluster of CTAs holds, reading x and dy
     #: once, per op and width: (CTAs a cluster, threads, row stages in shared memory, CTAs per
     #: SM), the weight in registers. Through the op on an H100 (bf16, % of copy, the
@@ -214,6 +219,12 @@ class RowNormSettings:
         "layer_norm": {5120: (2, 128, 2, 2), 7168: (2, 128, 2, 2), 8192: (2, 256, 2, 2),
                        12288: (3, 256, 2, 2), 16384: (2, 512, 2, 1), 32768: (8, 256, 2, 2),
                        65536: (8, 256, 2, 1), 131072: (8, 512, 1, 1)}})
+
+    def cluster_backward_stage_stats(self, op: str, cols: int, itemsize: int) -> bool:
+        """Whether the cluster backward of ``op`` at ``cols`` columns of ``itemsize``-byte x
+        stages each row's rstd (and mean) with the row (``cute_cluster_backward_staged_stats``,
+        2-byte x's entries)."""
+        return itemsize == 2 and cols in self.cute_cluster_backward_staged_stats.get(op, ())
 
     def cute_table(self, kernel: CuteKernel, itemsize: int) -> dict:
         """The CuTe DSL table of ``kernel`` for ``itemsize``-byte x, ``{op: {cols: entry}}``:

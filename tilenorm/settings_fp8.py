@@ -144,13 +144,15 @@ class Fp8Settings:
     #: {scaling: widths} where the FP8-x row kernel keeps its ring (x's bytes and their
     #: multipliers) in shared memory (``shared_ring``, cute_row_norm_fp8.py): no load of its
     #: loop on a register scoreboard (bench/NOTES.md #132). On an H200 row scaling at 16384
-    #: 87% of copy against the register ring's 86%; at 2048-8192 the ring loses 1-4% (#133).
+    #: ~1% ahead of the register ring (3624 / 3628 against 3613 / 3570 GB/s, alternating in
+    #: one process); at 2048-8192 the ring loses 1-4% (#133).
     cute_forward_fp8_input_shared_ring: dict = field(default_factory=lambda: {
         "row": (16384,)})
     #: The same for the row kernel of 2-byte x ({scaling: widths}; not with
-    #: ``cute_forward_recompute_t``'s entries). On an H200 MX at 4096 91% of copy against
-    #: 88%, block at 8192 90.4 against 89.6%; the other scalings and widths lose up to 9% or
-    #: gain under 1% (#133).
+    #: ``cute_forward_recompute_t``'s entries). On an H200, alternating in one process, MX at
+    #: 4096 ~1% ahead (3678 / 3679 against 3639 / 3661 GB/s), block at 8192 too (3725 / 3776
+    #: against 3711 / 3727); the other scalings and widths lose up to 9% or gain under 1%
+    #: (#133).
     cute_forward_shared_ring: dict = field(default_factory=lambda: {
         "mx": (4096,), "block": (8192,)})
 

@@ -23,7 +23,10 @@ Per row, per CTA:
   issued before row ``i`` is waited on; with 1, the next row's copies are issued once this
   row's last read is done, and other CTAs of the SM cover the gap). A thread reads back only
   the vectors it copied, so ``cp.async.wait_group`` alone orders the staging: no block
-  barrier in the row loop.
+  barrier in the row loop. With ``stage_stats`` each thread stages its own copy of the
+  row's rstd (and mean) beside them by a 4-byte ``cp.async``, where the kernel otherwise
+  loads them right before their first use and waits a memory latency a row (bench/NOTES.md
+  #132).
 - pass 1 (shared memory -> registers, a vector at a time): the thread's partials of
   ``sum(g * xhat)`` (and LayerNorm's ``sum(g)``) in vector order, and ``dweight += dy *
   xhat`` (``dbias += dy``) into fp32 registers (the CTA's slices of dweight and dbias live
@@ -63,10 +66,9 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync
 
 from tilenorm.kernels.cute_cluster_rows import PARTIAL_BYTES, ClusterRowKernel
-from tilenorm.kernels.cute_rows import SMEM_CARVEOUT
+from tilenorm.kernels.cute_rows import SMEM_CARVEOUT, ring_copies
 
 
 class ClusterRowNormBackward(ClusterRowKernel):
@@ -74,11 +76,13 @@ class ClusterRowNormBackward(ClusterRowKernel):
     of ``cluster`` CTAs at a time, persistent over rows; dweight's and dbias's per-cluster
     sums into the partial buffer. The weight is in x's dtype or fp32 (or absent: g = dy, no
     dweight); ``has_bias`` adds dbias's group; ``has_offset`` adds the launch's ``offset`` to
-    the weight (Gemma's ``1 + w``); ``has_dres_in`` adds ``dres_in`` to dx."""
+    the weight (Gemma's ``1 + w``); ``has_dres_in`` adds ``dres_in`` to dx; ``stage_stats``
+    stages each row's rstd (and mean) with the row (the module docstring)."""
 
     def __init__(self, dtype, weight_dtype, cols: int, cluster: int, threads: int,
                  stages: int, ctas_per_sm: int, layer_norm: bool = False,
-                 has_bias: bool = False, has_offset: bool = False, has_dres_in: bool = False):
+                 has_bias: bool = False, has_offset: bool = False, has_dres_in: bool = False,
+                 stage_stats: bool = False):
         self.dtype = dtype
         self.weight_dtype = weight_dtype
         self.has_weight = weight_dtype is not None
@@ -99,6 +103,9 @@ class ClusterRowNormBackward(ClusterRowKernel):
         self.has_bias = has_bias
         self.has_offset = has_offset
         self.has_dres_in = has_dres_in
+        self.stage_stats = stage_stats
+        #: Row statistics a thread stages with ``stage_stats``: rstd, and LayerNorm's mean.
+        self.stats = 2 if layer_norm else 1
         #: Row sums pushed across the cluster: sum(g * xhat), and LayerNorm's sum(g).
         self.sums = 2 if layer_norm else 1
         #: Gradient groups in the partial buffer: dweight and/or dbias.
@@ -108,10 +115,13 @@ class ClusterRowNormBackward(ClusterRowKernel):
         self.unroll = max(2, stages)
 
     def shared_bytes(self) -> int:
-        """Dynamic shared memory a CTA allocates: the x and dy (and dres_in) row buffers, the
+        """Dynamic shared memory a CTA allocates: the x and dy (and dres_in) row buffers,
+        with ``stage_stats`` each thread's rstd (and mean) of each buffered row, the
         reduction slots, the mbarriers (each aligned as allocated)."""
         rows = (2 + self.has_dres_in) * self.stages * self.slice * self.dtype.width // 8
-        return -(-rows // 128) * 128 + self.slot_bytes(self.sums * self.unroll) + 8 * self.unroll
+        stats = self.stage_stats * self.threads * self.stages * self.stats * 4
+        return (-(-rows // 128) * 128 + -(-stats // 16) * 16
+                + self.slot_bytes(self.sums * self.unroll) + 8 * self.unroll)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mdY: cute.Tensor, mW: cute.Tensor | None,
@@ -124,15 +134,22 @@ class ClusterRowNormBackward(ClusterRowKernel):
             min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=SMEM_CARVEOUT)
 
     @cute.jit
-    def _stage(self, g2s, sources: list, buffers: list, row: Int32, rows: Int32, buf: int,
-               rank: Int32, tidx: Int32):
+    def _stage(self, copies: tuple, sources: list, buffers: list, stats: list, row: Int32,
+               rows: Int32, buf: int, rank: Int32, tidx: Int32):
         """This thread's vectors of ``row`` of each of ``sources`` (x, dy and dres_in) into
-        buffer ``buf`` of its shared-memory buffers (nothing past the last row), committed
-        as one group: every call commits exactly one, so that ``wait_group`` counts rows."""
+        buffer ``buf`` of its shared-memory buffers and, with ``stage_stats``, the row's
+        value of each of ``stats`` ((rstd, its slots) and LayerNorm's (mean, its slots))
+        into this thread's slot of the buffer (nothing past the last row), committed as one
+        group: every call commits exactly one, so that ``wait_group`` counts rows."""
         if row < rows:
             for source, staged in zip(sources, buffers, strict=True):
-                cute.copy(g2s, self._slice_view(source[row, None], rank, tidx),
+                cute.copy(copies[0], self._slice_view(source[row, None], rank, tidx),
                           self._thread_view(staged[None, buf], tidx))
+            for source, slots in stats:
+                cute.copy(copies[1], cute.make_tensor(source.iterator + row,
+                                                      cute.make_layout((1,))),
+                          cute.make_tensor(slots.iterator + (tidx + self.threads * buf),
+                                           cute.make_layout((1,))))
         cute.arch.cp_async_commit_group()
 
     @cute.jit
@@ -175,6 +192,16 @@ class ClusterRowNormBackward(ClusterRowKernel):
             s_dres = staged[None, None, 2]
             sources.append(mdResIn)
             buffers.append(s_dres)
+        # stage_stats: (thread, buffer) of rstd (and mean), each thread its own copy, so that
+        # its wait_group orders them as it orders its vectors.
+        stats, s_rstd, s_mean = [], None, None
+        if const_expr(self.stage_stats):
+            s_rstd = smem.allocate_tensor(Float32, cute.make_layout((self.threads, stages)), 16)
+            stats.append((mRstd, s_rstd))
+            if const_expr(self.layer_norm):
+                s_mean = smem.allocate_tensor(Float32,
+                                              cute.make_layout((self.threads, stages)), 16)
+                stats.append((mMean, s_mean))
         # (slot, sum, row of the unrolled loop): slot r * warps + w holds warp w's partial
         # from cluster CTA r.
         parts = smem.allocate_tensor(Float32, cute.make_layout((slots, self.sums, unroll)),
@@ -186,12 +213,12 @@ class ClusterRowNormBackward(ClusterRowKernel):
         cute.arch.mbarrier_init_fence()
         cute.arch.cluster_arrive_relaxed()
 
-        # ``.cg``: x and dy are read once, past L1.
-        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
-                                  self.dtype, num_bits_per_copy=128)
+        # x and dy by ``.cg`` (read once, past L1), rstd and mean by ``.ca``.
+        copies = ring_copies(self.dtype)
         # The first rows' copies in flight before anything else.
         for j in cutlass.range_constexpr(max(stages - 1, 1)):
-            self._stage(g2s, sources, buffers, first + j * clusters, rows, j, rank, tidx)
+            self._stage(copies, sources, buffers, stats, first + j * clusters, rows, j, rank,
+                        tidx)
 
         shape = (self.vec, self.reps)
         w = None
@@ -218,12 +245,16 @@ class ClusterRowNormBackward(ClusterRowKernel):
                 buf = s % stages
                 if const_expr(stages > 1):
                     # Row i + stages - 1 into the buffer row i - 1 freed.
-                    self._stage(g2s, sources, buffers, row + (stages - 1) * clusters, rows,
-                                (s + stages - 1) % stages, rank, tidx)
+                    self._stage(copies, sources, buffers, stats, row + (stages - 1) * clusters,
+                                rows, (s + stages - 1) % stages, rank, tidx)
                 if row < rows:
-                    rstd = mRstd[row]
-                    mean = mMean[row] if const_expr(self.layer_norm) else Float32(0.0)
+                    if const_expr(not self.stage_stats):
+                        rstd = mRstd[row]
+                        mean = mMean[row] if const_expr(self.layer_norm) else Float32(0.0)
                     cute.arch.cp_async_wait_group(stages - 1 if stages > 1 else 0)
+                    if const_expr(self.stage_stats):
+                        rstd = s_rstd[tidx, buf]
+                        mean = s_mean[tidx, buf] if const_expr(self.layer_norm) else Float32(0.0)
                     t_x = self._thread_view(s_x[None, buf], tidx)
                     t_dy = self._thread_view(s_dy[None, buf], tidx)
                     # Pass 1: this thread's parts of sum(g * xhat) (and sum(g)), vectors in
@@ -284,7 +315,8 @@ class ClusterRowNormBackward(ClusterRowKernel):
                         cute.autovec_copy(dx_v, t_dx[None, k])
                 if const_expr(stages == 1):
                     # Buffer 0 is free once this thread's reads of it are done.
-                    self._stage(g2s, sources, buffers, row + clusters, rows, 0, rank, tidx)
+                    self._stage(copies, sources, buffers, stats, row + clusters, rows, 0, rank,
+                                tidx)
 
         cute.arch.cp_async_wait_group(0)
         if const_expr(self.has_weight):

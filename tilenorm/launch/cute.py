@@ -260,13 +260,16 @@ class ClusterBackwardKey:
     ctas_per_sm: int
     layer_norm: bool = False
     has_bias: bool = False
+    #: The kernel's ``stage_stats``: each row's rstd (and mean) staged with the row.
+    stage_stats: bool = False
 
     @classmethod
     def of(cls, plan: CuteClusterBackwardPlan, dtype: str, weight_dtype: str | None,
            has_offset: bool, has_dres_in: bool, layer_norm: bool = False,
            has_bias: bool = False) -> ClusterBackwardKey:
         return cls(dtype, weight_dtype, has_offset, has_dres_in, plan.cols, plan.cluster,
-                   plan.threads, plan.stages, plan.ctas_per_sm, layer_norm, has_bias)
+                   plan.threads, plan.stages, plan.ctas_per_sm, layer_norm, has_bias,
+                   plan.stage_stats)
 
     @property
     def groups(self) -> int:
@@ -282,7 +285,8 @@ class ClusterBackwardKey:
         return ClusterRowNormBackward(
             dtypes[self.dtype], None if self.weight_dtype is None else dtypes[self.weight_dtype],
             self.cols, self.cluster, self.threads, self.stages, self.ctas_per_sm,
-            self.layer_norm, self.has_bias, self.has_offset, self.has_dres_in)
+            self.layer_norm, self.has_bias, self.has_offset, self.has_dres_in,
+            self.stage_stats)
 
 
 def compile_cluster_backward(key: ClusterBackwardKey, arch: str | None = None,
@@ -333,10 +337,12 @@ def _every_table() -> list[RowNormSettings]:
 
 def aot_keys(all_dtypes: bool = False) -> list[BackwardKey]:
     """Every variant the settings' CuTe DSL entries can run: each weight dtype (or none),
-    with and without a bias, in bf16 (and fp16 with ``all_dtypes``)."""
+    with and without a bias, in bf16 (and fp16 with ``all_dtypes``), each with the
+    ``shared_ring`` of its entry (``cute_backward_shared_ring``)."""
     dtypes = ("bfloat16", "float16") if all_dtypes else ("bfloat16",)
     return _unique(BackwardKey(AOT_ROWS, dtype, weight_dtype, has_bias, op == "layer_norm",
-                               cols, *config)
+                               cols, *config,
+                               shared_ring=cols in s.cute_backward_shared_ring.get(op, ()))
             for s in _every_table()
             for op, widths in s.cute_backward.items() for cols, config in widths.items()
             for dtype in dtypes for weight_dtype in (None, dtype, "float32")
@@ -344,27 +350,30 @@ def aot_keys(all_dtypes: bool = False) -> list[BackwardKey]:
 
 
 def _entries(kernel: CuteKernel, all_dtypes: bool
-             ) -> Iterator[tuple[str, str, int, tuple[int, ...]]]:
-    """(x's dtype, op, width, entry) of every class's ``kernel`` tables: the 2-byte one (bf16
-    x, and fp16 with ``all_dtypes``) and the 4-byte one (fp32 x)."""
+             ) -> Iterator[tuple[RowNormSettings, str, str, int, tuple[int, ...]]]:
+    """(the class's settings, x's dtype, op, width, entry) of every class's ``kernel``
+    tables: the 2-byte one (bf16 x, and fp16 with ``all_dtypes``) and the 4-byte one (fp32
+    x)."""
     for s in _every_table():
         for itemsize, dtypes in ((2, ("bfloat16", "float16") if all_dtypes else ("bfloat16",)),
                                  (4, ("float32",))):
             for op, widths in s.cute_table(kernel, itemsize).items():
                 for cols, config in widths.items():
                     for dtype in dtypes:
-                        yield dtype, op, cols, config
+                        yield s, dtype, op, cols, config
 
 
 def aot_cluster_backward_keys(all_dtypes: bool = False) -> list[ClusterBackwardKey]:
     """Every variant the settings' cluster backward entries can run in bf16 and fp32 (and
     fp16 with ``all_dtypes``): each weight dtype (or none), with and without a residual's
     gradient added to dx; RMSNorm with and without the Gemma offset (which needs a weight),
-    LayerNorm with and without a bias."""
+    LayerNorm with and without a bias; each with the ``stage_stats`` of its entry."""
     return _unique(ClusterBackwardKey(dtype, weight_dtype, has_offset, has_dres_in, cols,
                                       *config, layer_norm=op == "layer_norm",
-                                      has_bias=has_bias)
-            for dtype, op, cols, config in _entries("cluster_backward", all_dtypes)
+                                      has_bias=has_bias,
+                                      stage_stats=s.cluster_backward_stage_stats(
+                                          op, cols, 4 if dtype == "float32" else 2))
+            for s, dtype, op, cols, config in _entries("cluster_backward", all_dtypes)
             for weight_dtype in (None, dtype, "float32")
             for has_offset in ((False, True) if op == "rms_norm" and weight_dtype
                                else (False,))
@@ -381,7 +390,7 @@ def aot_forward_keys(all_dtypes: bool = False) -> list[ForwardKey]:
     return _unique(ForwardKey(dtype, weight_dtype, has_bias, op == "layer_norm", has_offset,
                               has_residual, cols,
                               *(residual_entry(cols, config) if has_residual else config))
-            for dtype, op, cols, config in _entries("forward", all_dtypes)
+            for _, dtype, op, cols, config in _entries("forward", all_dtypes)
             for weight_dtype in (None, dtype, "float32")
             for has_bias in ((False, True) if op == "layer_norm" and weight_dtype
                              else (False,))
