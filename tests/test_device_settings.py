@@ -138,10 +138,14 @@ def test_the_h100_tables_differ_exactly_where_the_h100_measured_otherwise():
     #122); a per-row copy's column amaxes come from the CuTe row kernel at every width of
     both (#103, #120), at row scaling's plan (#125). FP8 x keeps its own entry (#88, #95).
     The FP8 row kernel's rings in shared memory are the H200's alone (#133).
-    fp32 x at 16384 takes 2-byte x's 32768 entry, one CTA a row. Nothing else differs."""
+    fp32 x at 16384 takes 2-byte x's 32768 entry, one CTA a row. The cluster backward's
+    staged stats are the H200's alone (#134). Nothing else differs."""
     assert set(_differences(SM90, SM90_H100)) == {"cute_backward", "cute_cluster_backward",
+                                                  "cute_cluster_backward_staged_stats",
                                                   "cute_forward", "cute_forward_fp32"}
     assert SM90_H100.cute_backward == {}
+    assert SM90.cute_cluster_backward_staged_stats
+    assert SM90_H100.cute_cluster_backward_staged_stats == {}
     assert _entries(SM90.cute_backward) == {("layer_norm", 4096): (256, 2, 2),
                                             ("rms_norm", 1024): (128, 4, 4),
                                             ("rms_norm", 7168): (448, 2, 1),
