@@ -104,31 +104,41 @@ def test_plan_only_where_measured_and_asks_residency_only_then(op):
 def test_layer_norm_takes_rms_norms_entries_but_where_measured():
     """LayerNorm's widths are RMSNorm's and its entries RMSNorm's (untimed for LayerNorm: the
     settings say so) but at 131072, timed for LayerNorm on an H200 (#122); at the shared
-    entries its plan is the same launch."""
+    entries its plan is the same launch, its stats staged where its own table says."""
     layer_norm, rms_norm = TABLE["layer_norm"], TABLE["rms_norm"]
     assert layer_norm.keys() <= rms_norm.keys()
     assert {cols for cols in layer_norm if layer_norm[cols] != rms_norm[cols]} == {131072}
     for cols in layer_norm:
         if layer_norm[cols] == rms_norm[cols]:
-            assert plan(1000, cols, op="layer_norm") == plan(1000, cols, op="rms_norm")
+            ln, rms = plan(1000, cols, op="layer_norm"), plan(1000, cols, op="rms_norm")
+            assert dataclasses.replace(ln, stage_stats=rms.stage_stats) == rms
+            assert ln.stage_stats == SM90.cluster_backward_stage_stats("layer_norm", cols, 2)
 
 
 @needs_cute
 def test_rstd_staged_with_the_row_where_the_table_says():
-    """``cute_cluster_backward_staged_stats`` at one op and width, 2-byte x alone: the plan
-    and its ahead-of-time variants take ``stage_stats`` there and nowhere else."""
+    """``cute_cluster_backward_staged_stats``, 2-byte x alone: the plan and its ahead-of-time
+    variants take ``stage_stats`` at the table's ops and widths and nowhere else (fp32 x
+    and a table without them, nowhere)."""
     from tilenorm.settings import measuring
 
-    probe = dataclasses.replace(SM90, cute_cluster_backward_staged_stats={"rms_norm": (131072,)})
-    staged = plan(1024, 131072, settings=probe)
-    assert staged.stage_stats and "rstd staged with the row" in staged.describe()
-    assert not plan(1024, 131072, op="layer_norm", settings=probe).stage_stats
-    assert not plan(1024, 65536, settings=probe).stage_stats
-    assert not plan(1024, 131072, settings=SM90).stage_stats
-    with measuring(probe):
-        keys = [k for k in cute.aot_cluster_backward_keys(all_dtypes=True) if k.stage_stats]
-    assert keys and {(k.layer_norm, k.cols) for k in keys} == {(False, 131072)}
+    staged = {(op, cols) for op, widths in SM90.cute_cluster_backward_staged_stats.items()
+              for cols in widths}
+    assert staged and staged <= set(ENTRIES)
+    unstaged = dataclasses.replace(SM90, cute_cluster_backward_staged_stats={})
+    for op, cols in ENTRIES:
+        p = plan(1024, cols, op=op)
+        assert p.stage_stats == ((op, cols) in staged), (op, cols)
+        assert ("rstd staged with the row" in p.describe()) == p.stage_stats
+        assert not plan(1024, cols, op=op, settings=unstaged).stage_stats
+    for op, widths in TABLE_FP32.items():
+        for cols in widths:
+            assert not plan(1024, cols, itemsize=4, op=op).stage_stats, (op, cols)
+    keys = [k for k in cute.aot_cluster_backward_keys(all_dtypes=True) if k.stage_stats]
+    assert {("layer_norm" if k.layer_norm else "rms_norm", k.cols) for k in keys} == staged
     assert {k.dtype for k in keys} == {"bfloat16", "float16"}
+    with measuring(unstaged):
+        assert not plan(1024, max(TABLE["rms_norm"])).stage_stats
 
 
 def test_settings_entries_fit_the_kernel():

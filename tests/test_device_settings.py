@@ -192,6 +192,7 @@ def test_the_h100_tables_differ_exactly_where_the_h100_measured_otherwise():
     assert SM90_FP8_H100.cute_forward_fp8_input[8192] == (256, 4, 2)
     row_h200, row_h100 = row_settings_for((9, 0), "h200"), row_settings_for((9, 0), "h100")
     assert set(_differences(row_h200, row_h100)) == {"cute_backward", "cute_cluster_backward",
+                                                    "cute_cluster_backward_staged_stats",
                                                     "cute_forward", "cute_forward_fp32"}
 
 
