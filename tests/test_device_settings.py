@@ -139,11 +139,16 @@ def test_the_h100_tables_differ_exactly_where_the_h100_measured_otherwise():
     both (#103, #120), at row scaling's plan (#125). FP8 x keeps its own entry (#88, #95).
     The FP8 row kernel's rings in shared memory are the H200's alone (#133).
     fp32 x at 16384 takes 2-byte x's 32768 entry, one CTA a row. The cluster backward's
-    staged stats are the H200's alone (#134). Nothing else differs."""
+    staged stats are the H200's alone (#134), and so are the RMSNorm forwards at 2048 and
+    7168's 224 threads, the 128-column backward of many rows (#135) and block scaling's own
+    layouts at 4096 / 8192 (#135). Nothing else differs."""
     assert set(_differences(SM90, SM90_H100)) == {"cute_backward", "cute_cluster_backward",
                                                   "cute_cluster_backward_staged_stats",
-                                                  "cute_forward", "cute_forward_fp32"}
+                                                  "cute_forward", "cute_forward_fp32",
+                                                  "many_rows_hints"}
     assert SM90_H100.cute_backward == {}
+    assert SM90_H100.many_rows_hints == {"forward": {}, "backward": {}}
+    assert SM90.many_rows_hints["backward"] == {"rms_norm": ((524288, (128, 4, 4, True)),)}
     assert SM90.cute_cluster_backward_staged_stats
     assert SM90_H100.cute_cluster_backward_staged_stats == {}
     assert _entries(SM90.cute_backward) == {("layer_norm", 4096): (256, 2, 2),
@@ -155,12 +160,13 @@ def test_the_h100_tables_differ_exactly_where_the_h100_measured_otherwise():
     assert h200 == {**h100, ("layer_norm", 131072): (8, 512, 2, 1)} and len(h200) == len(h100)
     h200, h100 = _entries(SM90.cute_forward), _entries(SM90_H100.cute_forward)
     assert h100 == {**{k: v for k, v in h200.items()
-                       if k not in (("rms_norm", 512), ("rms_norm", 1024))},
+                       if k not in (("rms_norm", 512), ("rms_norm", 1024), ("rms_norm", 2048))},
+                    ("rms_norm", 7168): (128, 1, 4),
                     ("rms_norm", 32768): (512, 1, 1), ("rms_norm", 65536): (256, 2, 4, 8),
                     ("layer_norm", 32768): (256, 2, 4, 4),
                     ("layer_norm", 65536): (256, 1, 4, 4),
                     ("layer_norm", 131072): (256, 1, 4, 8)}
-    assert len(h100) == len(h200) - 2
+    assert len(h100) == len(h200) - 3
     assert {k: v for k, v in h200.items() if is_persistent(v)} == {
         ("layer_norm", 32768): (256, 1, 2, 4, 2), ("layer_norm", 65536): (256, 2, 1, 8, 3),
         ("layer_norm", 131072): (256, 1, 1, 8, 2)}
@@ -186,7 +192,8 @@ def test_the_h100_tables_differ_exactly_where_the_h100_measured_otherwise():
     for f in (SM90_FP8, SM90_FP8_H100):
         assert set(f.cute_forward_column_amax) == set(f.cute_forward)
     assert SM90_FP8_H100.cute_forward == {**SM90_FP8.cute_forward, 8192: (512, 2, 2)}
-    assert SM90_FP8.cute_forward[8192] == (256, 4, 2) and SM90_FP8.cute_forward_scaling == {}
+    assert SM90_FP8.cute_forward[8192] == (256, 4, 2)
+    assert SM90_FP8.cute_forward_scaling == {"block": {4096: (256, 4, 3), 8192: (512, 4, 1)}}
     assert SM90_FP8_H100.cute_forward_scaling == {"row": {4096: (256, 4, 2)},
                                                   "mx": {4096: (256, 4, 2)}}
     assert SM90_FP8_H100.cute_forward_fp8_input[8192] == (256, 4, 2)
@@ -212,8 +219,8 @@ def test_a_cute_table_is_chosen_by_kernel_and_element_size(settings):
 
 def test_an_fp8_scaling_entry_replaces_the_width_entry_of_that_scaling_only():
     """Row and MX scaling at 4096 columns run (256, 4, 2) on an H100, block and the per-tensor
-    scalings the width's (128, 4, 4); a per-row scaling's column amaxes take row's; a width
-    outside ``cute_forward`` has none."""
+    scalings the width's (128, 4, 4) (block (256, 4, 3) on an H200); a per-row scaling's
+    column amaxes take row's; a width outside ``cute_forward`` has none."""
     def plan(scaling, device_class, column_amax=False):
         return plan_cute_fp8_forward(8192, 4096, itemsize=2, sm_count=132, arch=(9, 0),
                                      scaling=scaling, device_class=device_class,
@@ -223,7 +230,9 @@ def test_an_fp8_scaling_entry_replaces_the_width_entry_of_that_scaling_only():
         return p.threads, p.stages, p.ctas_per_sm
 
     for scaling in ("amax", "delayed", "row", "block", "mx"):
-        assert entry(plan(scaling, "h200")) == (128, 4, 4)
+        # Block scaling has its own H200 layout (bench/NOTES.md #135).
+        assert entry(plan(scaling, "h200")) == ((256, 4, 3) if scaling == "block"
+                                                else (128, 4, 4))
         assert entry(plan(scaling, "h100")) == (
             (256, 4, 2) if scaling in ("row", "mx") else (128, 4, 4))
     assert entry(plan("row", "h100", column_amax=True)) == (256, 4, 2)
@@ -258,6 +267,8 @@ def test_the_planner_takes_the_class_it_is_given():
         for device, entry in (("h200", (256, 4, 2)), ("h100", (512, 2, 2))):
             p = plan_cute_fp8_forward(16384, 8192, itemsize=2, sm_count=132, arch=(9, 0),
                                       scaling=scaling, device_class=device)
+            if (scaling, device) == ("block", "h200"):  # its own layout (#135)
+                entry = (512, 4, 1)
             assert (p.threads, p.stages, p.ctas_per_sm) == entry, (scaling, device)
             p = plan_cute_fp8_forward(16384, 8192, itemsize=1, sm_count=132, arch=(9, 0),
                                       scaling=scaling, group=16, device_class=device)

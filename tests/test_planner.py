@@ -97,9 +97,32 @@ def test_partial_buffer_bytes_stay_small():
     p = plan_row_norm(4096, 65536, itemsize=2, sm_count=132, arch=(9, 0),
                       direction="backward")
     assert p.column_split and p.partial_shape == (16, 1, 65536) and p.grid == 256
-    p = plan_row_norm(1 << 20, 128, itemsize=2, sm_count=132, arch=(9, 0),
+    p = plan_row_norm(1 << 18, 128, itemsize=2, sm_count=132, arch=(9, 0),
                       direction="backward")
     assert p.partial_shape == (264, 1, 128)
+
+
+@pytest.mark.parametrize("device_class", ["h200", "h100"])
+def test_many_rows_hints_apply_from_their_row_count(device_class):
+    """A many-rows hint takes calls of at least its rows (x heads), before the width's."""
+    s = settings_for((9, 0), device_class)
+    for op, entries in s.many_rows_hints["backward"].items():
+        for min_rows, (widest, occupancy, warps, persistent) in entries:
+            kwargs = dict(itemsize=2, sm_count=132, arch=(9, 0), direction="backward",
+                          op=op, settings=s)
+            many = plan_row_norm(min_rows, widest, **kwargs)
+            assert (many.occupancy, many.worker_warps) == (occupancy, warps)
+            assert many.grid == min(many.row_tiles, 132 * occupancy) and persistent
+            heads = plan_row_norm(min_rows // 4, widest, heads=4, **kwargs)
+            assert (heads.occupancy, heads.worker_warps) == (occupancy, warps)
+            fewer = plan_row_norm(min_rows - 1, widest, **kwargs)
+            _, occupancy, warps, _ = next(h for h in s.single_pass_hints["backward"][op]
+                                          if fewer.tile_cols <= h[0])
+            assert (fewer.occupancy, fewer.worker_warps) == (occupancy, warps)
+    if device_class == "h200":
+        p = plan_row_norm(1 << 20, 128, itemsize=2, sm_count=132, arch=(9, 0),
+                          direction="backward", settings=s)
+        assert p.partial_shape == (528, 1, 128)
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])

@@ -239,7 +239,8 @@ def _plan_row_norm(rows: int, cols: int, itemsize: int, sm_count: int, arch: tup
     col_tiles = cdiv(cols, tile_cols) if not split_cols else 1
     persistent = True
     if col_tiles == 1:
-        hints = s.single_pass_hints[direction][op]
+        hints = tuple(hint for min_rows, hint in s.many_rows_hints[direction].get(op, ())
+                      if rows * heads >= min_rows) + s.single_pass_hints[direction][op]
         if tile_heads > 1:
             hints = s.multi_head_hints[direction] + hints
         occupancy, worker_warps, persistent = next(

@@ -86,6 +86,14 @@ class RowNormSettings:
     #: Tiles of several heads look here first: a program per tile measured slower (#15).
     multi_head_hints: dict = field(default_factory=lambda: {
         "forward": ((2048, 1, 8, True),), "backward": ()})
+    #: Single-pass hints of calls of at least so many rows (rows x heads), looked up before
+    #: ``single_pass_hints``, per direction and op: ((min rows, :data:`Hint`), ...). The
+    #: RMSNorm backward at 128 columns at occupancy 4 with 4 warps (a 528-row partial
+    #: buffer) on an H200, bf16: 4022 / 3842 GB/s against 3829 / 3694 at 1M / 512K rows,
+    #: 3518 against 3746 at 256K and 2229 against 3066 at 32K rows, where the larger
+    #: buffer's reduction is a larger share of the call (#135).
+    many_rows_hints: dict = field(default_factory=lambda: {
+        "forward": {}, "backward": {"rms_norm": ((524288, (128, 4, 4, True)),)}})
     #: (occupancy, worker warps) of the chunked forward and the column-split backward.
     chunked_hints: dict = field(default_factory=lambda: {"forward": (2, None),
                                                          "backward": (2, None)})
@@ -181,11 +189,13 @@ class RowNormSettings:
     #: 88-90 / 84-85 / 88-89% of copy where the one-shot entries ran at 79-81 / 74-75 /
     #: 65-66% (#125). A residual call runs the one-shot forward (``residual_entry``).
     #: RMSNorm at 512 and 1024 columns, ~32 KB of loads in flight an SM: on an H200 98 / 99%
-    #: of copy against cuTile's 94 / 94% (at 256 and 2048 within 1%: not taken; #122).
+    #: of copy against cuTile's 94 / 94% (at 256 within 1%: not taken; #122); at 2048 one
+    #: row a CTA of 128 threads, 16 CTAs an SM, 99% against cuTile's 97%, and at 7168 one row
+    #: a CTA of 224 threads (4 vectors a thread) 99% against (128, 1, 4)'s 98% (#135).
     #: Widths absent here were not measured to gain.
     cute_forward: dict = field(default_factory=lambda: {
-        "rms_norm": {512: (64, 2, 16), 1024: (128, 2, 8), 4096: (128, 2, 4),
-                     5120: (128, 1, 4), 7168: (128, 1, 4), 8192: (256, 2, 2),
+        "rms_norm": {512: (64, 2, 16), 1024: (128, 2, 8), 2048: (128, 1, 16),
+                     4096: (128, 2, 4), 5120: (128, 1, 4), 7168: (224, 1, 4), 8192: (256, 2, 2),
                      12288: (256, 1, 4, 2), 16384: (256, 1, 4, 2), 32768: _cluster_forward(32768),
                      65536: _cluster_forward(65536), 131072: _cluster_forward(131072)},
         "layer_norm": {4096: (128, 2, 4), 5120: (128, 1, 4), 8192: (256, 2, 2),
@@ -244,9 +254,9 @@ class RowNormSettings:
 #: no other device is named. The default for every device not of another class.
 SM90 = RowNormSettings()
 
-#: RMSNorm forward widths whose CuTe entry only an H200 measured (#122): the H100's cuTile
-#: forward is at 99-100% of its copy there (#103).
-_H200_ONLY_FORWARD = (512, 1024)
+#: RMSNorm forward widths whose CuTe entry only an H200 measured (#122, #135): the H100's
+#: cuTile forward is at 99-100% of its copy there (#65, #103).
+_H200_ONLY_FORWARD = (512, 1024, 2048)
 
 #: Hopper at the H100's bandwidth: the H200's settings but where the H100 measured another
 #: choice or none. Every backward keeps cuTile's where the H200 runs the CuTe row backward:
@@ -263,11 +273,14 @@ _H200_ONLY_FORWARD = (512, 1024)
 #: fp32 parameters from L2 every row group, and the H200 reached the H100's bytes a second
 #: there, not its share of copy (#98, #101); the rebuilt kernel (#123) is untimed on an
 #: H100. fp32 at 16384 columns takes the 2-byte entry of 32768, one CTA a row. The cluster
-#: backward's staged stats are the H200's alone (#134, untimed on an H100).
+#: backward's staged stats are the H200's alone (#134, untimed on an H100), and so are the
+#: 128-column backward of many rows and the 224-thread forward at 7168 (#135; the H100
+#: measured (128, 1, 4) at 100% of its copy there, #90).
 SM90_H100 = dataclasses.replace(
     SM90,
     cute_backward={},
     cute_cluster_backward_staged_stats={},
+    many_rows_hints={"forward": {}, "backward": {}},
     cute_cluster_backward={**SM90.cute_cluster_backward,
                            "layer_norm": {**SM90.cute_cluster_backward["layer_norm"],
                                           131072: (8, 256, 2, 1)}},
@@ -275,7 +288,7 @@ SM90_H100 = dataclasses.replace(
                   "rms_norm": {**{cols: entry for cols, entry
                                   in SM90.cute_forward["rms_norm"].items()
                                   if cols not in _H200_ONLY_FORWARD},
-                               32768: (512, 1, 1), 65536: (256, 2, 4, 8)},
+                               7168: (128, 1, 4), 32768: (512, 1, 1), 65536: (256, 2, 4, 8)},
                   "layer_norm": {**SM90.cute_forward["layer_norm"], 32768: (256, 2, 4, 4),
                                  65536: _cluster_forward(65536),
                                  131072: _cluster_forward(131072)}},

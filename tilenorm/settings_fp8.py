@@ -40,7 +40,9 @@ class Fp8Settings:
             "rms_norm": ((4096, 4, 4, True), (6144, 4, 4, True),
                          (8192, 2, None, True), (32768, 1, 8, True)),
             "layer_norm": ((4096, 4, 4, True), (8192, 2, None, True),
-                           (32768, 1, 8, True))}}})
+                           (32768, 1, 8, True))}},
+        # The bf16 backward's many-rows entry is its kernel's measurement, not FP8 input's.
+        "many_rows_hints": {"forward": {}, "backward": {}}})
     #: (rows, cols) of the second pass's blocks: 128 columns of 64 rows, 8192 fp32 values of
     #: y, whose transpose stores 64-byte runs of 8-bit values.
     quantize_tile: tuple[int, int] = (64, 128)
@@ -80,8 +82,11 @@ class Fp8Settings:
         scaling: {16384: (256, 2, 2)} for scaling in ("block", "row", "mx")})
     #: Per scaling of the row kernel, widths of ``cute_forward`` that run at their own
     #: (threads, stages, CTAs per SM), the rest of the features as ``cute_forward``'s: where
-    #: one device ranks the scalings' thread layouts otherwise (#95).
-    cute_forward_scaling: dict = field(default_factory=dict)
+    #: one device ranks the scalings' thread layouts otherwise (#95). On an H200 block
+    #: scaling at 4096 columns (256, 4, 3) 91% of copy against (128, 4, 4)'s 90%, at 8192
+    #: (512, 4, 1) 92% against (256, 4, 2)'s 90%; MX loses at both (87 / 74%, #135).
+    cute_forward_scaling: dict = field(default_factory=lambda: {
+        "block": {4096: (256, 4, 3), 8192: (512, 4, 1)}})
     #: Per scaling of the row kernel, widths of ``cute_forward`` whose kernel of 2-byte x
     #: takes the kernel's ``clamp`` (each value clamped to +-fp8_max before the saturating
     #: conversion: the same bits at two FMNMX.NAN an element). The H200, bf16 x and weight,
@@ -89,9 +94,10 @@ class Fp8Settings:
     #: at 4096 and +3.8% at 8192 columns, MX +4% at 2048 and +2-2.5% at 8192; row -2-3% at
     #: 2048 and MX -0.5% at 4096 keep the kernel without it (bench/NOTES.md #125). On
     #: sm_90a the clamped variants take at most 2 registers more than those without it and
-    #: spill no more: none with a 2-byte weight or none. The other scalings, 16384 columns,
-    #: FP8 x and the row kernel keeping column amaxes (the same bits as the row kernel's
-    #: either way) are untimed with it.
+    #: spill no more: none with a 2-byte weight or none. Block scaling loses with it at
+    #: 4096, 8192 and 16384 (1-1.5%), MX at 16384 (5%, #135). Delayed and per-tensor
+    #: scaling, row scaling at 16384, FP8 x and the row kernel keeping column amaxes (the
+    #: same bits as the row kernel's either way) are untimed with it.
     cute_forward_clamp: dict = field(default_factory=lambda: {
         "row": (4096, 8192), "mx": (2048, 8192)})
     #: The CuTe DSL transposed copy of "row", "block" and "mx"

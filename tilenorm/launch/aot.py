@@ -102,11 +102,15 @@ def plans(direction, op: str = "rms_norm", heads: int = 1, per_head: bool = Fals
         # narrowest second piece (4096 + 16 for 4097), 4096 + 1024 for 5120, the widest
         # (4096 + 2048).
         cols += [w for n in cols if n <= widest for w in (n // 2 + 1, 5 * n // 8, 3 * n // 4)]
-        for n in cols:
-            p = plan_row_norm(65536 // heads, n, heads=heads, per_head_weight=per_head,
-                              itemsize=itemsize, sm_count=132, arch=(9, 0),
-                              direction=direction, op=op, settings=settings)
-            by_config.setdefault(p.config, p)
+        # 65536 rows, and the row counts from which many_rows_hints apply.
+        row_counts = [65536] + [rows for rows, _ in
+                                settings.many_rows_hints[direction].get(op, ())]
+        for rows in row_counts:
+            for n in cols:
+                p = plan_row_norm(rows // heads, n, heads=heads, per_head_weight=per_head,
+                                  itemsize=itemsize, sm_count=132, arch=(9, 0),
+                                  direction=direction, op=op, settings=settings)
+                by_config.setdefault(p.config, p)
     return list(by_config.values())
 
 
