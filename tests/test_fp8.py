@@ -672,10 +672,10 @@ def test_cute_fp8_forward_plans_only_the_measured_widths():
                                      scaling=scaling, **kw)
 
     assert SM90_FP8.cute_forward, "the table the GPU tests below exercise"
-    for cols, shipped in SM90_FP8.cute_forward.items():
+    for cols in SM90_FP8.cute_forward:
         for scaling in KERNEL_SCALINGS:
             recompute_t = SM90_FP8.cute_forward_recompute_t.get(scaling, {}).get(cols)
-            threads, stages, ctas = recompute_t or shipped
+            threads, stages, ctas = recompute_t or SM90_FP8.forward_entry(scaling, cols)
             assert cols % (8 * threads) == 0 and threads % 16 == 0, "whole 16-byte vectors"
             for rows in (1, 100, 132 * ctas, 65536):
                 p = plan(rows, cols, scaling)
