@@ -71,7 +71,7 @@ import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32, const_expr  # noqa: E402
 
-SCHEDULES = ("persistent", "oneshot")
+SCHEDULES = ("persistent", "oneshot", "two_pass")
 #: Where a CTA keeps the weight between rows (see ScheduleProbeForward.kernel).
 WEIGHT_IN = ("shared", "registers")
 EPS = 1e-6
@@ -108,6 +108,10 @@ class ScheduleProbeForward:
         # put two consecutive rows (the loop's last and next first) on one slot: a race.
         if rows_per_cta < 1 or (schedule == "persistent" and rows_per_cta % 2):
             raise ValueError(f"R must be >= 1, and even when persistent; got {rows_per_cta}")
+        # "two_pass": R is the vectors a thread loads a step, whole steps a row.
+        if schedule == "two_pass" and self.reps % rows_per_cta:
+            raise ValueError(f"{self.reps} vectors a thread are not whole steps of "
+                             f"{rows_per_cta}")
         self.rows_per_cta = rows_per_cta
         self.ctas_per_sm = ctas_per_sm
         self.schedule = schedule
@@ -118,7 +122,8 @@ class ScheduleProbeForward:
         """Dynamic shared memory a CTA allocates: the row sums and, in "shared", the weight
         (16-byte aligned each). The carveout decides how many CTAs' worth an SM sets aside."""
         sums = -(-self.warps * 2 * 4 // 16) * 16
-        return sums + (self.cols * self.dtype.width // 8 if self.weight_in == "shared" else 0)
+        weight = self.weight_in == "shared" and self.schedule != "two_pass"
+        return sums + (self.cols * self.dtype.width // 8 if weight else 0)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mRstd: cute.Tensor,
@@ -165,6 +170,51 @@ class ScheduleProbeForward:
             y.store((x * rstd * w.load()).to(self.dtype))
         cute.autovec_copy(y, self._thread_view(mY[row, None], tidx))
 
+    @cute.jit
+    def _two_pass_row(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor,
+                      mRstd: cute.Tensor, sums: cute.Tensor, row: Int32, tidx: Int32,
+                      lane: Int32, warp: Int32, eps: Float32):
+        """inductor's schedule (bench/NOTES.md #136): the row walked twice in steps of R
+        vectors a thread, in a loop that is not unrolled, so a thread holds one step's
+        registers and the SM many CTAs. Pass 1 sums x^2 (x loaded ``evict_last``: the row
+        stays in L1 for pass 2); pass 2 loads x again (``evict_first``) and the weight
+        (``evict_last``), stores y. The squares add up element-wise across steps, then
+        through the warp butterfly and shared memory in warp order: a fixed tree."""
+        step = self.rows_per_cta
+        steps = self.reps // step
+        chunk = (self.vec, step)
+        xs = cute.logical_divide(self._thread_view(mX[row, None], tidx), (None, step))
+        ys = cute.logical_divide(self._thread_view(mY[row, None], tidx), (None, step))
+        ws = cute.logical_divide(self._thread_view(mW, tidx), (None, step))
+        x = cute.make_rmem_tensor(chunk, self.dtype)
+        w = cute.make_rmem_tensor(chunk, self.dtype)
+        y = cute.make_rmem_tensor(chunk, self.dtype)
+        acc = cute.make_rmem_tensor(chunk, Float32)
+        acc.fill(0.0)
+        for c in cutlass.range(steps, unroll=1):
+            cute.autovec_copy(xs[(None, (None, c))], x,
+                              l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.EVICT_LAST)
+            v = x.load().to(Float32)
+            acc.store(acc.load() + v * v)
+        part = cute.arch.warp_reduction(acc.load().reduce(cute.ReductionOp.ADD, Float32(0.0),
+                                                          0), operator.add)
+        if lane == 0:
+            sums[warp, 0] = part
+        cute.arch.barrier()
+        total = Float32(0.0)
+        for i in cutlass.range_constexpr(self.warps):  # warp order: a fixed tree
+            total = total + sums[i, 0]
+        rstd = cute.math.rsqrt(total * Float32(1.0 / self.cols) + eps)
+        if tidx == 0:
+            mRstd[row] = rstd
+        for c in cutlass.range(steps, unroll=1):
+            cute.autovec_copy(xs[(None, (None, c))], x,
+                              l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.EVICT_FIRST)
+            cute.autovec_copy(ws[(None, (None, c))], w,
+                              l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.EVICT_LAST)
+            y.store((x.load().to(Float32) * rstd * w.load().to(Float32)).to(self.dtype))
+            cute.autovec_copy(y, ys[(None, (None, c))])
+
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mRstd: cute.Tensor,
                eps: Float32):
@@ -182,6 +232,10 @@ class ScheduleProbeForward:
         # (warp, parity): consecutive rows use different slots, so one barrier a row orders
         # every write before its reads and every read before the slot's next write.
         sums = smem.allocate_tensor(Float32, cute.make_layout((self.warps, 2)), 16)
+        if const_expr(self.schedule == "two_pass"):
+            # One row a CTA, its reads through L1 (the weight too: WEIGHT_IN does not apply).
+            self._two_pass_row(mX, mW, mY, mRstd, sums, program, tidx, lane, warp, eps)
+            return
 
         # The weight: "registers" holds its fp32 copy (32 registers a thread at 4096 and 8192
         # columns), which ptxas fits beside the persistent ring of 4 rows at 128 registers only
@@ -272,6 +326,8 @@ class Variant:
     def grid(self, sm_count: int) -> int:
         if self.schedule == "persistent":
             return min(self.rows, sm_count * self.ctas_per_sm)
+        if self.schedule == "two_pass":
+            return self.rows
         return -(-self.rows // self.rows_per_cta)
 
 
@@ -374,18 +430,20 @@ def resources(cubin_path: Path) -> dict:
         return {**_elf_resources(cubin_path.read_bytes()), "spill_stores": None,
                 "spill_loads": None}
     found, sass = cubin_resources(cubin_path, tool)
-    return {**found, "stg128": len(re.findall(r"\bSTG\.E\.128\b", sass)),
-            "ldg128": len(re.findall(r"\bLDG\.E\.128\b", sass))}
+    # With or without a cache qualifier (.EF, .EL, ...).
+    return {**found, "stg128": len(re.findall(r"\bSTG\.E(?:\.\w+)?\.128\b", sass)),
+            "ldg128": len(re.findall(r"\bLDG\.E(?:\.\w+)?\.128\b", sass))}
 
 
-def variants(shapes, configs, dtype: str, carveouts, weight_in: str) -> list[Variant]:
-    """Per shape, per config: both schedules side by side, each with every carveout."""
+def variants(shapes, configs, dtype: str, carveouts, weight_in: str,
+             schedules=SCHEDULES[:2]) -> list[Variant]:
+    """Per shape, per config: the schedules side by side, each with every carveout."""
     out = []
     for m, n in shapes:
         if n not in configs:
             raise SystemExit(f"no config for {n} columns: give --configs")
         for threads, ring, ctas in configs[n]:
-            for schedule in SCHEDULES:
+            for schedule in schedules:
                 for carveout in carveouts:
                     out.append(Variant(m, n, dtype, threads, ring, ctas, schedule, carveout,
                                        weight_in))
@@ -481,8 +539,9 @@ def prepare_cute(v: Variant, x, w, sm_count: int, tol: float) -> tuple:
 
 
 def prepare_peers(x, w, tol: float, record: dict) -> dict[str, tuple]:
-    """Quack's forward (when it imports) and tilenorm's op, checked the same way (errors
-    recorded, not asserted: they are the baselines, not under test)."""
+    """Quack's forward (when it imports), tilenorm's op and torch.compile of the reference
+    forward (the sweep's), checked the same way (errors recorded, not asserted: they are
+    the baselines, not under test)."""
     import tilenorm
 
     peers = {}
@@ -503,6 +562,22 @@ def prepare_peers(x, w, tol: float, record: dict) -> dict[str, tuple]:
 
     def op():
         return tilenorm.rms_norm_forward(x, w, EPS)
+
+    try:
+        from tilenorm.pytorch import reference
+
+        compiled = torch.compile(lambda a, b: reference.norm_forward(a, b, None, EPS),
+                                 dynamic=False)
+
+        def inductor():
+            return compiled(x, w)
+
+        out = inductor()
+        torch.cuda.synchronize()
+        peers["torch.compile"] = (inductor, _peer_errors(out[0], out[3], x, w))
+    except Exception as e:
+        record["failures"].append(f"torch.compile {m}x{n}: {type(e).__name__}: {e}")
+        traceback.print_exc(limit=3)
 
     try:
         y, _, rstd = op()
@@ -543,7 +618,8 @@ def run(args, shapes, configs, carveouts) -> None:
         x = torch.randn(m, n, generator=g, device="cuda").to(torch_dtype)
         w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(torch_dtype)
         cases = []  # (provider, config, carveout, launch, facts)
-        for v in variants([(m, n)], configs, args.dtype, carveouts, args.weight):
+        for v in variants([(m, n)], configs, args.dtype, carveouts, args.weight,
+                          args.schedules):
             try:
                 launch, facts = prepare_cute(v, x, w, info.sm_count, tol)
                 cases.append((f"cute {v.schedule}", [v.threads, v.rows_per_cta,
@@ -620,6 +696,9 @@ def main() -> None:
                         help="preferred_smem_carveout values, comma-separated; 'none' omits "
                              "it; the driver's unit is a percentage, 0-100 (default: "
                              "tilenorm's value and none)")
+    parser.add_argument("--schedules", type=lambda t: t.split(","), default=SCHEDULES[:2],
+                        help=f"comma-separated, of {', '.join(SCHEDULES)} (default: the first "
+                             "two); two_pass reads a config's R as vectors a thread a step")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     parser.add_argument("--weight", choices=WEIGHT_IN, default="shared",
                         help="where a CTA keeps the weight between rows (both schedules alike)")
@@ -632,6 +711,8 @@ def main() -> None:
                              "print registers, stack, shared memory, spills")
     parser.add_argument("--arch", default="sm_90a", help="--compile-only's target")
     args = parser.parse_args()
+    if set(args.schedules) - set(SCHEDULES):
+        parser.error(f"--schedules: of {SCHEDULES}, got {args.schedules}")
     if not cute_launch.available():
         raise SystemExit("the CuTe DSL is missing: pip install nvidia-cutlass-dsl-libs-cu13 "
                          "apache-tvm-ffi")
@@ -643,7 +724,8 @@ def main() -> None:
     carveouts = [None if c.strip().lower() == "none" else int(c)
                  for c in args.carveouts.split(",")]
     if args.compile_only:
-        compile_only(variants(shapes, configs, args.dtype, carveouts, args.weight), args.arch)
+        compile_only(variants(shapes, configs, args.dtype, carveouts, args.weight,
+                              args.schedules), args.arch)
         return
     if args.out is None:
         parser.error("--out is required (unless --compile-only)")
