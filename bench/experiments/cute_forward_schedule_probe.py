@@ -79,6 +79,12 @@ DEFAULT_SHAPES = "32768x4096,65536x2048,16384x8192"
 #: (threads, R rows a CTA holds, CTAs per SM) per width: the FP8 forward's table entries
 #: (tilenorm/settings_fp8.py, NOTES #56), and R = 2 at 4096 (Quack's rows a CTA there).
 CONFIGS = {2048: [(128, 4, 6)], 4096: [(128, 4, 4), (128, 2, 4)], 8192: [(256, 4, 2)]}
+#: "two_pass" configs, (threads, vectors a thread a step, CTAs per SM): at most 32 registers
+#: and no spills on sm_90a (#136), inductor's 512 / 1024 threads among them.
+TWO_PASS_CONFIGS = {4096: [(256, 1, 8), (512, 1, 4), (128, 1, 16)],
+                    7168: [(128, 1, 16), (448, 1, 4), (896, 1, 2)],
+                    8192: [(512, 1, 4), (256, 1, 8), (1024, 1, 2)],
+                    32768: [(1024, 1, 2), (512, 1, 4)]}
 #: What tilenorm's CuTe kernels pass today (bytes of shared memory per SM, NOTES #64).
 TILENORM_CARVEOUT = 233472
 DTYPES = {"bfloat16": (torch.bfloat16, cutlass.BFloat16, 1e-2),
@@ -437,13 +443,14 @@ def resources(cubin_path: Path) -> dict:
 
 def variants(shapes, configs, dtype: str, carveouts, weight_in: str,
              schedules=SCHEDULES[:2]) -> list[Variant]:
-    """Per shape, per config: the schedules side by side, each with every carveout."""
+    """Per shape, per schedule, per config (``configs`` by schedule, then width), each with
+    every carveout."""
     out = []
     for m, n in shapes:
-        if n not in configs:
-            raise SystemExit(f"no config for {n} columns: give --configs")
-        for threads, ring, ctas in configs[n]:
-            for schedule in schedules:
+        for schedule in schedules:
+            if n not in configs[schedule]:
+                raise SystemExit(f"no {schedule} config for {n} columns: give --configs")
+            for threads, ring, ctas in configs[schedule][n]:
                 for carveout in carveouts:
                     out.append(Variant(m, n, dtype, threads, ring, ctas, schedule, carveout,
                                        weight_in))
@@ -609,7 +616,10 @@ def run(args, shapes, configs, carveouts) -> None:
     record = {"device": torch.cuda.get_device_name(), "commit": common.git_commit(),
               "torch": torch.__version__, "dtype": args.dtype, "sm_count": info.sm_count,
               "weight_in": args.weight, "shapes": args.shapes,
-              "configs": {str(k): [list(c) for c in v] for k, v in configs.items()},
+              "schedules": args.schedules,
+              "configs": {schedule: {str(n): [list(c) for c in cs]
+                                     for n, cs in configs[schedule].items()}
+                          for schedule in args.schedules},
               "carveouts": carveouts, "copy_gbps": copy, "rounds": args.rounds, "rows": [],
               "failures": []}
     print(f"{record['device']} ({info.sm_count} SMs): copy {copy:.0f} GB/s", flush=True)
@@ -691,7 +701,7 @@ def main() -> None:
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="MxN,MxN,...")
     parser.add_argument("--configs", type=json.loads,
                         help='JSON {"cols": [[threads, R, ctas_per_sm], ...]} replacing '
-                             "those widths' CONFIGS")
+                             "those widths' CONFIGS and TWO_PASS_CONFIGS")
     parser.add_argument("--carveouts", default=f"{TILENORM_CARVEOUT},none",
                         help="preferred_smem_carveout values, comma-separated; 'none' omits "
                              "it; the driver's unit is a percentage, 0-100 (default: "
@@ -719,8 +729,9 @@ def main() -> None:
     from bench import common
 
     shapes = common.parse_shapes(args.shapes)
-    configs = {int(k): [tuple(c) for c in v] for k, v in (args.configs or {}).items()}
-    configs = {**CONFIGS, **configs}
+    given = {int(k): [tuple(c) for c in v] for k, v in (args.configs or {}).items()}
+    configs = {schedule: {**(TWO_PASS_CONFIGS if schedule == "two_pass" else CONFIGS), **given}
+               for schedule in SCHEDULES}
     carveouts = [None if c.strip().lower() == "none" else int(c)
                  for c in args.carveouts.split(",")]
     if args.compile_only:
