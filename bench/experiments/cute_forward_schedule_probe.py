@@ -1,5 +1,7 @@
 """Probe (GPU): does the row-to-CTA schedule explain why tilenorm's forwards reach 92-96% of
 copy bandwidth where Quack's non-persistent forward reaches 99-100% (bench/NOTES.md #64)?
+And (#136): does torch.compile's schedule, each row walked twice, the second pass from L1
+(``"two_pass"`` below), take the CuTe forward to torch.compile's 100-101% of copy?
 
 One bf16 / fp16 RMSNorm forward (``y = x * rstd * w``, ``rstd = 1 / sqrt(mean(x^2) + eps)``,
 fp32 math, y in x's dtype, rstd fp32 a row, the weight in x's dtype) written once in the CuTe
@@ -10,7 +12,10 @@ DSL, with the row walk a compile-time switch (``schedule``):
   row ``r`` is reduced), as tilenorm's CuTe kernels (tilenorm/kernels/cute_row_norm_fp8.py);
 - ``"oneshot"``: ``ceil(M / R)`` CTAs; CTA ``b`` issues the 16-byte loads of rows ``[b * R,
   b * R + R)`` first, then reduces and stores each row in order and exits: no loop, so the
-  hardware hands the next CTA to whichever SM frees a slot first.
+  hardware hands the next CTA to whichever SM frees a slot first;
+- ``"two_pass"``: M CTAs of one row each, R read as the 16-byte vectors a thread loads a
+  step (``TWO_PASS_CONFIGS``, ``--two-pass-configs``): see ``_two_pass_row``; the weight is
+  read through L1 with each step, whatever ``--weight`` says.
 
 Everything else is one code path: threads per CTA, R, the thread-to-column mapping
 (``_thread_view``: ``reps`` 16-byte vectors a thread, ``threads`` vectors apart), the weight
@@ -322,7 +327,8 @@ class Variant:
         carve = "none" if self.carveout is None else str(self.carveout)
         return (f"{self.schedule:>10} {self.rows}x{self.cols} "
                 f"({self.threads}, {self.rows_per_cta}, {self.ctas_per_sm}) carveout {carve}"
-                + ("" if self.weight_in == "shared" else f" w:{self.weight_in}"))
+                + ("" if self.weight_in == "shared" or self.schedule == "two_pass"
+                   else f" w:{self.weight_in}"))
 
     def kernel(self) -> ScheduleProbeForward:
         return ScheduleProbeForward(DTYPES[self.dtype][1], self.cols, self.threads,
@@ -437,8 +443,8 @@ def resources(cubin_path: Path) -> dict:
                 "spill_loads": None}
     found, sass = cubin_resources(cubin_path, tool)
     # With or without a cache qualifier (.EF, .EL, ...).
-    return {**found, "stg128": len(re.findall(r"\bSTG\.E(?:\.\w+)?\.128\b", sass)),
-            "ldg128": len(re.findall(r"\bLDG\.E(?:\.\w+)?\.128\b", sass))}
+    return {**found, "stg128": len(re.findall(r"\bSTG\.E(?:\.\w+)*\.128\b", sass)),
+            "ldg128": len(re.findall(r"\bLDG\.E(?:\.\w+)*\.128\b", sass))}
 
 
 def variants(shapes, configs, dtype: str, carveouts, weight_in: str,
@@ -449,7 +455,8 @@ def variants(shapes, configs, dtype: str, carveouts, weight_in: str,
     for m, n in shapes:
         for schedule in schedules:
             if n not in configs[schedule]:
-                raise SystemExit(f"no {schedule} config for {n} columns: give --configs")
+                flag = "--two-pass-configs" if schedule == "two_pass" else "--configs"
+                raise SystemExit(f"no {schedule} config for {n} columns: give {flag}")
             for threads, ring, ctas in configs[schedule][n]:
                 for carveout in carveouts:
                     out.append(Variant(m, n, dtype, threads, ring, ctas, schedule, carveout,
@@ -573,6 +580,8 @@ def prepare_peers(x, w, tol: float, record: dict) -> dict[str, tuple]:
     try:
         from tilenorm.pytorch import reference
 
+        torch._dynamo.config.cache_size_limit = 1024  # a compile per shape, never eager
+        torch._dynamo.config.recompile_limit = 1024
         compiled = torch.compile(lambda a, b: reference.norm_forward(a, b, None, EPS),
                                  dynamic=False)
 
@@ -701,12 +710,16 @@ def main() -> None:
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="MxN,MxN,...")
     parser.add_argument("--configs", type=json.loads,
                         help='JSON {"cols": [[threads, R, ctas_per_sm], ...]} replacing '
-                             "those widths' CONFIGS and TWO_PASS_CONFIGS")
+                             "those widths' CONFIGS (persistent and oneshot)")
+    parser.add_argument("--two-pass-configs", type=json.loads,
+                        help='JSON {"cols": [[threads, vectors a step, ctas_per_sm], ...]} '
+                             "replacing those widths' TWO_PASS_CONFIGS")
     parser.add_argument("--carveouts", default=f"{TILENORM_CARVEOUT},none",
                         help="preferred_smem_carveout values, comma-separated; 'none' omits "
                              "it; the driver's unit is a percentage, 0-100 (default: "
                              "tilenorm's value and none)")
-    parser.add_argument("--schedules", type=lambda t: t.split(","), default=SCHEDULES[:2],
+    parser.add_argument("--schedules", default=SCHEDULES[:2],
+                        type=lambda t: list(dict.fromkeys(v.strip() for v in t.split(","))),
                         help=f"comma-separated, of {', '.join(SCHEDULES)} (default: the first "
                              "two); two_pass reads a config's R as vectors a thread a step")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
@@ -730,8 +743,9 @@ def main() -> None:
 
     shapes = common.parse_shapes(args.shapes)
     given = {int(k): [tuple(c) for c in v] for k, v in (args.configs or {}).items()}
-    configs = {schedule: {**(TWO_PASS_CONFIGS if schedule == "two_pass" else CONFIGS), **given}
-               for schedule in SCHEDULES}
+    two_pass = {int(k): [tuple(c) for c in v] for k, v in (args.two_pass_configs or {}).items()}
+    configs = {schedule: {**CONFIGS, **given} for schedule in SCHEDULES[:2]}
+    configs["two_pass"] = {**TWO_PASS_CONFIGS, **two_pass}
     carveouts = [None if c.strip().lower() == "none" else int(c)
                  for c in args.carveouts.split(",")]
     if args.compile_only:
@@ -740,6 +754,7 @@ def main() -> None:
         return
     if args.out is None:
         parser.error("--out is required (unless --compile-only)")
+    variants(shapes, configs, args.dtype, carveouts, args.weight, args.schedules)  # no gaps
     run(args, shapes, configs, carveouts)
 
 
