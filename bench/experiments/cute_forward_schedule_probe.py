@@ -156,15 +156,12 @@ class ScheduleProbeForward:
         return blocks[(None, (tidx, None))]
 
     @cute.jit
-    def _norm_row(self, x_in: cute.Tensor, w: cute.Tensor, w_row: cute.Tensor,
-                  y: cute.Tensor, sums: cute.Tensor, mY: cute.Tensor, mRstd: cute.Tensor,
-                  row: Int32, parity: int, tidx: Int32, lane: Int32, warp: Int32, eps: Float32):
-        """Reduce and store one row held in registers: the same code for both schedules."""
-        x = x_in.load().to(Float32)
-        if const_expr(self.weight_in == "shared"):
-            # Read with the row's conversion, so that it lands during the reduction.
-            cute.autovec_copy(self._thread_view(w, tidx), w_row)
-        part = cute.arch.warp_reduction((x * x).reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
+    def _rstd(self, squares, sums: cute.Tensor, mRstd: cute.Tensor, row: Int32, parity: int,
+              tidx: Int32, lane: Int32, warp: Int32, eps: Float32) -> Float32:
+        """The row's rstd from this thread's ``squares``, stored by thread 0: a warp
+        butterfly, then the warps' sums through shared memory slot ``parity`` in warp order
+        (a fixed tree), one barrier."""
+        part = cute.arch.warp_reduction(squares.reduce(cute.ReductionOp.ADD, Float32(0.0), 0),
                                         operator.add)
         if lane == 0:
             sums[warp, parity] = part
@@ -175,6 +172,18 @@ class ScheduleProbeForward:
         rstd = cute.math.rsqrt(total * Float32(1.0 / self.cols) + eps)
         if tidx == 0:
             mRstd[row] = rstd
+        return rstd
+
+    @cute.jit
+    def _norm_row(self, x_in: cute.Tensor, w: cute.Tensor, w_row: cute.Tensor,
+                  y: cute.Tensor, sums: cute.Tensor, mY: cute.Tensor, mRstd: cute.Tensor,
+                  row: Int32, parity: int, tidx: Int32, lane: Int32, warp: Int32, eps: Float32):
+        """Reduce and store one row held in registers: the same code for both schedules."""
+        x = x_in.load().to(Float32)
+        if const_expr(self.weight_in == "shared"):
+            # Read with the row's conversion, so that it lands during the reduction.
+            cute.autovec_copy(self._thread_view(w, tidx), w_row)
+        rstd = self._rstd(x * x, sums, mRstd, row, parity, tidx, lane, warp, eps)
         if const_expr(self.weight_in == "shared"):
             y.store((x * rstd * w_row.load().to(Float32)).to(self.dtype))
         else:
@@ -207,17 +216,7 @@ class ScheduleProbeForward:
                               l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.EVICT_LAST)
             v = x.load().to(Float32)
             acc.store(acc.load() + v * v)
-        part = cute.arch.warp_reduction(acc.load().reduce(cute.ReductionOp.ADD, Float32(0.0),
-                                                          0), operator.add)
-        if lane == 0:
-            sums[warp, 0] = part
-        cute.arch.barrier()
-        total = Float32(0.0)
-        for i in cutlass.range_constexpr(self.warps):  # warp order: a fixed tree
-            total = total + sums[i, 0]
-        rstd = cute.math.rsqrt(total * Float32(1.0 / self.cols) + eps)
-        if tidx == 0:
-            mRstd[row] = rstd
+        rstd = self._rstd(acc.load(), sums, mRstd, row, 0, tidx, lane, warp, eps)
         for c in cutlass.range(steps, unroll=1):
             cute.autovec_copy(xs[(None, (None, c))], x,
                               l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.EVICT_FIRST)
@@ -614,7 +613,9 @@ def _peer_errors(y, rstd, x, w) -> dict:
             "compile_s": None}
 
 
-def run(args, shapes, configs, carveouts) -> None:
+def run(args, shapes, configs, carveouts, planned: list[Variant]) -> None:
+    """Time ``planned`` (every shape's variants, planned before the first is timed) beside
+    the peers, shape by shape."""
     from bench import common
     from tilenorm.device import device_info
 
@@ -637,8 +638,7 @@ def run(args, shapes, configs, carveouts) -> None:
         x = torch.randn(m, n, generator=g, device="cuda").to(torch_dtype)
         w = (1 + 0.5 * torch.randn(n, generator=g, device="cuda")).to(torch_dtype)
         cases = []  # (provider, config, carveout, launch, facts)
-        for v in variants([(m, n)], configs, args.dtype, carveouts, args.weight,
-                          args.schedules):
+        for v in [p for p in planned if (p.rows, p.cols) == (m, n)]:
             try:
                 launch, facts = prepare_cute(v, x, w, info.sm_count, tol)
                 cases.append((f"cute {v.schedule}", [v.threads, v.rows_per_cta,
@@ -748,14 +748,13 @@ def main() -> None:
     configs["two_pass"] = {**TWO_PASS_CONFIGS, **two_pass}
     carveouts = [None if c.strip().lower() == "none" else int(c)
                  for c in args.carveouts.split(",")]
+    planned = variants(shapes, configs, args.dtype, carveouts, args.weight, args.schedules)
     if args.compile_only:
-        compile_only(variants(shapes, configs, args.dtype, carveouts, args.weight,
-                              args.schedules), args.arch)
+        compile_only(planned, args.arch)
         return
     if args.out is None:
         parser.error("--out is required (unless --compile-only)")
-    variants(shapes, configs, args.dtype, carveouts, args.weight, args.schedules)  # no gaps
-    run(args, shapes, configs, carveouts)
+    run(args, shapes, configs, carveouts, planned)
 
 
 if __name__ == "__main__":

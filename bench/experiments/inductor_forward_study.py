@@ -178,7 +178,9 @@ def profile() -> None:
 def dump_inductor(directory: Path) -> None:
     """inductor's generated Triton kernels of this run (its cache directory's sources that
     hold a ``@triton.jit`` kernel), one file."""
-    cache = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""))
+    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        raise SystemExit("--dump reads inductor's cache: set TORCHINDUCTOR_CACHE_DIR")
+    cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
     sources = sorted(p for p in cache.rglob("*.py") if "@triton.jit" in p.read_text())
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "inductor_kernels.txt").write_text(
