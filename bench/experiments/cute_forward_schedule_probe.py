@@ -15,7 +15,8 @@ DSL, with the row walk a compile-time switch (``schedule``):
   hardware hands the next CTA to whichever SM frees a slot first;
 - ``"two_pass"``: M CTAs of one row each, R read as the 16-byte vectors a thread loads a
   step (``TWO_PASS_CONFIGS``, ``--two-pass-configs``): see ``_two_pass_row``; the weight is
-  read through L1 with each step, whatever ``--weight`` says.
+  read through L1 with each step, whatever ``--weight`` says; ``"two_pass_unrolled"`` the
+  same with both loops unrolled (#138: pass 1 then issues every step's load at once).
 
 Everything else is one code path: threads per CTA, R, the thread-to-column mapping
 (``_thread_view``: ``reps`` 16-byte vectors a thread, ``threads`` vectors apart), the weight
@@ -76,7 +77,10 @@ import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32, const_expr  # noqa: E402
 
-SCHEDULES = ("persistent", "oneshot", "two_pass")
+SCHEDULES = ("persistent", "oneshot", "two_pass", "two_pass_unrolled")
+#: The schedules of one row a CTA walked twice (``_two_pass_row``), which read R as the
+#: vectors a thread loads a step and take ``TWO_PASS_CONFIGS``.
+TWO_PASS = ("two_pass", "two_pass_unrolled")
 #: Where a CTA keeps the weight between rows (see ScheduleProbeForward.kernel).
 WEIGHT_IN = ("shared", "registers")
 EPS = 1e-6
@@ -120,7 +124,7 @@ class ScheduleProbeForward:
         if rows_per_cta < 1 or (schedule == "persistent" and rows_per_cta % 2):
             raise ValueError(f"R must be >= 1, and even when persistent; got {rows_per_cta}")
         # "two_pass": R is the vectors a thread loads a step, whole steps a row.
-        if schedule == "two_pass" and self.reps % rows_per_cta:
+        if schedule in TWO_PASS and self.reps % rows_per_cta:
             raise ValueError(f"{self.reps} vectors a thread are not whole steps of "
                              f"{rows_per_cta}")
         self.rows_per_cta = rows_per_cta
@@ -133,7 +137,7 @@ class ScheduleProbeForward:
         """Dynamic shared memory a CTA allocates: the row sums and, in "shared", the weight
         (16-byte aligned each). The carveout decides how many CTAs' worth an SM sets aside."""
         sums = -(-self.warps * 2 * 4 // 16) * 16
-        weight = self.weight_in == "shared" and self.schedule != "two_pass"
+        weight = self.weight_in == "shared" and self.schedule not in TWO_PASS
         return sums + (self.cols * self.dtype.width // 8 if weight else 0)
 
     @cute.jit
@@ -195,8 +199,8 @@ class ScheduleProbeForward:
                       mRstd: cute.Tensor, sums: cute.Tensor, row: Int32, tidx: Int32,
                       lane: Int32, warp: Int32, eps: Float32):
         """inductor's schedule (bench/NOTES.md #136): the row walked twice in steps of R
-        vectors a thread, in a loop that is not unrolled, so a thread holds one step's
-        registers and the SM many CTAs. Pass 1 sums x^2 (x loaded ``evict_last``: the row
+        vectors a thread, in a loop (not unrolled, or unrolled: ``schedule``), so a thread
+        holds few registers and the SM many CTAs. Pass 1 sums x^2 (x loaded ``evict_last``: the row
         stays in L1 for pass 2); pass 2 loads x again (``evict_first``) and the weight
         (``evict_last``), stores y. The squares add up element-wise across steps, then
         through the warp butterfly and shared memory in warp order: a fixed tree."""
@@ -211,13 +215,16 @@ class ScheduleProbeForward:
         y = cute.make_rmem_tensor(chunk, self.dtype)
         acc = cute.make_rmem_tensor(chunk, Float32)
         acc.fill(0.0)
-        for c in cutlass.range(steps, unroll=1):
+        # "two_pass_unrolled": both loops unrolled, so pass 1 issues every step's load
+        # before its first square, as inductor's loop over a compiled-in width does.
+        unrolled = const_expr(self.schedule == "two_pass_unrolled")
+        for c in cutlass.range(steps, unroll=1, unroll_full=unrolled):
             cute.autovec_copy(xs[(None, (None, c))], x,
                               l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.EVICT_LAST)
             v = x.load().to(Float32)
             acc.store(acc.load() + v * v)
         rstd = self._rstd(acc.load(), sums, mRstd, row, 0, tidx, lane, warp, eps)
-        for c in cutlass.range(steps, unroll=1):
+        for c in cutlass.range(steps, unroll=1, unroll_full=unrolled):
             cute.autovec_copy(xs[(None, (None, c))], x,
                               l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.EVICT_FIRST)
             cute.autovec_copy(ws[(None, (None, c))], w,
@@ -242,7 +249,7 @@ class ScheduleProbeForward:
         # (warp, parity): consecutive rows use different slots, so one barrier a row orders
         # every write before its reads and every read before the slot's next write.
         sums = smem.allocate_tensor(Float32, cute.make_layout((self.warps, 2)), 16)
-        if const_expr(self.schedule == "two_pass"):
+        if const_expr(self.schedule in TWO_PASS):
             # One row a CTA, its reads through L1 (the weight too: WEIGHT_IN does not apply).
             self._two_pass_row(mX, mW, mY, mRstd, sums, program, tidx, lane, warp, eps)
             return
@@ -326,7 +333,7 @@ class Variant:
         carve = "none" if self.carveout is None else str(self.carveout)
         return (f"{self.schedule:>10} {self.rows}x{self.cols} "
                 f"({self.threads}, {self.rows_per_cta}, {self.ctas_per_sm}) carveout {carve}"
-                + ("" if self.weight_in == "shared" or self.schedule == "two_pass"
+                + ("" if self.weight_in == "shared" or self.schedule in TWO_PASS
                    else f" w:{self.weight_in}"))
 
     def kernel(self) -> ScheduleProbeForward:
@@ -337,7 +344,7 @@ class Variant:
     def grid(self, sm_count: int) -> int:
         if self.schedule == "persistent":
             return min(self.rows, sm_count * self.ctas_per_sm)
-        if self.schedule == "two_pass":
+        if self.schedule in TWO_PASS:
             return self.rows
         return -(-self.rows // self.rows_per_cta)
 
@@ -454,7 +461,7 @@ def variants(shapes, configs, dtype: str, carveouts, weight_in: str,
     for m, n in shapes:
         for schedule in schedules:
             if n not in configs[schedule]:
-                flag = "--two-pass-configs" if schedule == "two_pass" else "--configs"
+                flag = "--two-pass-configs" if schedule in TWO_PASS else "--configs"
                 raise SystemExit(f"no {schedule} config for {n} columns: give {flag}")
             for threads, ring, ctas in configs[schedule][n]:
                 for carveout in carveouts:
@@ -745,7 +752,7 @@ def main() -> None:
     given = {int(k): [tuple(c) for c in v] for k, v in (args.configs or {}).items()}
     two_pass = {int(k): [tuple(c) for c in v] for k, v in (args.two_pass_configs or {}).items()}
     configs = {schedule: {**CONFIGS, **given} for schedule in SCHEDULES[:2]}
-    configs["two_pass"] = {**TWO_PASS_CONFIGS, **two_pass}
+    configs.update({schedule: {**TWO_PASS_CONFIGS, **two_pass} for schedule in TWO_PASS})
     carveouts = [None if c.strip().lower() == "none" else int(c)
                  for c in args.carveouts.split(",")]
     planned = variants(shapes, configs, args.dtype, carveouts, args.weight, args.schedules)
