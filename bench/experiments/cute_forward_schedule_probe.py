@@ -620,6 +620,20 @@ def _peer_errors(y, rstd, x, w) -> dict:
             "compile_s": None}
 
 
+def profile_cases(cases, shape: str) -> None:
+    """``--ncu``: each case launched twice, then once between ``cudaProfilerStart`` / ``Stop``
+    (ncu ``--profile-from-start off`` counts that launch alone), in the printed order."""
+    for provider, config, _, launch, _ in cases:
+        launch()
+        launch()
+        torch.cuda.synchronize()
+        print(f"profiled {shape} {provider} {config}", flush=True)
+        torch.cuda.profiler.start()
+        launch()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+
+
 def run(args, shapes, configs, carveouts, planned: list[Variant]) -> None:
     """Time ``planned`` (every shape's variants, planned before the first is timed) beside
     the peers, shape by shape."""
@@ -658,6 +672,9 @@ def run(args, shapes, configs, carveouts, planned: list[Variant]) -> None:
                 record["failures"].append(f"{v.label}: {type(e).__name__}: {e}")
         for name, (launch, facts) in prepare_peers(x, w, tol, record).items():
             cases.append((name, None, None, launch, facts))
+        if args.ncu:
+            profile_cases(cases, f"{m}x{n}")
+            continue
         times = [[] for _ in cases]
         for _ in range(args.rounds):
             for i, case in enumerate(cases):
@@ -683,6 +700,8 @@ def run(args, shapes, configs, carveouts, planned: list[Variant]) -> None:
         args.out.write_text(json.dumps(record, indent=1) + "\n")
         del x, cases
         torch.cuda.empty_cache()
+    if args.ncu:
+        return
 
     print(f"\ncopy {copy:.0f} GB/s; GB/s (% of copy), median of {args.rounds} rounds")
     print(f"{'M x N':>13} {'provider':>16} {'config':>14} {'carveout':>9} {'grid':>6} "
@@ -740,6 +759,9 @@ def main() -> None:
                         help="compile every variant for --arch with fake tensors (no GPU) and "
                              "print registers, stack, shared memory, spills")
     parser.add_argument("--arch", default="sm_90a", help="--compile-only's target")
+    parser.add_argument("--ncu", action="store_true",
+                        help="no timing: each checked variant and peer launched once for "
+                             "ncu --profile-from-start off (see profile_cases)")
     args = parser.parse_args()
     if set(args.schedules) - set(SCHEDULES):
         parser.error(f"--schedules: of {SCHEDULES}, got {args.schedules}")
@@ -759,8 +781,8 @@ def main() -> None:
     if args.compile_only:
         compile_only(planned, args.arch)
         return
-    if args.out is None:
-        parser.error("--out is required (unless --compile-only)")
+    if args.out is None and not args.ncu:
+        parser.error("--out is required (unless --compile-only or --ncu)")
     run(args, shapes, configs, carveouts, planned)
 
 
