@@ -96,6 +96,9 @@ TWO_PASS_CONFIGS = {4096: [(256, 1, 8), (512, 1, 4), (128, 1, 16)],
                     32768: [(1024, 1, 2), (512, 1, 4)]}
 #: What tilenorm's CuTe kernels pass today (bytes of shared memory per SM, NOTES #64).
 TILENORM_CARVEOUT = 233472
+#: L2 eviction policies for ``.L2::cache_hint`` loads: what ``createpolicy.fractional`` gives
+#: at fraction 1.0 (CUTLASS's ``CacheHintSm90``), the hints inductor's loads carry (#138).
+L2_EVICT_FIRST, L2_EVICT_LAST = 0x12F0000000000000, 0x14F0000000000000
 DTYPES = {"bfloat16": (torch.bfloat16, cutlass.BFloat16, 1e-2),
           "float16": (torch.float16, cutlass.Float16, 1e-3)}
 
@@ -105,12 +108,16 @@ class ScheduleProbeForward:
     ``__call__`` launches it on ``grid`` CTAs (SMs x ctas_per_sm, or ceil(M / R))."""
 
     def __init__(self, dtype, cols: int, threads: int, rows_per_cta: int, ctas_per_sm: int,
-                 schedule: str, carveout: int | None, weight_in: str = "shared"):
+                 schedule: str, carveout: int | None, weight_in: str = "shared",
+                 l2_hints: bool = False):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if weight_in not in WEIGHT_IN:
             raise ValueError(f"weight_in must be one of {WEIGHT_IN}, got {weight_in!r}")
         self.weight_in = weight_in
+        if l2_hints and schedule == "persistent":
+            raise ValueError("L2 hints are for the one-shot and two-pass schedules")
+        self.l2_hints = l2_hints
         self.dtype = dtype
         self.cols = cols
         self.threads = threads
@@ -150,6 +157,19 @@ class ScheduleProbeForward:
             grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream,
             max_number_threads=[self.threads, 1, 1], min_blocks_per_mp=self.ctas_per_sm,
             **extra)
+
+    @cute.jit
+    def _load(self, src: cute.Tensor, dst: cute.Tensor, l1, l2: int):
+        """``src`` (global) into ``dst`` (registers) in 16-byte loads, with L1 eviction
+        priority ``l1`` and, under ``l2_hints``, the L2 eviction policy ``l2``
+        (``LDG.E...`` with a cache-policy operand): what Triton emits for inductor's
+        ``eviction_policy`` (``ld.global.L1::evict_*.L2::cache_hint``, #138)."""
+        if const_expr(self.l2_hints):
+            atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), self.dtype,
+                                       num_bits_per_copy=128, l1c_evict_priority=l1)
+            cute.copy(atom, src, dst, cache_policy=cutlass.Int64(l2))
+        else:
+            cute.autovec_copy(src, dst, l1c_evict_priority=l1)
 
     @cute.jit
     def _thread_view(self, row: cute.Tensor, tidx: Int32) -> cute.Tensor:
@@ -219,16 +239,16 @@ class ScheduleProbeForward:
         # before its first square, as inductor's loop over a compiled-in width does.
         unrolled = const_expr(self.schedule == "two_pass_unrolled")
         for c in cutlass.range(steps, unroll=1, unroll_full=unrolled):
-            cute.autovec_copy(xs[(None, (None, c))], x,
-                              l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.EVICT_LAST)
+            self._load(xs[(None, (None, c))], x, cute.nvgpu.CacheEvictionPriority.EVICT_LAST,
+                       L2_EVICT_LAST)
             v = x.load().to(Float32)
             acc.store(acc.load() + v * v)
         rstd = self._rstd(acc.load(), sums, mRstd, row, 0, tidx, lane, warp, eps)
         for c in cutlass.range(steps, unroll=1, unroll_full=unrolled):
-            cute.autovec_copy(xs[(None, (None, c))], x,
-                              l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.EVICT_FIRST)
-            cute.autovec_copy(ws[(None, (None, c))], w,
-                              l1c_evict_priority=cute.nvgpu.CacheEvictionPriority.EVICT_LAST)
+            self._load(xs[(None, (None, c))], x, cute.nvgpu.CacheEvictionPriority.EVICT_FIRST,
+                       L2_EVICT_FIRST)
+            self._load(ws[(None, (None, c))], w, cute.nvgpu.CacheEvictionPriority.EVICT_LAST,
+                       L2_EVICT_LAST)
             y.store((x.load().to(Float32) * rstd * w.load().to(Float32)).to(self.dtype))
             cute.autovec_copy(y, ys[(None, (None, c))])
 
@@ -283,8 +303,9 @@ class ScheduleProbeForward:
         # issued before any row is reduced. Rows past the end are clamped to the last row:
         # loaded, never used.
         for s in cutlass.range_constexpr(ring - 1 if persistent else ring):
-            cute.autovec_copy(
-                self._thread_view(mX[cutlass.min(first + s * step, last), None], tidx), xs[s])
+            # x is read once: under l2_hints, evicted from L2 first.
+            self._load(self._thread_view(mX[cutlass.min(first + s * step, last), None], tidx),
+                       xs[s], cute.nvgpu.CacheEvictionPriority.EVICT_NORMAL, L2_EVICT_FIRST)
         # After the rows' loads are issued: this waits for the weight's. Each thread reads
         # back only what it wrote, so no barrier before; the barrier of every row keeps the
         # compiler from hoisting the reads out of the rows.
@@ -327,6 +348,7 @@ class Variant:
     schedule: str
     carveout: int | None
     weight_in: str = "shared"
+    l2_hints: bool = False
 
     @property
     def label(self) -> str:
@@ -334,12 +356,13 @@ class Variant:
         return (f"{self.schedule:>10} {self.rows}x{self.cols} "
                 f"({self.threads}, {self.rows_per_cta}, {self.ctas_per_sm}) carveout {carve}"
                 + ("" if self.weight_in == "shared" or self.schedule in TWO_PASS
-                   else f" w:{self.weight_in}"))
+                   else f" w:{self.weight_in}")
+                + (" l2" if self.l2_hints else ""))
 
     def kernel(self) -> ScheduleProbeForward:
         return ScheduleProbeForward(DTYPES[self.dtype][1], self.cols, self.threads,
                                     self.rows_per_cta, self.ctas_per_sm, self.schedule,
-                                    self.carveout, self.weight_in)
+                                    self.carveout, self.weight_in, self.l2_hints)
 
     def grid(self, sm_count: int) -> int:
         if self.schedule == "persistent":
@@ -454,9 +477,9 @@ def resources(cubin_path: Path) -> dict:
 
 
 def variants(shapes, configs, dtype: str, carveouts, weight_in: str,
-             schedules=SCHEDULES[:2]) -> list[Variant]:
+             schedules=SCHEDULES[:2], l2_hints=(False,)) -> list[Variant]:
     """Per shape, per schedule, per config (``configs`` by schedule, then width), each with
-    every carveout."""
+    every carveout and, but for the persistent schedule, each of ``l2_hints``."""
     out = []
     for m, n in shapes:
         for schedule in schedules:
@@ -465,8 +488,9 @@ def variants(shapes, configs, dtype: str, carveouts, weight_in: str,
                 raise SystemExit(f"no {schedule} config for {n} columns: give {flag}")
             for threads, ring, ctas in configs[schedule][n]:
                 for carveout in carveouts:
-                    out.append(Variant(m, n, dtype, threads, ring, ctas, schedule, carveout,
-                                       weight_in))
+                    for hints in (False,) if schedule == "persistent" else l2_hints:
+                        out.append(Variant(m, n, dtype, threads, ring, ctas, schedule,
+                                           carveout, weight_in, hints))
     return out
 
 
@@ -651,7 +675,8 @@ def run(args, shapes, configs, carveouts, planned: list[Variant]) -> None:
               "configs": {schedule: {str(n): [list(c) for c in cs]
                                      for n, cs in configs[schedule].items()}
                           for schedule in args.schedules},
-              "carveouts": carveouts, "copy_gbps": copy, "rounds": args.rounds, "rows": [],
+              "carveouts": carveouts, "l2_hints": args.l2_hints, "copy_gbps": copy,
+              "rounds": args.rounds, "rows": [],
               "failures": []}
     print(f"{record['device']} ({info.sm_count} SMs): copy {copy:.0f} GB/s", flush=True)
     for m, n in shapes:
@@ -662,7 +687,8 @@ def run(args, shapes, configs, carveouts, planned: list[Variant]) -> None:
         for v in [p for p in planned if (p.rows, p.cols) == (m, n)]:
             try:
                 launch, facts = prepare_cute(v, x, w, info.sm_count, tol)
-                cases.append((f"cute {v.schedule}", [v.threads, v.rows_per_cta,
+                cases.append((f"cute {v.schedule}" + (" l2" if v.l2_hints else ""),
+                              [v.threads, v.rows_per_cta,
                                                      v.ctas_per_sm], v.carveout, launch, facts))
                 print(f"checked {v.label}: grid {facts['grid']}, y err {facts['y_err']:.1e}, "
                       f"rstd err {facts['rstd_err']:.1e}, compile {facts['compile_s']:.1f} s",
@@ -759,6 +785,11 @@ def main() -> None:
                         help="compile every variant for --arch with fake tensors (no GPU) and "
                              "print registers, stack, shared memory, spills")
     parser.add_argument("--arch", default="sm_90a", help="--compile-only's target")
+    parser.add_argument("--l2-hints", default="off",
+                        type=lambda t: [{"off": False, "on": True}[v.strip()]
+                                        for v in t.split(",")],
+                        help="off, on or off,on: the one-shot and two-pass loads with "
+                             "inductor's L2 eviction policies (Variant.l2_hints)")
     parser.add_argument("--ncu", action="store_true",
                         help="no timing: each checked variant and peer launched once for "
                              "ncu --profile-from-start off (see profile_cases)")
@@ -777,7 +808,8 @@ def main() -> None:
     configs.update({schedule: {**TWO_PASS_CONFIGS, **two_pass} for schedule in TWO_PASS})
     carveouts = [None if c.strip().lower() == "none" else int(c)
                  for c in args.carveouts.split(",")]
-    planned = variants(shapes, configs, args.dtype, carveouts, args.weight, args.schedules)
+    planned = variants(shapes, configs, args.dtype, carveouts, args.weight, args.schedules,
+                       args.l2_hints)
     if args.compile_only:
         compile_only(planned, args.arch)
         return
