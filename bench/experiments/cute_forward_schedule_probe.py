@@ -688,8 +688,8 @@ def run(args, shapes, configs, carveouts, planned: list[Variant]) -> None:
             try:
                 launch, facts = prepare_cute(v, x, w, info.sm_count, tol)
                 cases.append((f"cute {v.schedule}" + (" l2" if v.l2_hints else ""),
-                              [v.threads, v.rows_per_cta,
-                                                     v.ctas_per_sm], v.carveout, launch, facts))
+                              [v.threads, v.rows_per_cta, v.ctas_per_sm], v.carveout, launch,
+                              facts))
                 print(f"checked {v.label}: grid {facts['grid']}, y err {facts['y_err']:.1e}, "
                       f"rstd err {facts['rstd_err']:.1e}, compile {facts['compile_s']:.1f} s",
                       flush=True)
