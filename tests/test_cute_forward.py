@@ -632,12 +632,12 @@ def test_the_persistent_kernel_takes_no_residual():
 
 def check_forward(m, n, op="rms_norm", dtype=torch.bfloat16, w_dtype=torch.bfloat16,
                   has_weight=True, has_bias=False, has_residual=False, offset=0.0,
-                  x_mean=None, device_class=DEFAULT_DEVICE_CLASS, entry=None):
+                  x_mean=None, device_class=DEFAULT_DEVICE_CLASS, entry=None, two_pass=None):
     """The kernel on poisoned outputs against float64: every element of y, h, mean and rstd
     written and accurate, a rerun bit-identical. x is standard normal plus ``x_mean``, a
     number (default 0.5 for LayerNorm, 0 for RMSNorm) or a tensor of one a column. The
     kernel is ``device_class``'s table entry, whatever this GPU's class, or ``entry`` (a
-    table entry's tuple) where given."""
+    table entry's tuple) where given, or the two-pass forward of entry ``two_pass``."""
     from tilenorm.device import device_info, max_active_clusters
 
     layer_norm = op == "layer_norm"
@@ -654,11 +654,12 @@ def check_forward(m, n, op="rms_norm", dtype=torch.bfloat16, w_dtype=torch.bfloa
     resident = (max_active_clusters(info.index, entry[3], entry[0], entry[2])
                 if entry is not None and is_persistent(entry) else None)
     plan = (CuteForwardPlan.of(m, n, entry, resident) if entry is not None else
+            CuteForwardPlan.two_pass(m, n, two_pass) if two_pass is not None else
             plan_cute_forward(m, n, itemsize=dtype.itemsize, arch=info.arch, op=op,
                               device_class=device_class,
                               resident_clusters=lambda *shape: max_active_clusters(
                                   info.index, *shape)))
-    if has_residual and entry is None:
+    if has_residual and entry is None and two_pass is None:
         plan = plan.with_residual()  # the plan a residual call runs (dispatch.forward_kernel)
     fn = cute.compiled_forward(cute.ForwardKey.of(
         plan, NAMES[dtype], None if w is None else NAMES[w.dtype], has_bias, layer_norm,
@@ -1023,3 +1024,131 @@ def test_cuda_graph_replay_matches_eager_bit_for_bit():
     b = torch.randn(n, generator=g, device="cuda").to(torch.bfloat16)
     with tilenorm.experimental():
         check_graph_replay_matches_eager(lambda: tilenorm.layer_norm_forward(x, w, b))
+
+
+# --- the two-pass forward (TwoPassRowNormForward, bench/NOTES.md #136) ----------------------
+
+#: (width, entry) of the two-pass forward: the probe's spill-free layouts of plain RMSNorm
+#: (#136), one of several steps a thread and one of two vectors a step.
+TWO_PASS_ENTRIES = [(7168, (448, 1, 4)), (8192, (512, 1, 4)), (32768, (1024, 1, 2)),
+                    (4096, (128, 2, 8))]
+#: Every feature set at each entry, bf16 x.
+TWO_PASS_VARIANTS = [key for cols, entry in TWO_PASS_ENTRIES for op in OPS
+                     for key in cute.forward_feature_keys("bfloat16", op, cols,
+                                                          cute.two_pass_launch(entry))]
+
+
+def _two_pass_settings(entries):
+    return dataclasses.replace(SM90, cute_forward_two_pass={
+        "rms_norm": dict(entries), "layer_norm": dict(entries)})
+
+
+@pytest.mark.parametrize("rows", [1, 3, 1000])
+def test_a_two_pass_entry_takes_its_width_one_row_a_cta(rows):
+    settings = _two_pass_settings([(8192, (512, 1, 4))])
+    for op in OPS:
+        p = plan_cute_forward(rows, 8192, itemsize=2, arch=(9, 0), op=op, settings=settings)
+        assert (p.step, p.threads, p.ctas_per_sm, p.grid, p.cluster) == (1, 512, 4, rows, 1)
+        assert [list(p.program_rows(cta)) for cta in range(p.grid)] == [[r] for r in
+                                                                         range(rows)]
+        assert p.with_residual() == p, "the two-pass kernel takes the residual itself"
+        assert p.entry == (512, 1, 4) and CuteForwardPlan.two_pass(rows, 8192, p.entry) == p
+        assert dispatch.cute_forward_name(p) == dispatch.CUTE_TWO_PASS_FORWARD_NAME
+        assert "two-pass" in p.describe()
+        key = cute.ForwardKey.of(p, "bfloat16", "bfloat16", False, op == "layer_norm", False,
+                                 False)
+        assert key.step == 1 and key.cluster == 1 and not key.persistent
+    # Other widths, 4-byte x, several heads and 64-bit offsets keep the other tables.
+    other = plan_cute_forward(1000, 4096, itemsize=2, arch=(9, 0), op="rms_norm",
+                              settings=settings)
+    assert other is not None and other.step == 0
+    for kwargs in ({"itemsize": 4}, {"itemsize": 2, "heads": 2},
+                   {"itemsize": 2, "max_offset": 1 << 31}):
+        p = plan_cute_forward(rows, 8192, arch=(9, 0), op="rms_norm", settings=settings,
+                              **kwargs)
+        assert p is None or p.step == 0, kwargs
+
+
+def test_the_shipped_tables_route_the_two_pass_forward_where_it_was_measured_ahead():
+    """The H200's RMSNorm at 4096-32768 (#138); LayerNorm and the H100 keep the others."""
+    h200 = settings_for((9, 0), "h200").cute_forward_two_pass
+    assert sorted(h200["rms_norm"]) == [4096, 5120, 7168, 8192, 32768] and not h200["layer_norm"]
+    assert not any(settings_for((9, 0), "h100").cute_forward_two_pass.values())
+    for op in OPS:
+        p = plan_cute_forward(4096, 8192, itemsize=2, arch=(9, 0), op=op, device_class="h200")
+        assert p.step == (op == "rms_norm"), op
+
+
+def test_a_two_pass_residual_call_runs_where_its_rows_fit_l1():
+    """x's and the residual's rows of an SM's CTAs stay in L1 between the passes, or the
+    call takes one row a cluster (#138: the residual at 32768 columns ran at 87% of copy)."""
+    from tilenorm.settings import TWO_PASS_L1_BYTES
+
+    for cols, entry in settings_for((9, 0), "h200").cute_forward_two_pass["rms_norm"].items():
+        p = CuteForwardPlan.two_pass(1000, cols, entry)
+        fits = 2 * 2 * cols * entry[2] <= TWO_PASS_L1_BYTES
+        assert (p.with_residual() == p) == fits, cols
+        if not fits:
+            assert p.with_residual().entry == (256, 1, 4, cols // 16384)
+    assert CuteForwardPlan.two_pass(1000, 32768, (1024, 1, 2)).with_residual().step == 0
+    with pytest.raises(ValueError, match="TWO_PASS_L1_BYTES"):
+        CuteForwardPlan.two_pass(1000, 16384, (512, 1, 4)).with_residual()
+
+
+@needs_cute
+def test_the_two_pass_kernel_refuses_what_it_cannot_run():
+    import cutlass
+
+    from tilenorm.kernels.cute_row_norm_forward import TwoPassRowNormForward
+
+    bf16 = cutlass.BFloat16
+    features = (False, False, False, False)
+    assert TwoPassRowNormForward(bf16, bf16, 8192, 512, 2, 4, *features).step == 2
+    with pytest.raises(ValueError, match="steps"):
+        TwoPassRowNormForward(bf16, bf16, 7168, 128, 2, 16, *features)  # 7 vectors a thread
+    with pytest.raises(ValueError, match="steps"):
+        TwoPassRowNormForward(bf16, bf16, 8192, 512, 0, 4, *features)
+    with pytest.raises(ValueError, match="whole"):
+        TwoPassRowNormForward(bf16, bf16, 8200, 512, 1, 4, *features)
+
+
+@pytest.mark.aot
+@needs_cute
+def test_two_pass_variants_build_for_hopper_and_blackwell(tmp_path):
+    """Every two-pass variant builds for both architectures; plain RMSNorm (no residual, no
+    LayerNorm) fits 32 registers without spilling on sm_90a at every entry (#136)."""
+    from bench.kernel_resources import cubin_resources, find_cuobjdump
+
+    tool = find_cuobjdump()
+    for i, key in enumerate(TWO_PASS_VARIANTS):
+        for arch in cute.AOT_ARCHS:
+            cubins = tmp_path / f"{i}-{arch}"
+            plain = not (key.layer_norm or key.has_residual)
+            keep = str(cubins) if tool and plain and arch == "sm_90a" else None
+            assert callable(cute.compile_forward(key, arch, cubin_dir=keep)), (key, arch)
+            if keep:
+                found = cubin_resources(next(cubins.rglob("*.cubin")), tool)[0]
+                assert found["spill_stores"] == found["spill_loads"] == found["stack"] == 0, (
+                    key, found)
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("key", TWO_PASS_VARIANTS, ids=_variant_id)
+@pytest.mark.parametrize("m", [1, 1023])
+def test_two_pass_forward_variants_match_float64(key, m):
+    names = {v: k for k, v in NAMES.items()}
+    check_forward(m, key.cols, "layer_norm" if key.layer_norm else "rms_norm",
+                  dtype=names[key.dtype], w_dtype=names.get(key.weight_dtype, torch.bfloat16),
+                  has_weight=key.weight_dtype is not None, has_bias=key.has_bias,
+                  has_residual=key.has_residual, offset=1.0 if key.has_offset else 0.0,
+                  two_pass=(key.threads, key.step, key.ctas_per_sm))
+
+
+@gpu
+@needs_cute
+@pytest.mark.parametrize("cols", [cols for cols, _ in TWO_PASS_ENTRIES])
+def test_two_pass_layer_norm_of_a_large_mean_keeps_the_variance_exact(cols):
+    """Rows of mean 1000: the variance is summed about the mean, in a pass of its own."""
+    entry = dict(TWO_PASS_ENTRIES)[cols]
+    check_forward(255, cols, "layer_norm", x_mean=1000.0, two_pass=entry)

@@ -59,6 +59,7 @@ ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m
 #: The CuTe DSL kernels' names in decisions.
 CUTE_FORWARD_NAME = "RowNormForward (CuTe DSL)"
 CUTE_CLUSTER_FORWARD_NAME = "ClusterRowNormForward (CuTe DSL)"
+CUTE_TWO_PASS_FORWARD_NAME = "TwoPassRowNormForward (CuTe DSL)"
 CUTE_BACKWARD_NAME = "RowNormBackward (CuTe DSL)"
 CUTE_CLUSTER_BACKWARD_NAME = "ClusterRowNormBackward (CuTe DSL)"
 
@@ -205,7 +206,10 @@ def cute_backward_name(plan: CuteBackwardPlan | CuteClusterBackwardPlan) -> str:
 
 def cute_forward_name(plan: CuteForwardPlan) -> str:
     """The CuTe DSL forward kernel a plan launches: the cluster forward for a row held across
-    a cluster of CTAs, else the one-CTA-a-row forward."""
+    a cluster of CTAs, the two-pass forward for a row walked twice, else the one-shot
+    forward of rows a CTA."""
+    if plan.step:
+        return CUTE_TWO_PASS_FORWARD_NAME
     return CUTE_CLUSTER_FORWARD_NAME if plan.cluster > 1 else CUTE_FORWARD_NAME
 
 

@@ -22,6 +22,7 @@ from typing import Literal
 from tilenorm.settings import (
     CLUSTER_SLICE_COLS,
     DEFAULT_DEVICE_CLASS,
+    TWO_PASS_L1_BYTES,
     DeviceClass,
     RowNormSettings,
     _cluster_forward,
@@ -463,10 +464,23 @@ class CuteForwardPlan:
     #: grid): ``grid / cluster`` co-resident clusters, cluster ``c`` taking row groups ``c,
     #: c + grid / cluster, ...`` of ``rows_per_cta`` rows.
     stages: int = 0
+    #: The two-pass forward's 16-byte vectors a thread a step (0: another forward): one row a
+    #: CTA, ``grid`` = ``rows``.
+    step: int = 0
 
     @property
     def persistent(self) -> bool:
         return self.stages > 0
+
+    @classmethod
+    def two_pass(cls, rows: int, cols: int, entry: tuple[int, int, int]) -> CuteForwardPlan:
+        """The plan of a ``cute_forward_two_pass`` entry (threads, vectors a thread a step,
+        CTAs per SM)."""
+        threads, step, ctas_per_sm = entry
+        if rows < 1 or step < 1:
+            raise ValueError(f"rows and the step must be positive, got {rows}, {step}")
+        return cls(rows=rows, cols=cols, threads=threads, rows_per_cta=1,
+                   ctas_per_sm=ctas_per_sm, grid=rows, step=step)
 
     @classmethod
     def of(cls, rows: int, cols: int, entry: tuple[int, ...],
@@ -509,16 +523,33 @@ class CuteForwardPlan:
     @property
     def entry(self) -> tuple[int, ...]:
         """The settings entry of this plan: (threads, rows a CTA, CTAs per SM, cluster[,
-        stages where persistent])."""
+        stages where persistent]); a two-pass plan's ``cute_forward_two_pass`` entry,
+        (threads, vectors a thread a step, CTAs per SM)."""
+        if self.step:
+            return (self.threads, self.step, self.ctas_per_sm)
         entry = (self.threads, self.rows_per_cta, self.ctas_per_sm, self.cluster)
         return (*entry, self.stages) if self.persistent else entry
 
     def with_residual(self) -> CuteForwardPlan:
-        """The plan a call with a fused residual runs (:func:`residual_entry`)."""
+        """The plan a call with a fused residual runs (:func:`residual_entry`): the two-pass
+        forward's own where the SM's rows of x and the residual fit L1
+        (:data:`~tilenorm.settings.TWO_PASS_L1_BYTES`), else one row a cluster."""
+        if self.step:
+            if 2 * 2 * self.cols * self.ctas_per_sm <= TWO_PASS_L1_BYTES:
+                return self
+            if self.cols < 2 * CLUSTER_SLICE_COLS:
+                raise ValueError(f"a two-pass entry at {self.cols} columns keeps more than "
+                                 f"TWO_PASS_L1_BYTES of rows an SM with a residual")
+            return CuteForwardPlan.of(self.rows, self.cols, _cluster_forward(self.cols))
         entry = residual_entry(self.cols, self.entry)
         return self if entry == self.entry else CuteForwardPlan.of(self.rows, self.cols, entry)
 
     def describe(self) -> str:
+        if self.step:
+            return (f"CuTe DSL two-pass forward, grid {self.grid}: a row a CTA of "
+                    f"{self.threads} threads ({self.ctas_per_sm} per SM), walked twice "
+                    f"{self.step} vector{'s' if self.step > 1 else ''} a thread a step, the "
+                    f"second pass from L1")
         if self.persistent:
             rows = "a row" if self.rows_per_cta == 1 else f"{self.rows_per_cta} rows"
             return (f"CuTe DSL persistent cluster forward, grid {self.grid}: "
@@ -571,6 +602,10 @@ def plan_cute_forward(rows: int, cols: int, *, itemsize: int, arch: tuple[int, i
     grid, asked only for one; a device whose GPCs cannot hold the cluster leaves the row to
     another forward."""
     s = settings or settings_for(arch, device_class)
+    if itemsize == 2:
+        two_pass = _cute_entry(s.cute_forward_two_pass, op, rows, cols, heads, max_offset)
+        if two_pass is not None:
+            return CuteForwardPlan.two_pass(rows, cols, two_pass)
     entry = _cute_entry(s.cute_table("forward", itemsize), op, rows, cols, heads, max_offset)
     if entry is None:
         return None

@@ -28,6 +28,10 @@ Hint = tuple[int, int, "int | None", bool]
 
 #: Columns a CTA of the cluster forward holds (#75).
 CLUSTER_SLICE_COLS = 16384
+#: The bytes of rows a two-pass forward's CTAs an SM keep in L1 between the passes, x's and,
+#: with a fused residual, the residual's: on an H200 128 KB an SM ran at 101-103% of copy,
+#: 256 KB (a residual at 32768 columns, two CTAs an SM) at 87% (#138).
+TWO_PASS_L1_BYTES = 192 << 10
 
 
 def _cluster_forward(cols: int) -> tuple[int, int, int, int]:
@@ -202,6 +206,18 @@ class RowNormSettings:
                        12288: (256, 1, 4, 2), 16384: (512, 2, 1),
                        32768: (256, 1, 2, 4, 2), 65536: (256, 2, 1, 8, 3),
                        131072: (256, 1, 1, 8, 2)}})
+    #: Forwards of 2-byte x that walk each row twice, one row a CTA
+    #: (:class:`~tilenorm.kernels.cute_row_norm_forward.TwoPassRowNormForward`), per op and
+    #: width: (threads, 16-byte vectors a thread a step, CTAs per SM). Where a width is
+    #: here it takes the calls ``cute_forward`` would, residual ones where the rows of x and
+    #: the residual an SM holds fit L1 (:data:`TWO_PASS_L1_BYTES`). On an H200, RMSNorm
+    #: 99-101% of copy against the one-shot entries' 97-98% at 4096-32768, the offset
+    #: and the residual alike (but the residual at 32768); LayerNorm 76-89% against 91-101%,
+    #: so it has none (#138).
+    cute_forward_two_pass: dict = field(default_factory=lambda: {
+        "rms_norm": {4096: (256, 1, 8), 5120: (320, 1, 6), 7168: (448, 1, 4),
+                     8192: (512, 1, 4), 32768: (1024, 1, 2)},
+        "layer_norm": {}})
     #: ``cute_forward`` and ``cute_cluster_backward`` for 4-byte x (fp32; the tables above
     #: are 2-byte x's, bf16 and fp16). Each entry is the 2-byte entry of twice the width: the
     #: same bytes a row, a CTA, a thread and in shared memory, four elements to a 16-byte
@@ -275,12 +291,13 @@ _H200_ONLY_FORWARD = (512, 1024, 2048)
 #: H100. fp32 at 16384 columns takes the 2-byte entry of 32768, one CTA a row. The cluster
 #: backward's staged stats are the H200's alone (#134, untimed on an H100), and so are the
 #: 128-column backward of many rows and the 224-thread forward at 7168 (#135; the H100
-#: measured (128, 1, 4) at 100% of its copy there, #90).
+#: measured (128, 1, 4) at 100% of its copy there, #90), and the two-pass forward (#138).
 SM90_H100 = dataclasses.replace(
     SM90,
     cute_backward={},
     cute_cluster_backward_staged_stats={},
     many_rows_hints={"forward": {}, "backward": {}},
+    cute_forward_two_pass={"rms_norm": {}, "layer_norm": {}},
     cute_cluster_backward={**SM90.cute_cluster_backward,
                            "layer_norm": {**SM90.cute_cluster_backward["layer_norm"],
                                           131072: (8, 256, 2, 1)}},

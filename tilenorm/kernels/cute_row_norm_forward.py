@@ -36,6 +36,12 @@ from cutlass import Float32, Int32, const_expr
 
 from tilenorm.kernels.cute_rows import SMEM_CARVEOUT, RowKernel
 
+#: L2 eviction policies for ``.L2::cache_hint`` loads, keyed by the L1 eviction priority they
+#: go with: what ``createpolicy.fractional.L2::evict_*`` gives at fraction 1.0 (CUTLASS's
+#: ``CacheHintSm90`` values), as Triton emits for an ``eviction_policy``.
+_L2_POLICY = {cute.nvgpu.CacheEvictionPriority.EVICT_FIRST: 0x12F0000000000000,
+              cute.nvgpu.CacheEvictionPriority.EVICT_LAST: 0x14F0000000000000}
+
 
 class NormForwardKernel(RowKernel):
     """What the CuTe DSL forwards (this one and the cluster forward,
@@ -172,3 +178,130 @@ class RowNormForward(NormForwardKernel):
                 cute.autovec_copy(out, self._thread_view(mY[row, None], tidx))
 
 
+
+class TwoPassRowNormForward(RowNormForward):
+    """One row a CTA, walked twice: torch.compile's schedule (bench/NOTES.md #136, #138).
+    Each thread takes its 16-byte vectors of the row ``step`` at a time, so it holds few
+    registers (at most 32 on sm_90a at the table's entries) and an SM many CTAs; the loops
+    are unrolled, so that the first pass issues every step's load before its first sum
+    (one load in flight a thread held it at 72-92% of copy, #138). The first pass loads x
+    (and the residual) ``evict_last`` from L1 and L2, so that the row stays on chip, and
+    sums; LayerNorm's second pass sums the centered squares from there; the last pass loads
+    them ``evict_first`` with the parameters ``evict_last``, and stores y. With a residual,
+    h is stored in the first pass and recomputed from L1 after it: rounding the same sum of
+    the same values, the same h.
+
+    The sums add up element-wise across steps, then through the warp butterfly and shared
+    memory in warp order (:meth:`RowNormForward._row_sum`): a fixed tree, bit-for-bit
+    reproducible, but another tree than the one-shot kernel's."""
+
+    def __init__(self, dtype, weight_dtype, cols: int, threads: int, step: int,
+                 ctas_per_sm: int, layer_norm: bool, has_bias: bool, has_offset: bool,
+                 has_residual: bool):
+        super().__init__(dtype, weight_dtype, cols, threads, 1, ctas_per_sm, layer_norm,
+                         has_bias, has_offset, has_residual)
+        if step < 1 or self.reps % step:
+            raise ValueError(f"{self.reps} vectors a thread are not whole steps of {step}")
+        self.step = step
+
+    @cute.jit
+    def _steps(self, row: cute.Tensor, tidx: Int32) -> cute.Tensor:
+        """This thread's vectors of ``row`` as (vec, (step, steps)): step ``c`` is
+        ``[(None, (None, c))]``."""
+        return cute.logical_divide(self._thread_view(row, tidx), (None, self.step))
+
+    @cute.jit
+    def _load(self, src: cute.Tensor, dst: cute.Tensor, priority):
+        """``src`` (global) into ``dst`` (registers) in 16-byte loads, evicted by
+        ``priority`` from L1 and L2 alike: an L2 hint keeps the row there between the passes
+        and lets the last pass's lines go first (bench/NOTES.md #138: 97-99% of copy without
+        it, 99-102% with it)."""
+        n = 128 // src.element_type.width
+        atom = cute.make_copy_atom(cute.nvgpu.CopyG2ROp(), src.element_type,
+                                   num_bits_per_copy=128, l1c_evict_priority=priority)
+        cute.copy(atom, cute.logical_divide(src, cute.make_layout(n)),
+                  cute.logical_divide(dst, cute.make_layout(n)),
+                  cache_policy=cutlass.Int64(_L2_POLICY[priority]))
+
+    @cute.jit
+    def _load_h(self, xs: cute.Tensor, rs: cute.Tensor | None, x: cute.Tensor,
+                r: cute.Tensor | None, h: cute.Tensor, c: Int32, priority):
+        """Step ``c`` of h in fp32: x, or x + residual rounded to x's dtype (left in ``h``
+        too); loaded with the L1 eviction ``priority``."""
+        self._load(xs[(None, (None, c))], x, priority)
+        v = x.load().to(Float32)
+        if const_expr(self.has_residual):
+            self._load(rs[(None, (None, c))], r, priority)
+            h.store((v + r.load().to(Float32)).to(self.dtype))
+            v = h.load().to(Float32)
+        return v
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mR: cute.Tensor | None, mW: cute.Tensor | None,
+               mB: cute.Tensor | None, mY: cute.Tensor, mH: cute.Tensor | None,
+               mMean: cute.Tensor | None, mRstd: cute.Tensor, eps: Float32, offset: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        row, _, _ = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        inv_n = Float32(1.0 / self.cols)
+        keep = cute.nvgpu.CacheEvictionPriority.EVICT_LAST
+        last_use = cute.nvgpu.CacheEvictionPriority.EVICT_FIRST
+        steps = self.reps // self.step
+
+        smem = cutlass.memory.SmemAllocator()
+        sums = smem.allocate_tensor(Float32, cute.make_layout((self.warps, 2)), 16)
+
+        chunk = (self.vec, self.step)
+        xs = self._steps(mX[row, None], tidx)
+        ys = self._steps(mY[row, None], tidx)
+        rs = self._steps(mR[row, None], tidx) if const_expr(self.has_residual) else None
+        hs = self._steps(mH[row, None], tidx) if const_expr(self.has_residual) else None
+        x = cute.make_rmem_tensor(chunk, self.dtype)
+        r = cute.make_rmem_tensor(chunk, self.dtype) if const_expr(self.has_residual) else None
+        h = cute.make_rmem_tensor(chunk, self.dtype)
+        acc = cute.make_rmem_tensor(chunk, Float32)
+
+        acc.fill(0.0)
+        for c in cutlass.range(steps, unroll_full=True):
+            v = self._load_h(xs, rs, x, r, h, c, keep)
+            if const_expr(self.has_residual):
+                cute.autovec_copy(h, hs[(None, (None, c))])
+            if const_expr(self.layer_norm):
+                acc.store(acc.load() + v)
+            else:
+                acc.store(acc.load() + v * v)
+        mu = Float32(0.0)
+        if const_expr(self.layer_norm):
+            mu = self._row_sum(acc.load(), sums, 0, lane, warp) * inv_n
+            if tidx == 0:
+                mMean[row] = mu
+            acc.fill(0.0)
+            for c in cutlass.range(steps, unroll_full=True):
+                v = self._load_h(xs, rs, x, r, h, c, keep) - mu
+                acc.store(acc.load() + v * v)
+        rstd = cute.math.rsqrt(self._row_sum(acc.load(), sums, 1, lane, warp) * inv_n + eps)
+        if tidx == 0:
+            mRstd[row] = rstd
+
+        ws = self._steps(mW, tidx) if const_expr(self.has_weight) else None
+        bs = self._steps(mB, tidx) if const_expr(self.has_bias) else None
+        w = cute.make_rmem_tensor(chunk, self.weight_dtype if self.has_weight else self.dtype)
+        b = cute.make_rmem_tensor(chunk, w.element_type)
+        out = cute.make_rmem_tensor(chunk, self.dtype)
+        for c in cutlass.range(steps, unroll_full=True):
+            v = self._load_h(xs, rs, x, r, h, c, last_use)
+            if const_expr(self.layer_norm):
+                v = v - mu
+            n = v * rstd
+            y = n
+            if const_expr(self.has_weight):
+                self._load(ws[(None, (None, c))], w, keep)
+                y = n * w.load().to(Float32)
+                if const_expr(self.has_offset):
+                    y = y + n * offset
+            if const_expr(self.has_bias):
+                self._load(bs[(None, (None, c))], b, keep)
+                y = y + b.load().to(Float32)
+            out.store(y.to(self.dtype))
+            cute.autovec_copy(out, ys[(None, (None, c))])

@@ -121,6 +121,10 @@ class ForwardKey:
     #: (:class:`~tilenorm.kernels.cute_cluster_norm_forward.PersistentClusterRowNormForward`);
     #: 0: the one-shot grid.
     stages: int = 0
+    #: The two-pass forward's vectors a thread a step
+    #: (:class:`~tilenorm.kernels.cute_row_norm_forward.TwoPassRowNormForward`, one row a
+    #: CTA); 0: another forward.
+    step: int = 0
 
     @property
     def persistent(self) -> bool:
@@ -131,7 +135,7 @@ class ForwardKey:
            layer_norm: bool, has_offset: bool, has_residual: bool) -> ForwardKey:
         return cls(dtype, weight_dtype, has_bias, layer_norm, has_offset, has_residual,
                    plan.cols, plan.threads, plan.rows_per_cta, plan.ctas_per_sm, plan.cluster,
-                   plan.stages)
+                   plan.stages, plan.step)
 
 
 def compile_forward(key: ForwardKey, arch: str | None = None, cubin_dir: str | None = None):
@@ -156,6 +160,11 @@ def compile_forward(key: ForwardKey, arch: str | None = None, cubin_dir: str | N
         kernel = PersistentClusterRowNormForward(dtype, weight_dtype, key.cols, key.threads,
                                                  key.rows_per_cta, key.cluster, key.stages,
                                                  key.ctas_per_sm, *features[:3])
+    elif key.step:
+        from tilenorm.kernels.cute_row_norm_forward import TwoPassRowNormForward
+
+        kernel = TwoPassRowNormForward(dtype, weight_dtype, key.cols, key.threads, key.step,
+                                       key.ctas_per_sm, *features)
     elif key.cluster > 1:
         from tilenorm.kernels.cute_cluster_norm_forward import ClusterRowNormForward
 
@@ -386,17 +395,41 @@ def aot_forward_keys(all_dtypes: bool = False) -> list[ForwardKey]:
     fp16 with ``all_dtypes``): each weight dtype (or none), with and without a residual (at
     the entry a residual call runs, :func:`tilenorm.planner.residual_entry`); LayerNorm with
     and without a bias, RMSNorm with and without the Gemma offset (which needs a weight);
-    the cluster forward's entries with theirs."""
-    return _unique(ForwardKey(dtype, weight_dtype, has_bias, op == "layer_norm", has_offset,
-                              has_residual, cols,
-                              *(residual_entry(cols, config) if has_residual else config))
-            for _, dtype, op, cols, config in _entries("forward", all_dtypes)
-            for weight_dtype in (None, dtype, "float32")
-            for has_bias in ((False, True) if op == "layer_norm" and weight_dtype
-                             else (False,))
-            for has_offset in ((False, True) if op == "rms_norm" and weight_dtype
-                               else (False,))
-            for has_residual in (False, True))
+    the cluster forward's entries with theirs; the two-pass forward's entries
+    (``cute_forward_two_pass``) likewise."""
+    two_pass = ((dtype, op, cols, entry) for s in _every_table()
+                for op, widths in s.cute_forward_two_pass.items()
+                for cols, entry in widths.items()
+                for dtype in (("bfloat16", "float16") if all_dtypes else ("bfloat16",)))
+    return _unique([*(key for _, dtype, op, cols, config in _entries("forward", all_dtypes)
+                      for key in forward_feature_keys(dtype, op, cols, config,
+                                                      residual_entry(cols, config))),
+                    *(key for dtype, op, cols, entry in two_pass
+                      for key in forward_feature_keys(dtype, op, cols,
+                                                      two_pass_launch(entry)))])
+
+
+def two_pass_launch(entry: tuple[int, int, int]) -> tuple[int, ...]:
+    """A ``cute_forward_two_pass`` entry's :class:`ForwardKey` fields from ``threads`` on."""
+    threads, step, ctas_per_sm = entry
+    return (threads, 1, ctas_per_sm, 1, 0, step)
+
+
+def forward_feature_keys(dtype: str, op: str, cols: int, launch: tuple[int, ...],
+                         residual_launch: tuple[int, ...] | None = None
+                         ) -> Iterator[ForwardKey]:
+    """The forward's keys of every feature set of ``op`` at ``cols`` columns of ``dtype``
+    x: each weight dtype (or none), LayerNorm with and without a bias, RMSNorm with and
+    without the Gemma offset (which needs a weight), with and without a residual. Their
+    fields from ``threads`` on are ``launch``, a residual's ``residual_launch`` (default
+    ``launch``)."""
+    for weight_dtype in (None, dtype, "float32"):
+        for has_bias in (False, True) if op == "layer_norm" and weight_dtype else (False,):
+            for has_offset in (False, True) if op == "rms_norm" and weight_dtype else (False,):
+                for has_residual in (False, True):
+                    fields = (residual_launch or launch) if has_residual else launch
+                    yield ForwardKey(dtype, weight_dtype, has_bias, op == "layer_norm",
+                                     has_offset, has_residual, cols, *fields)
 
 
 #: Compiled variants kept loaded per process (each is a library of the disk cache, or a

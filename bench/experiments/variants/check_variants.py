@@ -60,11 +60,14 @@ DEVICES = {
 
 def signature(plan) -> str:
     """A plan in a few words: ``cute T,R,C`` (forward: threads, rows a CTA, CTAs an SM[,
-    cluster]), ``cute T,S,C gridG`` (row backward: threads, stages, CTAs an SM),
+    cluster]), ``cute two-pass T,S,C`` (threads, vectors a thread a step, CTAs an SM),
+    ``cute T,S,C gridG`` (row backward: threads, stages, CTAs an SM),
     ``cute cluster K,T,S,C clustersG``, ``cutile RxC occO wW per-tile|persistent``
     (forward) or ``cutile RxC occO wW gridG`` (backward; ``w-``: the compiler's warps);
     `` shared_ring`` where the row backward's ring is in shared memory."""
     if isinstance(plan, CuteForwardPlan):
+        if plan.step:
+            return f"cute two-pass {plan.threads},{plan.step},{plan.ctas_per_sm}"
         entry = plan.entry if plan.cluster > 1 else plan.entry[:3]
         return "cute " + ",".join(map(str, entry))
     if isinstance(plan, CuteClusterBackwardPlan):
