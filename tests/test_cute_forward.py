@@ -36,6 +36,10 @@ from tilenorm.testing import float64_norm
 gpu = pytest.mark.gpu
 needs_cute = pytest.mark.skipif(not cute.available(), reason="CuTe DSL not installed")
 CUTE_FORWARD = SM90.cute_forward
+#: The default class's settings without its two-pass forward: the one-shot and cluster
+#: entries it keeps for the H100 class, planned where the two-pass table has their widths.
+ONE_SHOT_SM90 = dataclasses.replace(
+    SM90, cute_forward_two_pass={op: {} for op in SM90.cute_forward})
 #: Every class's table: the ahead-of-time builds cover each.
 TABLES = {c: settings_for((9, 0), c).cute_forward for c in DEVICE_CLASSES}
 WIDTHS = sorted({cols for t in TABLES.values() for widths in t.values() for cols in widths})
@@ -79,7 +83,8 @@ def _resident(cluster, threads, ctas_per_sm):
 @pytest.mark.parametrize("rows", [1, 2, 3, 131, 264, 265, 1023, 32768, 100003])
 def test_plan_gives_every_row_to_one_cta_or_cluster(rows):
     """One-shot entries a CTA or cluster a row group; persistent ones (a fifth element) the
-    row groups over the clusters resident at once, or one a group where they are fewer."""
+    row groups over the clusters resident at once, or one a group where they are fewer (the
+    two-pass forward, a row a CTA, aside: test_a_two_pass_entry_takes_its_width_one_row_a_cta)."""
     for op, widths in CUTE_FORWARD.items():
         for cols, (threads, rows_per_cta, ctas, *rest) in widths.items():
             if rows * cols > 2**31:
@@ -87,7 +92,7 @@ def test_plan_gives_every_row_to_one_cta_or_cluster(rows):
             cluster = rest[0] if rest else 1
             stages = rest[1] if len(rest) > 1 else 0
             p = plan_cute_forward(rows, cols, itemsize=2, arch=(9, 0), op=op,
-                                  resident_clusters=_resident)
+                                  settings=ONE_SHOT_SM90, resident_clusters=_resident)
             assert (p.threads, p.rows_per_cta, p.ctas_per_sm, p.cluster, p.stages) == (
                 threads, rows_per_cta, ctas, cluster, stages)
             groups = -(-rows // rows_per_cta)
@@ -237,9 +242,10 @@ def test_every_cluster_entry_fits_its_ctas_in_shared_memory():
 
 @pytest.mark.parametrize(("device_class", "op", "cols"), CLASS_ROUTED)
 def test_decision_names_the_kernel_it_launches(device_class, op, cols):
-    """The decision (``explain``'s text) names the cluster forward where a row spans a
-    cluster (the persistent one too, its plan saying so), RowNormForward elsewhere; the key
-    a call compiles carries the cluster and the ring."""
+    """The decision (``explain``'s text) names the two-pass forward where the class's two-pass
+    table has the width, the cluster forward where a row spans a cluster (the persistent one
+    too, its plan saying so), RowNormForward elsewhere; the key a call compiles carries the
+    cluster and the ring."""
     rows = 1000
     kwargs = dict(itemsize=2, sm_count=132, arch=(9, 0), op=op)
     plan = plan_cute_forward(rows, cols, itemsize=2, arch=(9, 0), op=op,
@@ -249,12 +255,15 @@ def test_decision_names_the_kernel_it_launches(device_class, op, cols):
         forward=plan_row_norm(rows, cols, direction="forward", **kwargs),
         backward=plan_row_norm(rows, cols, direction="backward", **kwargs),
         cute_forward=plan)
-    entry = TABLES[device_class][op][cols]
-    cluster = len(entry) >= 4
-    name = dispatch.CUTE_CLUSTER_FORWARD_NAME if cluster else dispatch.CUTE_FORWARD_NAME
-    assert decision.kernels[0] == name
-    other = ({dispatch.CUTE_FORWARD_NAME, dispatch.CUTE_CLUSTER_FORWARD_NAME} - {name}).pop()
-    assert other not in decision.kernels
+    two_pass = settings_for((9, 0), device_class).cute_forward_two_pass[op].get(cols)
+    entry = two_pass or TABLES[device_class][op][cols]
+    cluster = two_pass is None and len(entry) >= 4
+    name = (dispatch.CUTE_TWO_PASS_FORWARD_NAME if two_pass else
+            dispatch.CUTE_CLUSTER_FORWARD_NAME if cluster else dispatch.CUTE_FORWARD_NAME)
+    assert decision.kernels[0] == name and bool(plan.step) == bool(two_pass)
+    others = {dispatch.CUTE_FORWARD_NAME, dispatch.CUTE_CLUSTER_FORWARD_NAME,
+              dispatch.CUTE_TWO_PASS_FORWARD_NAME} - {name}
+    assert not others & set(decision.kernels)
     assert f"kernels:  {name}" in str(decision) and f"x's dtype, {name}:" in str(decision)
     assert ("cluster" in plan.describe()) == cluster
     assert ("persistent" in plan.describe()) == is_persistent(entry)
@@ -326,15 +335,16 @@ def test_forward_kernel_takes_it_only_where_the_call_allows():
                    dict(dense=False)):
         facts = dispatch.ForwardFacts(**{**plain, **change})
         assert dispatch.forward_kernel(decision, facts) is decision.forward, change
-    assert "RowNormForward (CuTe DSL)" in decision.kernels
+    assert dispatch.cute_forward_name(decision.cute_forward) in decision.kernels
 
 
 @pytest.mark.parametrize("device_class", DEVICE_CLASSES)
 def test_a_residual_call_takes_one_row_a_cluster_where_the_table_holds_several(device_class):
     """Every class's entries of several rows a cluster, and its persistent entries (which
     take no residual), run a residual call at one row a one-shot cluster of 16384-column
-    slices (#95), a variant the ahead-of-time builds hold; a call without one, and every
-    other entry, runs the table's plan, whose variant they hold too."""
+    slices (#95), a variant the ahead-of-time builds hold, and so do its two-pass entries
+    whose rows and residual rows overflow L1 (#138); a call without one, and every other
+    entry, runs the table's plan, whose variant they hold too."""
     keys = set(cute.aot_forward_keys(all_dtypes=True))
     for op, widths in TABLES[device_class].items():
         for cols in widths:
@@ -351,7 +361,8 @@ def test_a_residual_call_takes_one_row_a_cluster_where_the_table_holds_several(d
             chosen = dispatch.forward_kernel(decision, facts)
             assert dispatch.forward_kernel(decision, dataclasses.replace(
                 facts, residual=False)) is plan
-            if plan.persistent or plan.cluster > 1 and plan.rows_per_cta > 1:
+            if plan.persistent or plan.cluster > 1 and plan.rows_per_cta > 1 or (
+                    plan.step and plan.with_residual() != plan):
                 assert (chosen.rows_per_cta, chosen.cluster, chosen.threads,
                         chosen.persistent) == (1, cols // 16384, 256, False), (op, cols)
                 assert chosen.grid == 1000 * chosen.cluster

@@ -141,11 +141,14 @@ def test_the_h100_tables_differ_exactly_where_the_h100_measured_otherwise():
     fp32 x at 16384 takes 2-byte x's 32768 entry, one CTA a row. The cluster backward's
     staged stats are the H200's alone (#134), and so are the RMSNorm forwards at 2048 and
     7168's 224 threads, the 128-column backward of many rows (#135) and block scaling's own
-    layouts at 4096 / 8192 (#135). Nothing else differs."""
+    layouts at 4096 / 8192 (#135), and the two-pass RMSNorm forward at 4096-32768 (#138).
+    Nothing else differs."""
     assert set(_differences(SM90, SM90_H100)) == {"cute_backward", "cute_cluster_backward",
                                                   "cute_cluster_backward_staged_stats",
                                                   "cute_forward", "cute_forward_fp32",
+                                                  "cute_forward_two_pass",
                                                   "many_rows_hints"}
+    assert SM90_H100.cute_forward_two_pass == {"rms_norm": {}, "layer_norm": {}}
     assert SM90_H100.cute_backward == {}
     assert SM90_H100.many_rows_hints == {"forward": {}, "backward": {}}
     assert SM90.many_rows_hints["backward"] == {"rms_norm": ((524288, (128, 4, 4, True)),)}
@@ -200,7 +203,8 @@ def test_the_h100_tables_differ_exactly_where_the_h100_measured_otherwise():
     row_h200, row_h100 = row_settings_for((9, 0), "h200"), row_settings_for((9, 0), "h100")
     assert set(_differences(row_h200, row_h100)) == {"cute_backward", "cute_cluster_backward",
                                                     "cute_cluster_backward_staged_stats",
-                                                    "cute_forward", "cute_forward_fp32"}
+                                                    "cute_forward", "cute_forward_fp32",
+                                                    "cute_forward_two_pass"}
 
 
 @pytest.mark.parametrize("settings", [SM90, SM90_H100])

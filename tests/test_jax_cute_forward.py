@@ -243,13 +243,14 @@ def test_covers_keeps_the_cute_forward_only_where_its_family_may_run(fake_h100, 
     _records(monkeypatch, jax_forward=False)
     off = kernels.covers(_problem(MIN_ROWS))
     assert off.uses_kernel and off.cute_forward is None and off.cute_backward is None
-    assert "cute/jax: RowNormForward (CuTe DSL)" in off.reason
+    torch_side = kernel_dispatch.decide(_problem(MIN_ROWS, allow=True)).cute_forward
+    name = kernel_dispatch.cute_forward_name(torch_side)
+    assert f"cute/jax: {name}" in off.reason
     assert "experimental" in off.reason
     on = kernels.covers(_problem(MIN_ROWS, allow=True))
-    assert on.cute_forward == kernel_dispatch.decide(_problem(MIN_ROWS, allow=True)).cute_forward
+    assert on.cute_forward == torch_side
     assert on.cute_forward is not None and on.cute_backward is None
-    assert ("the CuTe DSL's XLA FFI calls run RowNormForward (CuTe DSL) (cute/jax "
-            "experimental)" in on.reason)
+    assert f"the CuTe DSL's XLA FFI calls run {name} (cute/jax experimental)" in on.reason
     # where the torch side keeps cuTile's forward, so does JAX
     assert kernels.covers(_problem(MIN_ROWS - 1, allow=True)).cute_forward is None
     assert kernels.covers(_problem(MIN_ROWS, cols=WIDTH + 8, allow=True)).cute_forward is None
@@ -266,10 +267,12 @@ def test_covers_keeps_cutile_where_no_library_can_be_built(fake_h100, monkeypatc
     assert decision.cute_forward is None and "no C++ compiler" in decision.reason
 
 
-#: (op, width) of every cluster forward entry: rows held across a cluster of CTAs, by a
-#: one-shot grid or a persistent one (LayerNorm's from 32768).
+#: (op, width) of every cluster forward entry the default class runs: rows held across a
+#: cluster of CTAs, by a one-shot grid or a persistent one (LayerNorm's from 32768); not the
+#: widths its two-pass forward takes.
 CLUSTER_ROUTED = [(op, cols) for op, widths in SM90.cute_forward.items()
-                  for cols, entry in widths.items() if len(entry) >= 4]
+                  for cols, entry in widths.items()
+                  if len(entry) >= 4 and cols not in SM90.cute_forward_two_pass[op]]
 
 
 @pytest.mark.parametrize(("op", "cols"), CLUSTER_ROUTED)
@@ -347,7 +350,8 @@ def test_covers_leaves_the_row_backward_to_cutile(fake_h100, monkeypatch):
 @pytest.mark.parametrize(("op", "cols"), CLUSTER_BACKWARD_ENTRIES)
 def test_explain_names_the_cluster_kernels(fake_h100, monkeypatch, cols, op):
     """``tilenorm.jax.explain`` on the installed kernel path: the torch side's names of the
-    CuTe DSL forward (the cluster forward where its settings entry has a cluster) and the
+    CuTe DSL forward (the two-pass forward where the two-pass table has the
+    width, the cluster forward where its settings entry has a cluster) and the
     cluster backward, among the kernels it runs."""
     _records(monkeypatch, jax_forward=True)
     previous = tj.set_kernel_path(kernels.kernel_path())
@@ -361,7 +365,9 @@ def test_explain_names_the_cluster_kernels(fake_h100, monkeypatch, cols, op):
         tj.set_kernel_path(previous)
     assert d.uses_kernel
     text = str(d)
-    forward = (kernel_dispatch.CUTE_CLUSTER_FORWARD_NAME if len(SM90.cute_forward[op][cols]) >= 4
+    forward = (kernel_dispatch.CUTE_TWO_PASS_FORWARD_NAME
+               if cols in SM90.cute_forward_two_pass[op] else
+               kernel_dispatch.CUTE_CLUSTER_FORWARD_NAME if len(SM90.cute_forward[op][cols]) >= 4
                else kernel_dispatch.CUTE_FORWARD_NAME)
     for name in (forward, kernel_dispatch.CUTE_CLUSTER_BACKWARD_NAME):
         assert name in d.kernels.kernels and name in text
