@@ -928,7 +928,7 @@ CLUSTER_STEPS = [(case, weighted) for case in CLUSTER_CASES
 def test_cute_cluster_step_values_gradients_and_bit_identical_reruns(cute_forward_runs, case,
                                                                      weighted):
     """A training step at the cluster kernels' widths: the CuTe DSL forward's call (the
-    cluster forward where its settings entry has a cluster), the cluster backward's (on the
+    kernel its plan names: cluster, two-pass or one-shot), the cluster backward's (on the
     device's co-resident clusters, as the torch side plans it) and, with a weight or a bias,
     cuTile's column sums over its partial buffer; outputs and gradients against float64,
     reruns bit for bit."""
@@ -946,9 +946,8 @@ def test_cute_cluster_step_values_gradients_and_bit_identical_reruns(cute_forwar
     rows = math.prod(case.shape[:-1])
     resident = max_active_clusters(0, plan.cluster, plan.threads, plan.ctas_per_sm)
     assert plan.rows == rows and plan.clusters == min(rows, resident)
-    forward_name = (kernel_dispatch.CUTE_CLUSTER_FORWARD_NAME if forward_plan.cluster > 1
-                    else kernel_dispatch.CUTE_FORWARD_NAME)
-    for name in (forward_name, kernel_dispatch.CUTE_CLUSTER_BACKWARD_NAME):
+    for name in (kernel_dispatch.cute_forward_name(forward_plan),
+                 kernel_dispatch.CUTE_CLUSTER_BACKWARD_NAME):
         assert name in decision.kernels.kernels and name in str(decision)
     step = jax.jit(_vjp_step(case.norm, case.prenorm))
     args = (x, w, b, r, dy, dh)
