@@ -67,10 +67,37 @@ def settings_value(value):
     return value
 
 
+#: A variant's key for module attributes set while it runs, ``{"module.ATTRIBUTE": value}``
+#: (:func:`patched`), beside its settings fields: a dispatch constant no settings field holds,
+#: e.g. ``{"patch": {"tilenorm.dispatch.CUTE_FORWARD_MIN_BYTES": 0}}``.
+PATCH = "patch"
+
+
+@contextlib.contextmanager
+def patched(patch: dict) -> Iterator[None]:
+    """``{"module.ATTRIBUTE": value}`` set for the block, each restored after it."""
+    import importlib
+
+    saved = []
+    try:
+        for dotted, value in patch.items():
+            module, attr = dotted.rsplit(".", 1)
+            mod = importlib.import_module(module)
+            if not hasattr(mod, attr):
+                raise SystemExit(f"{module} has no attribute {attr} to patch")
+            saved.append((mod, attr, getattr(mod, attr)))
+            setattr(mod, attr, value)
+        yield
+    finally:
+        for mod, attr, value in reversed(saved):
+            setattr(mod, attr, value)
+
+
 def variant_settings(variant: dict, base: RowNormSettings = SM90) -> RowNormSettings:
-    """``base`` with the fields ``variant`` names replaced."""
+    """``base`` with the fields ``variant`` names replaced (its :data:`PATCH` aside)."""
     fields = {f.name for f in dataclasses.fields(RowNormSettings)}
-    changes = {key.lower(): settings_value(value) for key, value in variant.items()}
+    changes = {key.lower(): settings_value(value) for key, value in variant.items()
+               if key != PATCH}
     unknown = sorted(set(changes) - fields)
     if unknown:
         raise SystemExit(f"unknown settings {unknown}; RowNormSettings has {sorted(fields)}")
@@ -80,9 +107,9 @@ def variant_settings(variant: dict, base: RowNormSettings = SM90) -> RowNormSett
 @contextlib.contextmanager
 def measuring_variant(variant: dict) -> Iterator[RowNormSettings]:
     """This device's settings with ``variant``'s fields replaced (:func:`variant_settings`),
-    in force for the ops called inside (:func:`tilenorm.settings.measuring`); the decisions
-    and prepared calls made with other settings are dropped on entry and on exit, since
-    both are cached by problem, not by settings."""
+    in force for the ops called inside (:func:`tilenorm.settings.measuring`), and its
+    :data:`PATCH` applied; the decisions and prepared calls made with other settings are
+    dropped on entry and on exit, since both are cached by problem, not by settings."""
     from tilenorm import dispatch, settings
     from tilenorm.pytorch import calls
 
@@ -91,7 +118,7 @@ def measuring_variant(variant: dict) -> Iterator[RowNormSettings]:
     dispatch.decide.cache_clear()
     calls.clear()
     try:
-        with settings.measuring(replaced):
+        with patched(variant.get(PATCH, {})), settings.measuring(replaced):
             yield replaced
     finally:
         dispatch.decide.cache_clear()

@@ -19,7 +19,9 @@
 #                         torch.compile
 #   variants FILE         each case of a variants file (bench/experiments/variants/*.json:
 #                         {"cases": [{"tool", "ops" or "scalings", "shapes", ["dtype"],
-#                         "variants", ["kernel_times": true: bench_fp8's --kernel-times]}]}),
+#                         "variants", ["kernel_times": true: bench_fp8's --kernel-times],
+#                         ["modes": bench_norm_ops's, default "graph"]}]}; a variant's
+#                         "patch" sets module attributes: bench/tune_norm.py PATCH),
 #                         case i into $OUT/NAME-i.json (NAME the file's, no .json)
 #   suite TAG PATHS...    the GPU tests (-m gpu) of PATHS with $WORKERS xdist workers (default
 #                         3; 5 ran out of an H100's 80 GB: NOTES #65, #99), JAX allocating as
@@ -114,7 +116,7 @@ for key in ("ops", "scalings", "shapes", "cases", "dtype"):
         print(case[key])
 if tool == "bench_norm_ops":
     print("--modes")
-    print("graph")
+    print(case.get("modes", "graph"))
 if case.get("kernel_times"):
     print("--kernel-times")
 if tool != "tune_norm":  # tune_norm launches the kernels itself, validated or not

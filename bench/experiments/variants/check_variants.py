@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import os
 import sys
@@ -103,22 +102,6 @@ def described_device(info: DeviceInfo):
     finally:
         (dispatch.device_info, dispatch.max_active_clusters, tune_norm.device_info,
          torch.cuda.current_device) = saved
-
-
-@contextlib.contextmanager
-def patched(patch: dict):
-    """``{"module.ATTRIBUTE": value}`` set for the block."""
-    saved = []
-    for dotted, value in patch.items():
-        module, attr = dotted.rsplit(".", 1)
-        mod = importlib.import_module(module)
-        saved.append((mod, attr, getattr(mod, attr)))
-        setattr(mod, attr, value)
-    try:
-        yield
-    finally:
-        for mod, attr, value in reversed(saved):
-            setattr(mod, attr, value)
 
 
 def bench_call_plans(op: str, m: int, n: int, dtype: str = "bfloat16"):
@@ -240,7 +223,7 @@ def check(path: Path, device: str, compile_: bool, show: bool) -> int:
             print(f"=== {name}: {tool} {what} ({len(variants)} variants x {len(runs)} runs"
                   f"{', patch ' + json.dumps(case['patch']) if 'patch' in case else ''})")
             cute_at_v0: dict = {}  # bench_fp8: (case, shape) -> whether v0 runs the CuTe kernel
-            with patched(case.get("patch", {})):
+            with tune_norm.patched(case.get("patch", {})):
                 for i, variant in enumerate(variants):
                     try:
                         if tool == "bench_fp8":
