@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib
 import json
 import sys
 from collections.abc import Iterator
@@ -76,8 +77,6 @@ PATCH = "patch"
 @contextlib.contextmanager
 def patched(patch: dict) -> Iterator[None]:
     """``{"module.ATTRIBUTE": value}`` set for the block, each restored after it."""
-    import importlib
-
     saved = []
     try:
         for dotted, value in patch.items():
